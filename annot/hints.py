@@ -1,0 +1,272 @@
+"""The decorators: ``@shard``, ``@stage``, ``boundary()``.
+
+They only *record* a validated spec on the class and return it unchanged, so
+an annotated model still runs single-device with plain PyTorch. Checking the
+hints against a built model happens separately (:mod:`annot.verify`).
+
+Hints can also be given from outside the source, keyed by module-path
+patterns (:func:`resolve_external_hints`), for a model the user cannot edit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from annot.errors import HintError
+from annot.specs import SPEC_TYPES, Local, Spec
+
+__all__ = [
+    "ShardSpec",
+    "StageSpec",
+    "shard",
+    "stage",
+    "boundary",
+    "get_shard_spec",
+    "get_stage_spec",
+    "resolve_external_hints",
+]
+
+SHARD_ATTR = "__annot_shard__"
+STAGE_ATTR = "__annot_stage__"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What ``@shard`` recorded on one class: a spec per submodule / parameter
+    attribute name, and the names of per-rank sizes."""
+
+    specs: dict[str, Spec] = field(default_factory=dict)
+    local: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.specs.items()]
+        if self.local:
+            args.append(f"local={self.local!r}")
+        return f"shard({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What ``@stage`` recorded: where stages begin (module paths) or ``auto``."""
+
+    split: tuple[str, ...] = ()
+    auto: bool = False
+    cost: Optional[str] = None
+    memory: Optional[int] = None
+    checkpoint: bool = False
+
+
+def _is_module_class(cls: object) -> bool:
+    import torch.nn as nn
+
+    return isinstance(cls, type) and issubclass(cls, nn.Module)
+
+
+def _check_spec(where: str, arg: str, spec: object) -> None:
+    if not isinstance(spec, SPEC_TYPES):
+        raise HintError(
+            f"{where}: argument {arg}={spec!r} is a {type(spec).__name__}; expected a spec: "
+            "Col(), Row(), Vocab(), Replicate() or P(...) — e.g. "
+            f"@shard({arg}=Col())"
+        )
+
+
+def _check_local(where: str, local: object) -> tuple[str, ...]:
+    if isinstance(local, str):
+        local = (local,)
+    if not isinstance(local, (tuple, list)) or not all(
+        isinstance(n, str) and n.isidentifier() for n in local
+    ):
+        raise HintError(
+            f"{where}: argument local={local!r}; expected a tuple of attribute names, "
+            'e.g. local=("n_head", "n_embd")'
+        )
+    return tuple(local)
+
+
+def shard(*, local: Union[tuple[str, ...], list[str], str] = (), **specs: Spec):
+    """Record tensor-parallel hints on an ``nn.Module`` class.
+
+    ``@shard(c_attn=Col(chunks=3), c_proj=Row(), local=("n_head", "n_embd"))``
+
+    Each keyword names a submodule (or ``nn.Parameter``) attribute set in
+    ``__init__``; ``local`` names sizes that become per-rank (divided by tp)
+    where ``forward`` reads them. The class is returned unchanged.
+    """
+
+    def decorate(cls):
+        name = getattr(cls, "__name__", repr(cls))
+        if not _is_module_class(cls):
+            raise HintError(
+                f"@shard on {name}: expected an nn.Module subclass, got {type(cls).__name__}"
+            )
+        where = f"@shard on {name}"
+        for arg, spec in specs.items():
+            _check_spec(where, arg, spec)
+        loc = _check_local(where, local)
+        setattr(cls, SHARD_ATTR, ShardSpec(dict(specs), loc))
+        return cls
+
+    return decorate
+
+
+def stage(
+    *,
+    split: Union[tuple[str, ...], list[str]] = (),
+    auto: bool = False,
+    cost: Optional[Literal["time", "flops", "params"]] = None,
+    memory: Union[int, str, None] = None,
+    checkpoint: bool = False,
+):
+    """Record pipeline-stage hints on the ``nn.Module`` class whose forward is split.
+
+    ``@stage(split=["h.4", "h.8"])``: a new stage begins before each of these
+    calls. ``@stage(auto=True)``: annot chooses balanced boundaries. Boundaries
+    can also be marked inside forward with :func:`boundary`.
+    """
+
+    def decorate(cls):
+        name = getattr(cls, "__name__", repr(cls))
+        where = f"@stage on {name}"
+        if not _is_module_class(cls):
+            raise HintError(f"{where}: expected an nn.Module subclass, got {type(cls).__name__}")
+        sp = split
+        if isinstance(sp, str):
+            sp = (sp,)
+        if not isinstance(sp, (tuple, list)) or not all(isinstance(s, str) and s for s in sp):
+            raise HintError(
+                f"{where}: argument split={split!r}; expected a list of module paths, "
+                'e.g. split=["h.4", "h.8"]'
+            )
+        if not isinstance(auto, bool):
+            raise HintError(f"{where}: argument auto={auto!r}; expected True or False")
+        if auto and sp:
+            raise HintError(f"{where}: give split=[...] or auto=True, not both")
+        if cost not in (None, "time", "flops", "params"):
+            raise HintError(
+                f"{where}: argument cost={cost!r}; expected 'time', 'flops' or 'params'"
+            )
+        mem = parse_bytes(memory, where) if memory is not None else None
+        if not isinstance(checkpoint, bool):
+            raise HintError(f"{where}: argument checkpoint={checkpoint!r}; expected a bool")
+        setattr(cls, STAGE_ATTR, StageSpec(tuple(sp), auto, cost, mem, checkpoint))
+        return cls
+
+    return decorate
+
+
+def boundary() -> None:
+    """Mark a pipeline-stage boundary inside ``forward``. Single-device it does
+    nothing; the stage-split rewriter starts a new stage here."""
+    return None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Union[int, str], where: str = "memory") -> int:
+    """``16GiB`` -> 17179869184. Ints are bytes."""
+    if isinstance(value, bool):
+        raise HintError(f"{where}: memory={value!r}; expected bytes as an int or '16GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise HintError(f"{where}: memory={value!r}; expected a positive number of bytes")
+        return value
+    if isinstance(value, str):
+        s = value.strip().lower().replace(" ", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        if unit in _UNITS and num:
+            try:
+                n = float(num)
+            except ValueError:
+                pass
+            else:
+                if n > 0:
+                    return int(n * _UNITS[unit])
+    raise HintError(
+        f"{where}: memory={value!r}; expected bytes as an int or a string like '16GiB', '512MB'"
+    )
+
+
+def get_shard_spec(cls: type) -> Optional[ShardSpec]:
+    """The ``@shard`` spec declared on exactly this class (not inherited)."""
+    return cls.__dict__.get(SHARD_ATTR)
+
+
+def get_stage_spec(cls: type) -> Optional[StageSpec]:
+    """The ``@stage`` spec declared on exactly this class (not inherited)."""
+    return cls.__dict__.get(STAGE_ATTR)
+
+
+def _match(pattern: str, path: str) -> bool:
+    """``*`` matches exactly one path component; ``**`` any number."""
+    pat = pattern.split(".")
+    parts = path.split(".")
+
+    def go(i: int, j: int) -> bool:
+        if i == len(pat):
+            return j == len(parts)
+        if pat[i] == "**":
+            return any(go(i + 1, k) for k in range(j, len(parts) + 1))
+        return j < len(parts) and fnmatch.fnmatchcase(parts[j], pat[i]) and go(i + 1, j + 1)
+
+    return go(0, 0)
+
+
+def resolve_external_hints(model, hints: dict[str, object]) -> dict[type, ShardSpec]:
+    """Turn ``{"h.*.attn.c_attn": Col(chunks=3), "h.*.attn": Local("n_head")}``
+    into one :class:`ShardSpec` per class of ``model``.
+
+    A spec pattern names the submodule or parameter to shard; the spec is
+    recorded on the class of its parent. Every pattern must match something,
+    and all instances of a class must receive the same hints.
+    """
+    import torch.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise HintError(f"hints need a built nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    per_path: dict[str, dict] = {}  # parent path -> {"specs": {...}, "local": (...)}
+    for pattern, value in hints.items():
+        if not isinstance(pattern, str):
+            raise HintError(f"hints: key {pattern!r} must be a module-path pattern string")
+        if isinstance(value, Local):
+            hits = [p for p in modules if p and _match(pattern, p)]
+            if not hits:
+                raise HintError(_no_match(pattern, modules))
+            for p in hits:
+                per_path.setdefault(p, {"specs": {}, "local": ()})["local"] += value.names
+            continue
+        _check_spec("hints", repr(pattern), value)
+        hits = [p for p in list(modules) + sorted(params) if p and _match(pattern, p)]
+        if not hits:
+            raise HintError(_no_match(pattern, modules))
+        for p in hits:
+            parent, _, attr = p.rpartition(".")
+            entry = per_path.setdefault(parent, {"specs": {}, "local": ()})
+            entry["specs"][attr] = value
+    out: dict[type, ShardSpec] = {}
+    for path, entry in per_path.items():
+        cls = type(modules[path])
+        spec = ShardSpec(entry["specs"], tuple(dict.fromkeys(entry["local"])))
+        if cls in out and out[cls] != spec:
+            raise HintError(
+                f"hints: instances of {cls.__name__} get different hints ({out[cls]!r} at one, "
+                f"{spec!r} at {path or '<root>'}); annot rewrites per class, so give every "
+                f"instance of {cls.__name__} the same hints"
+            )
+        out[cls] = spec
+    return out
+
+
+def _no_match(pattern: str, modules: dict) -> str:
+    sample = [p for p in modules if p][:8]
+    return (
+        f"hints: pattern {pattern!r} matches no submodule or parameter; module paths look "
+        f"like {sample}. '*' matches one path component, '**' any number"
+    )

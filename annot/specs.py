@@ -1,0 +1,152 @@
+"""Sharding specs: what a ``@shard`` hint says about one submodule or parameter.
+
+Specs are plain, frozen, hashable data. They are validated on construction
+(types with typeguard, values by hand) and carry no behaviour: the rewriter
+reads them to choose a parallel layer, the runtime layers implement them.
+
+=============  =====================================  =========================
+spec           applies to                             meaning (Megatron layout)
+=============  =====================================  =========================
+``Col()``      ``nn.Linear``                          split out-features; input
+                                                      replicated, output sharded
+``Row()``      ``nn.Linear``                          split in-features; input
+                                                      sharded, output all-reduced
+``Vocab()``    ``nn.Embedding``                       split rows (the vocabulary)
+``Replicate``  any module / parameter                 every rank holds all of it
+``P(...)``     an ``nn.Parameter`` attribute           one entry per tensor dim:
+                                                      ``"tp"`` (split) or ``None``
+=============  =====================================  =========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from typeguard import TypeCheckError, check_type
+
+from annot.errors import HintError
+
+__all__ = ["Col", "Row", "Vocab", "Replicate", "P", "Local", "Spec", "TP_AXIS"]
+
+TP_AXIS = "tp"
+
+
+def _check(cls_name: str, arg: str, value: object, expected: object, what: str) -> None:
+    try:
+        check_type(value, expected)
+    except TypeCheckError:
+        raise HintError(
+            f"{cls_name}({arg}={value!r}): {arg} must be {what}, got {type(value).__name__}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Col:
+    """Column-parallel ``nn.Linear``: each tp rank holds ``out_features / tp`` rows
+    of the weight.
+
+    ``chunks`` > 1 marks a fused weight (``chunks=3`` for a QKV projection): the
+    out-features are split per chunk, so each rank gets its slice of q, k and v.
+    ``gather=True`` all-gathers the output (full width on every rank); the
+    default keeps it sharded for a following ``Row()`` or a vocab-parallel loss.
+    """
+
+    chunks: int = 1
+    gather: bool = False
+
+    def __post_init__(self) -> None:
+        _check("Col", "chunks", self.chunks, int, "an int >= 1")
+        _check("Col", "gather", self.gather, bool, "a bool")
+        if isinstance(self.chunks, bool) or self.chunks < 1:
+            raise HintError(f"Col(chunks={self.chunks!r}): chunks must be an int >= 1")
+
+    def __repr__(self) -> str:
+        args = []
+        if self.chunks != 1:
+            args.append(f"chunks={self.chunks}")
+        if self.gather:
+            args.append("gather=True")
+        return f"Col({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class Row:
+    """Row-parallel ``nn.Linear``: each tp rank holds ``in_features / tp`` columns
+    of the weight; the input is the sharded output of a ``Col()`` and the output
+    is all-reduced (the bias is added once, after the reduction)."""
+
+    def __repr__(self) -> str:
+        return "Row()"
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Vocabulary-parallel ``nn.Embedding``: each tp rank holds a contiguous block
+    of ``num_embeddings / tp`` rows; lookups outside the block give zeros and the
+    result is all-reduced."""
+
+    def __repr__(self) -> str:
+        return "Vocab()"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every tp rank holds the full module or parameter (the default)."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, init=False)
+class P:
+    """A JAX-style partition spec for a raw parameter: one entry per tensor dim,
+    ``"tp"`` to split that dim over the tp axis or ``None`` to keep it whole.
+
+    ``P("tp", None)`` splits dim 0 of a 2-D parameter. At most one dim may be
+    split.
+    """
+
+    dims: tuple[Optional[str], ...]
+
+    def __init__(self, *dims: Optional[str]) -> None:
+        for i, d in enumerate(dims):
+            if d is not None and d != TP_AXIS:
+                raise HintError(
+                    f"P(...): dim {i} is {d!r}; each entry must be {TP_AXIS!r} or None"
+                )
+        if sum(d == TP_AXIS for d in dims) > 1:
+            raise HintError(f"P{dims!r}: at most one dim may be split over {TP_AXIS!r}")
+        object.__setattr__(self, "dims", tuple(dims))
+
+    @property
+    def split_dim(self) -> Optional[int]:
+        for i, d in enumerate(self.dims):
+            if d == TP_AXIS:
+                return i
+        return None
+
+    def __repr__(self) -> str:
+        return f"P({', '.join(repr(d) for d in self.dims)})"
+
+
+@dataclass(frozen=True, init=False)
+class Local:
+    """External-hint form of ``@shard(local=...)``: names of attributes (or
+    forward locals) that hold per-rank sizes (head counts, widths) and are
+    divided by tp where they are read."""
+
+    names: tuple[str, ...]
+
+    def __init__(self, *names: str) -> None:
+        for n in names:
+            if not isinstance(n, str) or not n.isidentifier():
+                raise HintError(f"Local({n!r}): each name must be an identifier string")
+        object.__setattr__(self, "names", tuple(names))
+
+    def __repr__(self) -> str:
+        return f"Local({', '.join(repr(n) for n in self.names)})"
+
+
+Spec = Union[Col, Row, Vocab, Replicate, P]
+SPEC_TYPES = (Col, Row, Vocab, Replicate, P)

@@ -1,0 +1,197 @@
+"""Run a function on N real torch.distributed ranks (gloo) on this machine.
+
+The one multi-rank harness for annot's tests and benchmarks, on public API
+only: a random free port, one spawned process per rank with torchrun's
+environment variables, a per-rank log prefix, every rank killed on the first
+failure with every rank's traceback collected, a hard deadline, and the
+process group destroyed in ``finally``.
+
+    def check(scale):                       # module level: it is pickled
+        import torch.distributed as dist
+        return dist.get_rank() * scale
+
+    assert run_ranks(check, 2, 10) == [0, 10]
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+from annot.errors import AnnotError
+
+__all__ = ["run_ranks", "RanksFailed", "free_port"]
+
+
+class RanksFailed(AnnotError):
+    """One or more ranks raised, died or ran past the deadline."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        self.failures = failures
+        super().__init__(message)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Prefixed:
+    def __init__(self, stream, prefix: str):
+        self._stream = stream
+        self._prefix = prefix
+        self._at_line_start = True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                out.append(self._prefix)
+            out.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout):
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+    )
+    os.environ.update(env)
+    sys.stdout = _Prefixed(sys.stdout, f"[rank{rank}] ")
+    sys.stderr = _Prefixed(sys.stderr, f"[rank{rank}] ")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+        )
+        result = fn(*args, **kwargs)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer may be gone already
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each
+    rank's result (rank order). ``fn`` and its arguments must be picklable
+    (a module-level function).
+
+    On the first rank that raises or exits non-zero, every other rank is killed
+    and :class:`RanksFailed` is raised with every traceback collected. Ranks
+    still running after ``timeout`` seconds are killed the same way.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, port, fn, args, kwargs, queue, dict(env or {}), pg_timeout),
+            name=f"annot-rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            _drain(queue, results, failures)
+            _reap(procs, queue, results, failures)
+            if failures:
+                break
+            if time.monotonic() > deadline:
+                for r in range(world_size):
+                    if r not in results and r not in failures:
+                        failures[r] = f"rank {r} did not finish within {timeout:.0f} s"
+                break
+            time.sleep(0.05)
+        if failures:
+            # Give the others a moment to report their own view (a RankFailure
+            # naming the failed rank is useful), then kill them all.
+            grace = time.monotonic() + 2.0
+            while time.monotonic() < grace and len(results) + len(failures) < world_size:
+                _drain(queue, results, failures)
+                _reap(procs, queue, results, failures)
+                time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        queue.close()
+    if failures:
+        first = min(failures)
+        report = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        raise RanksFailed(
+            f"{len(failures)} of {world_size} ranks failed (first: rank {first}):\n{report}",
+            failures,
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def _reap(procs, queue, results, failures) -> None:
+    """Record ranks that exited without reporting (killed, os._exit, segfault)."""
+    for r, p in enumerate(procs):
+        if r in results or r in failures or p.is_alive():
+            continue
+        time.sleep(0.2)  # its last message may still be in the pipe
+        _drain(queue, results, failures)
+        if r not in results and r not in failures:
+            failures[r] = f"rank {r} exited with code {p.exitcode} without a result"
+
+
+def _drain(queue, results, failures) -> None:
+    while True:
+        try:
+            rank, status, payload = queue.get_nowait()
+        except Exception:  # queue.Empty (or a closed pipe)
+            return
+        if status == "ok":
+            results[rank] = payload
+        else:
+            failures[rank] = payload

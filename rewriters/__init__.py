@@ -1,0 +1,1 @@
+"""libcst source transforms: tensor-parallel, pipeline staging, diagnostics. Never imports runtime."""

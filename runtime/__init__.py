@@ -1,0 +1,1 @@
+"""Execution over torch.distributed: mesh and groups, TP layers, pipeline, partitioner."""
