@@ -1,0 +1,130 @@
+"""The mesh at run time: process groups for dp, pp and tp on this rank.
+
+Built on torch's DeviceMesh from torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, ...). The backend follows the device: NCCL when CUDA is
+available, gloo on CPU. With one process and no environment, everything runs
+locally without torch.distributed (tp=pp=dp=1).
+
+The context is installed with :func:`use` (or :func:`init`) and read by the
+parallel layers through :func:`current`, so generated code needs no group
+arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from annot.errors import MeshError
+from annot.mesh import Mesh
+
+__all__ = []  # internal: use annot.parallelize
+
+
+@dataclass
+class ParallelContext:
+    """What one rank knows about the mesh."""
+
+    mesh: Mesh
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device_mesh: Optional[object] = None  # torch.distributed.device_mesh.DeviceMesh
+    groups: dict = field(default_factory=dict)  # axis -> ProcessGroup (None if local)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.coords(self.rank)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.coords(self.rank)[2]
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tp")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
+
+    @property
+    def dp_group(self):
+        return self.groups.get("dp")
+
+    def axis_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis order."""
+        dp, pp, tp = self.mesh.coords(self.rank)
+        m = self.mesh
+        if axis == "tp":
+            return [m.rank_of(dp, pp, t) for t in range(m.tp)]
+        if axis == "pp":
+            return [m.rank_of(dp, p, tp) for p in range(m.pp)]
+        if axis == "dp":
+            return [m.rank_of(d, pp, tp) for d in range(m.dp)]
+        raise MeshError(f"unknown mesh axis {axis!r}; expected 'dp', 'pp' or 'tp'")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+_CURRENT: list[ParallelContext] = []
+
+
+def current() -> Optional[ParallelContext]:
+    """The innermost active context, or None outside :func:`use`."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
+@contextlib.contextmanager
+def use(ctx: ParallelContext) -> Iterator[ParallelContext]:
+    _CURRENT.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.pop()
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:
+    """Join (or start) the process group from torchrun's environment and build
+    the dp x pp x tp DeviceMesh. Validates the mesh against the world size."""
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized():
+        if env_world == 1 and mesh.size == 1 and "MASTER_ADDR" not in os.environ:
+            return ParallelContext(mesh=mesh)
+        mesh.validate(env_world)
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    mesh.validate(world)
+    rank = dist.get_rank()
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        dev_type = "cuda"
+    else:
+        device = torch.device("cpu")
+        dev_type = "cpu"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh(dev_type, (mesh.dp, mesh.pp, mesh.tp), mesh_dim_names=("dp", "pp", "tp"))
+    groups = {axis: dm.get_group(axis) for axis in ("dp", "pp", "tp")}
+    return ParallelContext(
+        mesh=mesh, rank=rank, world_size=world, device=device, device_mesh=dm, groups=groups
+    )
