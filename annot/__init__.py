@@ -12,7 +12,11 @@ from annot.errors import (
     RewriteError,
 )
 from annot.hints import boundary, shard, stage
+from annot.jit import jit
 from annot.mesh import Mesh
+from annot.microbatch import StepOutput
+from annot.parallel_model import ParallelModel
+from annot.parallelize import parallelize
 from annot.specs import P, Col, Local, Replicate, Row, Vocab
 
 __all__ = [
@@ -24,14 +28,18 @@ __all__ = [
     "Mesh",
     "MeshError",
     "P",
+    "ParallelModel",
     "PartitionError",
     "PipelineError",
     "RankFailure",
     "Replicate",
     "RewriteError",
     "Row",
+    "StepOutput",
     "Vocab",
     "boundary",
+    "jit",
+    "parallelize",
     "shard",
     "stage",
 ]

@@ -1,0 +1,173 @@
+"""``@annot.jit``: the training step, run per microbatch (SageMaker ``@smp.step`` style).
+
+    @annot.jit(model, microbatches=4, schedule="1f1b")
+    def train_step(x, y):
+        logits, loss = model(x, y)
+        model.backward(loss)          # instead of loss.backward()
+        return loss
+
+    out = train_step(x, y)            # a StepOutput: one value per microbatch
+    out.reduce_mean()                 # the full-batch mean loss
+
+The body runs once per microbatch (tensor arguments split on dim 0). With
+pipeline stages, ``model(...)`` runs this rank's stage when the schedule says
+so, and the body's return values come from the last stage, sent to every
+rank. Gradients are scaled so that they equal the single-device gradients of
+the mean loss over the whole batch (each microbatch's loss is weighted by its
+share of the batch), then averaged over dp and summed over tied stages.
+
+The first call builds the executor (the plan, the schedule); later calls,
+whatever their shapes, reuse it: nothing is traced, so control flow and
+shapes may change from step to step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from annot.errors import HintError, PipelineError
+from annot.microbatch import StepOutput, split_microbatches
+from annot.parallel_model import ParallelModel
+
+__all__ = ["jit", "Step"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class Step:
+    """A compiled step function. Call it like the function it wraps."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        model: ParallelModel,
+        *,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        non_split: tuple[str, ...] = (),
+        trace: bool = False,
+        timeout_s: Optional[float] = None,
+    ):
+        if not isinstance(model, ParallelModel):
+            raise HintError(
+                f"annot.jit: model is a {type(model).__name__}; expected the result of "
+                "annot.parallelize(...)"
+            )
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise PipelineError(f"annot.jit: microbatches={microbatches!r}; expected an int >= 1")
+        if schedule not in SCHEDULES:
+            raise PipelineError(
+                f"annot.jit: schedule={schedule!r}; expected one of {', '.join(SCHEDULES)}"
+            )
+        self.fn = fn
+        self.model = model
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.non_split = tuple(non_split)
+        self.trace = trace
+        self.timeout_s = timeout_s
+        self.compiles = 0  # how many times an executor was built (1 after the first call)
+        self._executor = None
+        self._scale = 1.0
+        self._call = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def pipelined(self) -> bool:
+        p = self.model.pipeline
+        return p is not None and p.num_stages > 1
+
+    def _build(self) -> None:
+        if self.pipelined:
+            from runtime.pipeline import PipelineExecutor
+
+            plan = self.model.pipeline
+            self._executor = PipelineExecutor(
+                plan.local_stages(self.model.module),
+                num_stages=plan.num_stages,
+                ctx=self.model.ctx,
+                schedule=self.schedule,
+                chunks=plan.chunks,
+                timeout_s=self.timeout_s,
+                trace=self.trace,
+                output_arity=plan.output_arity,
+            )
+        self.compiles += 1
+
+    def __call__(self, *args: Any, **kwargs: Any) -> StepOutput:
+        mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
+        if self.compiles == 0:
+            self._build()
+        self.model._step = self
+        try:
+            if not self.pipelined:
+                outs = []
+                for a, k in mbs:
+                    self._scale = 1.0 / len(mbs)
+                    outs.append(self.fn(*a, **k))
+            else:
+                outs = self._run_pipeline(mbs)
+        finally:
+            self.model._step = None
+            self._call = None
+        self.model.finish_gradients()
+        return StepOutput(outs)
+
+    def _run_pipeline(self, mbs: list) -> list:
+        ex = self._executor
+
+        def body(i: int, call):
+            self._call = call
+            a, k = mbs[i]
+            return self.fn(*a, **k)
+
+        ex.run(len(mbs), body)
+        return ex.broadcast_outputs()
+
+    # Called through ParallelModel while the step runs.
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._call is not None:
+            return self._call(*args, **kwargs)
+        return self.model.module(*args, **kwargs)
+
+    def backward(self, loss, scale: Optional[float] = None) -> None:
+        if self._call is not None:
+            self._call.backward(loss)
+            return
+        s = self._scale if scale is None else scale
+        (loss * s).backward()
+
+    def trace_events(self) -> list:
+        return self._executor.trace_events() if self._executor is not None else []
+
+    def explain(self, *args: Any, **kwargs: Any) -> str:
+        """The plan: mesh, stages, schedule and this rank's rewritten source."""
+        from annot.explain import explain_step
+
+        return explain_step(self, args, kwargs)
+
+
+def jit(
+    model: ParallelModel,
+    *,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    non_split: tuple[str, ...] = (),
+    trace: bool = False,
+    timeout_s: Optional[float] = None,
+) -> Callable[[Callable], Step]:
+    """Decorate a training-step function; see the module docstring."""
+
+    def wrap(fn: Callable) -> Step:
+        return Step(
+            fn,
+            model,
+            microbatches=microbatches,
+            schedule=schedule,
+            non_split=non_split,
+            trace=trace,
+            timeout_s=timeout_s,
+        )
+
+    return wrap

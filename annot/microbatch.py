@@ -1,0 +1,127 @@
+"""Split a step's arguments into microbatches, and gather per-microbatch outputs.
+
+Tensors (also inside tuples, lists and dicts) are split on dim 0; every other
+value is passed whole to every microbatch, and so are the arguments named in
+``non_split``. All split tensors must share the batch size, and it must be
+divisible by the number of microbatches.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from annot.errors import PipelineError
+
+__all__ = ["StepOutput", "split_microbatches"]
+
+
+class StepOutput(list):
+    """The step function's return value for each microbatch, in order."""
+
+    def reduce_mean(self) -> Any:
+        """Mean over microbatches (the full-batch mean for equal microbatches)."""
+        return _reduce(self, "mean")
+
+    def reduce_sum(self) -> Any:
+        return _reduce(self, "sum")
+
+    def concat(self, dim: int = 0) -> Any:
+        """Concatenate tensor outputs along ``dim`` (the batch, by default)."""
+        return _combine(self, lambda ts: torch.cat(ts, dim=dim))
+
+
+def _reduce(values: list, how: str) -> Any:
+    def red(ts):
+        s = torch.stack([t.detach().float() if t.is_floating_point() else t for t in ts])
+        return s.mean(0) if how == "mean" else s.sum(0)
+
+    return _combine(values, red)
+
+
+def _combine(values: list, fn: Callable) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return fn(list(values))
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        t = fn([torch.tensor(float(v)) for v in values])
+        return t.item()
+    if isinstance(first, (tuple, list)):
+        return type(first)(_combine([v[i] for v in values], fn) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _combine([v[k] for v in values], fn) for k in first}
+    if first is None:
+        return None
+    raise PipelineError(f"cannot reduce step outputs of type {type(first).__name__}")
+
+
+def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            out[path] = obj.shape[0]
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _batch_sizes(v, f"{path}[{i}]", out)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _batch_sizes(v, f"{path}[{k!r}]", out)
+
+
+def _split(obj: Any, m: int) -> list:
+    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        return list(torch.chunk(obj, m, dim=0))
+    if isinstance(obj, (tuple, list)):
+        parts = [_split(v, m) for v in obj]
+        return [type(obj)(p[i] for p in parts) for i in range(m)] if not hasattr(obj, "_fields") \
+            else [type(obj)(*(p[i] for p in parts)) for i in range(m)]
+    if isinstance(obj, dict):
+        parts = {k: _split(v, m) for k, v in obj.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
+    return [obj] * m
+
+
+def split_microbatches(
+    fn: Callable, args: tuple, kwargs: dict, microbatches: int, non_split: tuple[str, ...] = ()
+) -> list[tuple[tuple, dict]]:
+    """``[(args_i, kwargs_i) for each microbatch i]`` for calling ``fn``."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
+    sig = inspect.signature(fn)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise PipelineError(f"{fn.__qualname__}{sig}: {e}") from None
+    unknown = set(non_split) - set(sig.parameters)
+    if unknown:
+        raise PipelineError(
+            f"non_split={non_split!r} names {sorted(unknown)}, which are not parameters of "
+            f"{fn.__qualname__}{sig}"
+        )
+    sizes: dict[str, int] = {}
+    for name, value in bound.arguments.items():
+        if name not in non_split:
+            _batch_sizes(value, name, sizes)
+    if len(set(sizes.values())) > 1:
+        raise PipelineError(
+            f"tensors split into microbatches must share the batch size (dim 0); got "
+            + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+            + "; pass the others in non_split=(...)"
+        )
+    if sizes:
+        batch = next(iter(sizes.values()))
+        if batch % microbatches:
+            raise PipelineError(
+                f"a batch of {batch} is not divisible into {microbatches} microbatches; "
+                f"use a batch size that is a multiple of {microbatches}"
+            )
+    per_arg = {
+        name: ([value] * microbatches if name in non_split else _split(value, microbatches))
+        for name, value in bound.arguments.items()
+    }
+    out = []
+    for i in range(microbatches):
+        ba = inspect.BoundArguments(sig, {k: v[i] for k, v in per_arg.items()})
+        out.append((ba.args, ba.kwargs))
+    return out

@@ -1,0 +1,106 @@
+"""``ParallelModel``: what :func:`annot.parallelize` returns on each rank.
+
+A thin ``nn.Module`` around this rank's part of the model (its tp shard of its
+pipeline stages). ``model(...)`` runs it; ``model.backward(loss)`` replaces
+``loss.backward()`` and then makes the gradients whole: averaged over dp,
+summed over the pipeline stages that share a tied weight. Inside an
+``@annot.jit`` step the pipeline executor takes both calls over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from annot.errors import PipelineError
+
+__all__ = ["ParallelModel"]
+
+
+class ParallelModel(nn.Module):
+    def __init__(self, module: nn.Module, ctx, *, pipeline=None, info=None):
+        super().__init__()
+        self.module = module
+        self.ctx = ctx
+        self.pipeline = pipeline  # runtime.stages.PipelinePlan or None
+        self.info = info or {}
+        self._step = None  # the active jit step (set by annot.jit while it runs)
+
+    @property
+    def mesh(self):
+        return self.ctx.mesh
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step is not None:
+            return self._step.call(*args, **kwargs)
+        if self.pipeline is not None and self.pipeline.num_stages > 1:
+            raise PipelineError(
+                "this model is split into pipeline stages: call it inside a step function "
+                "decorated with @annot.jit(model, microbatches=M), e.g.\n"
+                "    @annot.jit(model, microbatches=4)\n"
+                "    def train_step(x, y):\n"
+                "        logits, loss = model(x, y)\n"
+                "        model.backward(loss)\n"
+                "        return loss"
+            )
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, scale: Optional[float] = None) -> None:
+        """``loss.backward()`` for a parallel model (then dp / tied-weight reductions).
+
+        Inside an ``@annot.jit`` step this registers the microbatch's loss and
+        the pipeline runs its backward when the schedule says so.
+        """
+        if self._step is not None:
+            self._step.backward(loss, scale)
+            return
+        (loss if scale is None else loss * scale).backward()
+        self.finish_gradients()
+
+    def finish_gradients(self) -> None:
+        """Average gradients over dp and sum tied weights' gradients over the
+        stages that hold them. Called once per step, after all backwards."""
+        from runtime.grads import reduce_gradients
+
+        reduce_gradients(self.module, self.ctx, self.pipeline)
+
+    # Checkpoint-friendly views: keys equal the single-device model's.
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from runtime.state_dict import full_state_dict
+
+        return _gather_stages(full_state_dict(self.module), self)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        from runtime.state_dict import full_grads
+
+        return _gather_stages(full_grads(self.module), self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        from runtime.state_dict import load_full_state_dict
+
+        local = state_dict
+        if self.pipeline is not None:
+            keep = set(self.pipeline.local_keys)
+            local = {k: v for k, v in state_dict.items() if k in keep}
+        load_full_state_dict(self.module, local, strict=False)
+
+    def extra_repr(self) -> str:
+        return f"mesh={self.ctx.mesh!r}, rank={self.ctx.rank}"
+
+
+def _gather_stages(local: dict[str, torch.Tensor], model: ParallelModel) -> dict:
+    """With pp > 1 each stage holds part of the keys: merge them on every rank."""
+    if model.pipeline is None or model.ctx.mesh.pp == 1:
+        return local
+    if model.pipeline is not None:
+        local = {k: v for k, v in local.items() if k in set(model.pipeline.local_keys)}
+    parts: list = [None] * model.ctx.mesh.pp
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=model.ctx.pp_group)
+    merged: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for k, v in p.items():
+            merged.setdefault(k, v)
+    return merged
