@@ -1,0 +1,262 @@
+"""Schedules as data: invariants checked with no processes."""
+
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+from annot.errors import PipelineError
+from runtime.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    format_table,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    validate,
+)
+from runtime.trace import Tracer, schedule_to_chrome_trace, to_chrome_trace
+
+PP = st.integers(1, 8)
+MB = st.integers(1, 16)
+CHUNKS = st.integers(1, 4)
+FAST = settings(max_examples=150, deadline=None, derandomize=True)
+
+
+def _computes(schedule, rank):
+    return [a for a in schedule[rank] if a.kind in (F, B)]
+
+
+def _interleaved_ok(pp, mb):
+    return mb % pp == 0
+
+
+# -- notation ----------------------------------------------------------------
+
+
+def test_action_notation_round_trips():
+    a = Action(SEND_F, 1, 3)
+    assert str(a) == "1SEND_F3"
+    assert str(Action(F, 0, 12)) == "0F12"
+    for text in ("1F3", "0B0", "12RECV_B7", "3SEND_B0", "2RECV_F1", "1SEND_F3"):
+        assert str(Action.parse(text)) == text
+    with pytest.raises(PipelineError, match="<stage><KIND><microbatch>"):
+        Action.parse("F3")
+
+
+def test_messages_pair_sends_with_receives():
+    assert Action(SEND_F, 1, 3).message == Action(RECV_F, 2, 3).message
+    assert Action(SEND_B, 2, 3).message == Action(RECV_B, 1, 3).message
+    assert Action(F, 1, 3).message is None
+
+
+# -- invariants over random sizes ----------------------------------------------
+
+
+@FAST
+@given(pp=PP, mb=MB)
+@example(pp=4, mb=1)
+@example(pp=8, mb=3)
+def test_gpipe_and_1f1b_are_valid(pp, mb):
+    for name in ("gpipe", "1f1b"):
+        schedule = get_schedule(name, pp, mb)
+        validate(schedule, pp, mb)
+        for r in range(pp):
+            comps = _computes(schedule, r)
+            assert sorted(comps) == sorted(
+                [Action(F, r, m) for m in range(mb)] + [Action(B, r, m) for m in range(mb)]
+            )
+            for m in range(mb):  # forward before backward, on the owning rank
+                assert comps.index(Action(F, r, m)) < comps.index(Action(B, r, m))
+
+
+@FAST
+@given(pp=PP, mb=MB, chunks=CHUNKS)
+@example(pp=2, mb=4, chunks=2)
+@example(pp=1, mb=5, chunks=3)
+def test_interleaved_is_valid_and_covers_every_chunk(pp, mb, chunks):
+    assume(_interleaved_ok(pp, mb))
+    schedule = interleaved_1f1b(pp, mb, chunks)
+    validate(schedule, pp, mb, chunks)
+    for r in range(pp):
+        stages = {a.stage for a in _computes(schedule, r)}
+        assert stages == {r + c * pp for c in range(chunks)}
+        for s in stages:
+            for m in range(mb):
+                comps = _computes(schedule, r)
+                assert comps.index(Action(F, s, m)) < comps.index(Action(B, s, m))
+
+
+@FAST
+@given(pp=st.integers(2, 8), mb=MB, chunks=st.integers(2, 4))
+def test_interleaved_refuses_microbatches_not_a_multiple_of_pp(pp, mb, chunks):
+    assume(mb % pp)
+    with pytest.raises(PipelineError, match=r"multiple of pp .* schedule='1f1b'"):
+        interleaved_1f1b(pp, mb, chunks)
+
+
+def test_interleaved_error_suggests_counts():
+    with pytest.raises(PipelineError, match="got microbatches=3, pp=2; use microbatches=2 or 4"):
+        get_schedule("interleaved", 2, 3, chunks=2)
+
+
+@FAST
+@given(pp=PP, mb=MB)
+def test_1f1b_keeps_at_most_pp_minus_rank_in_flight(pp, mb):
+    schedule = one_f_one_b(pp, mb)
+    assert peak_in_flight(schedule, 0) <= pp
+    for r in range(pp):
+        assert peak_in_flight(schedule, r) == min(pp - r, mb)
+    assert peak_in_flight(gpipe(pp, mb), 0) == mb
+
+
+@FAST
+@given(pp=PP, mb=MB)
+def test_gpipe_is_fill_drain(pp, mb):
+    schedule = gpipe(pp, mb)
+    for r in range(pp):
+        want = [Action(F, r, m) for m in range(mb)] + [Action(B, r, m) for m in range(mb)]
+        assert _computes(schedule, r) == want
+    # with unit costs, rank r's forward of microbatch m runs at step r + m
+    timeline = simulate(schedule, 1, 1)
+    for r in range(pp):
+        starts = {s.action: s.start for s in timeline[r]}
+        assert [starts[Action(F, r, m)] for m in range(mb)] == [r + m for m in range(mb)]
+
+
+@FAST
+@given(pp=PP, mb=MB, cost_f=st.integers(1, 3), cost_b=st.integers(1, 3))
+def test_bubble_of_gpipe_and_1f1b(pp, mb, cost_f, cost_b):
+    """Makespan (M + pp - 1)(cf + cb), each rank busy M(cf + cb): the bubble is
+    (pp - 1) / (M + pp - 1), for any forward/backward cost."""
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(get_schedule(name, pp, mb), cost_f, cost_b)
+        assert timeline.makespan == (mb + pp - 1) * (cost_f + cost_b)
+        bubble = Fraction(pp - 1, mb + pp - 1)
+        assert timeline.bubble == pytest.approx(float(bubble))
+
+
+@FAST
+@given(pp=PP, mb=MB, chunks=st.integers(2, 4), cost_b=st.integers(1, 3))
+def test_bubble_of_interleaved_shrinks_by_chunks(pp, mb, chunks, cost_b):
+    """With each virtual stage costing cf / cb: bubble (pp - 1) / (v M + pp - 1)."""
+    assume(_interleaved_ok(pp, mb))
+    timeline = simulate(interleaved_1f1b(pp, mb, chunks), 1, cost_b)
+    assert timeline.makespan == (chunks * mb + pp - 1) * (1 + cost_b)
+    assert timeline.bubble == pytest.approx((pp - 1) / (chunks * mb + pp - 1))
+
+
+# -- the checker catches broken schedules --------------------------------------
+
+
+def test_validate_catches_backward_before_forward():
+    schedule = gpipe(1, 2)
+    schedule[0] = [Action(B, 0, 0), Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 1)]
+    with pytest.raises(PipelineError, match="rank 0: 0B0 runs before its forward 0F0"):
+        validate(schedule, 1, 2)
+
+
+def test_validate_catches_missing_and_foreign_actions():
+    schedule = one_f_one_b(2, 2)
+    schedule[1] = [a for a in schedule[1] if a not in (Action(B, 1, 1), Action(SEND_B, 1, 1))]
+    with pytest.raises(PipelineError, match="missing 1B1, 1SEND_B1$"):
+        validate(schedule, 2, 2)
+    schedule = one_f_one_b(2, 2)
+    schedule[0].append(Action(F, 1, 0))
+    with pytest.raises(PipelineError, match="stage 1 belongs to rank 1"):
+        validate(schedule, 2, 2)
+
+
+def test_validate_catches_deadlock():
+    # both ranks wait for the other's gradient before sending anything back
+    schedule = [
+        [Action(F, 0, 0), Action(SEND_F, 0, 0), Action(RECV_B, 0, 0), Action(B, 0, 0)],
+        [Action(RECV_F, 1, 0), Action(F, 1, 0), Action(B, 1, 0), Action(SEND_B, 1, 0)],
+    ]
+    validate(schedule, 2, 1)  # fine
+    schedule = [
+        [Action(RECV_B, 0, 0), Action(F, 0, 0), Action(SEND_F, 0, 0), Action(B, 0, 0)],
+        [Action(RECV_F, 1, 0), Action(F, 1, 0), Action(B, 1, 0), Action(SEND_B, 1, 0)],
+    ]
+    with pytest.raises(PipelineError, match="runs before its forward|deadlock"):
+        validate(schedule, 2, 1)
+    with pytest.raises(PipelineError, match="deadlocks: rank 0 waits at 0RECV_B0; rank 1 waits"):
+        simulate(schedule)
+
+
+def test_get_schedule_names():
+    assert get_schedule("1F1B", 2, 3) == one_f_one_b(2, 3)
+    assert get_schedule("interleaved", 2, 4, chunks=1) == one_f_one_b(2, 4)
+    with pytest.raises(PipelineError, match="expected one of 'gpipe', '1f1b', 'interleaved'"):
+        get_schedule("zero-bubble", 2, 4)
+    with pytest.raises(PipelineError, match="use schedule='interleaved'"):
+        get_schedule("gpipe", 2, 4, chunks=2)
+    with pytest.raises(PipelineError, match="microbatches=0: must be an int >= 1"):
+        get_schedule("gpipe", 2, 0)
+
+
+# -- drawing ------------------------------------------------------------------
+
+
+def test_format_table_snapshot():
+    assert format_table(one_f_one_b(2, 3)) == "\n".join(
+        [
+            "step   | 0  1  2  3  4  5  6  7",
+            "rank 0 | F0 F1 .  B0 F2 B1 .  B2",
+            "rank 1 | .  F0 B0 F1 B1 F2 B2 .",
+        ]
+    )
+    assert format_table(gpipe(2, 1), cost_b=2) == "\n".join(
+        ["step   | 0  1  2  3  4  5", "rank 0 | F0 .  .  .  B0 B0", "rank 1 | .  F0 B0 B0 .  ."]
+    )
+
+
+def test_format_table_names_stages_when_interleaved():
+    table = format_table(interleaved_1f1b(2, 2, 2))
+    assert table.splitlines()[1].startswith("rank 0 | 0F0 0F1 2F0 2F1")
+
+
+def test_schedule_chrome_trace_structure():
+    trace = schedule_to_chrome_trace(one_f_one_b(2, 2), cost_f=1, cost_b=2)
+    json.dumps(trace)  # serialisable
+    events = trace["traceEvents"]
+    meta = [e for e in events if e["ph"] == "M"]
+    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"} == {
+        (0, "rank 0"),
+        (1, "rank 1"),
+    }
+    assert {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"} == {(0, 0), (1, 1)}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 2 * 2 * 2
+    for e in spans:
+        assert set(e) >= {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"}
+        assert e["tid"] == e["pid"] == e["args"]["stage"]
+    b0 = next(e for e in spans if e["name"] == "1B0")
+    assert (b0["ts"], b0["dur"], b0["cat"]) == (2000.0, 2000.0, "backward")
+    assert sum(e["ph"] == "i" for e in events) == 2 * 2 * 2  # one per send / recv
+
+
+def test_tracer_spans_and_merge():
+    t0, t1 = Tracer(rank=0), Tracer(rank=1)
+    with t0.span("0F0", "forward", {"microbatch": 0}, tid=0):
+        pass
+    with pytest.raises(ValueError), t1.span("1F0", "forward", tid=1):
+        raise ValueError("x")
+    with Tracer(enabled=False).span("nothing"):
+        pass
+    trace = to_chrome_trace([t0.events, t1.events])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["pid"], e["tid"]) for e in spans] == [("0F0", 0, 0), ("1F0", 1, 1)]
+    assert min(e["ts"] for e in spans) == 0.0
+    assert all(e["dur"] >= 0 for e in spans)
+    assert spans[1]["args"] == {"error": "ValueError"}
