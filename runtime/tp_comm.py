@@ -1,0 +1,217 @@
+"""Megatron's tensor-parallel collectives, as autograd functions over the tp group.
+
+Four conjugate pairs (forward / backward), read from ``runtime.mesh.current()``:
+
+=====================  ==========================  ==========================
+function               forward                     backward
+=====================  ==========================  ==========================
+``copy_to_tp(x)``      identity                    all-reduce the gradient
+``reduce_from_tp(x)``  all-reduce                  identity
+``gather_from_tp(x)``  all-gather along ``dim``    keep this rank's slice
+``scatter_to_tp(x)``   keep this rank's slice      all-gather along ``dim``
+=====================  ==========================  ==========================
+
+With no active context, or a tp degree of 1, each is the identity and does no
+communication. A column-parallel then row-parallel block therefore costs one
+all-reduce forward (``reduce_from_tp`` after the row layer) and one backward
+(``copy_to_tp`` before the column layer).
+
+The public functions never modify their argument. The parallel layers use the
+in-place variants (``inplace=True``) on tensors they just produced, which saves
+one activation-sized copy per collective.
+
+Counting collectives: :class:`torch.distributed.tensor.debug.CommDebugMode`
+counts the c10d calls made here (``c10d.allreduce_``, ``c10d._allgather_base_``)
+in forward and backward, so tests use it directly::
+
+    with CommDebugMode() as comm:
+        block(x).sum().backward()
+    assert comm.get_comm_counts()[torch.ops.c10d.allreduce_] == 2
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from annot.errors import HintError
+from runtime.mesh import current
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def tp_env() -> tuple[Optional[object], int, int]:
+    """``(group, size, rank)`` of this rank's tp axis; ``(None, 1, 0)`` with no
+    active context."""
+    ctx = current()
+    if ctx is None:
+        return None, 1, 0
+    return ctx.tp_group, ctx.mesh.tp, ctx.tp_rank
+
+
+# --------------------------------------------------------------------------- #
+# Plain (non-autograd) helpers, shared with the layers and the state-dict code.
+# --------------------------------------------------------------------------- #
+
+
+def split_local(x: torch.Tensor, dim: int, chunks: int, size: int, rank: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim``: ``x`` is viewed as ``chunks``
+    equal blocks along ``dim`` and the rank takes its ``1/size`` of each block
+    (concatenated in block order). Returns a view when it can (``chunks == 1``).
+    """
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    full = x.shape[dim]
+    local = full // (size * chunks)
+    if chunks == 1:
+        return x.narrow(dim, rank * local, local)
+    shape = x.shape
+    # (..., chunks, size, local, ...) -> pick the rank -> (..., chunks, local, ...)
+    blocks = x.reshape(*shape[:dim], chunks, size, local, *shape[dim + 1 :])
+    return blocks.select(dim + 1, rank).reshape(*shape[:dim], chunks * local, *shape[dim + 1 :])
+
+
+def gather_full(
+    x: torch.Tensor, dim: int, chunks: int, size: int, group: Optional[object]
+) -> torch.Tensor:
+    """All-gather ``x`` from every rank of ``group`` along ``dim``, the inverse of
+    :func:`split_local`: with ``chunks`` > 1 each rank's tensor holds its slice
+    of every block and the result is in the full tensor's original order."""
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    x = x.contiguous()
+    shape = x.shape
+    # Gather flat (the concatenated form every backend accepts), then view.
+    flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_single(flat, x.view(-1), group=group)
+    buf = flat.view(size, *shape)
+    if dim == 0 and chunks == 1:
+        return buf.view(size * shape[0], *shape[1:])  # rank-major already: no copy
+    out_shape = (*shape[:dim], size * shape[dim], *shape[dim + 1 :])
+    if chunks == 1:
+        # (size, ..., n, ...) -> (..., size, n, ...) -> merge
+        return buf.movedim(0, dim).reshape(out_shape)
+    local = shape[dim] // chunks
+    # (size, ..., chunks, local, ...) -> (..., chunks, size, local, ...) -> merge
+    blocks = buf.view(size, *shape[:dim], chunks, local, *shape[dim + 1 :])
+    return blocks.movedim(0, dim + 1).reshape(out_shape)
+
+
+def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; returns ``x``."""
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+# --------------------------------------------------------------------------- #
+# Autograd functions. ``group``/``size``/``rank`` are passed in explicitly so a
+# layer reads the context once per forward.
+# --------------------------------------------------------------------------- #
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward identity, backward all-reduce (sum of the ranks' input grads)."""
+
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        ctx.group = group
+        ctx.inplace = inplace
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.inplace:
+            grad = grad.clone()  # autograd may hand the same tensor to another branch
+        return all_reduce_(grad, ctx.group), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        if not inplace:
+            x = x.clone()
+        return all_reduce_(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward all-gather along ``dim`` (chunk-aware), backward own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank, dim, chunks):
+        ctx.args = (dim, chunks, size, rank)
+        return gather_full(x, dim, chunks, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_local(grad, *ctx.args).contiguous(), None, None, None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward own slice along ``dim`` (chunk-aware), backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, rank, dim, chunks):
+        ctx.args = (dim, chunks, size, group)
+        return split_local(x, dim, chunks, size, rank).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_full(grad, *ctx.args), None, None, None, None, None
+
+
+# --------------------------------------------------------------------------- #
+# Public API
+# --------------------------------------------------------------------------- #
+
+
+def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward; backward all-reduces the
+    gradient over the tp group (each rank only saw its shard's contribution)."""
+    group, size, _ = tp_env()
+    if size == 1 or not x.requires_grad:
+        return x
+    return _CopyToTP.apply(x, group, False)
+
+
+def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing the ranks' partial results:
+    all-reduce forward, identity backward. ``x`` itself is left unchanged."""
+    group, size, _ = tp_env()
+    if size == 1:
+        return x
+    return _ReduceFromTP.apply(x, group, False)
+
+
+def gather_from_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """All-gather the ranks' shards along ``dim`` (rank order) so every rank holds
+    the full tensor; backward keeps this rank's slice of the gradient."""
+    group, size, rank = tp_env()
+    if size == 1:
+        return x
+    return _GatherFromTP.apply(x, group, size, rank, dim, 1)
+
+
+def scatter_to_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's contiguous ``1/tp`` slice of ``x`` along ``dim``;
+    backward all-gathers the gradient. ``x.shape[dim]`` must divide by tp."""
+    group, size, rank = tp_env()
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise HintError(
+            f"scatter_to_tp: dim {dim} of size {x.shape[dim]} is not divisible by tp({size})"
+        )
+    return _ScatterToTP.apply(x, group, size, rank, dim, 1)

@@ -1,0 +1,443 @@
+"""Tensor-parallel layers in Megatron's layout: what the tp rewriter emits.
+
+==============================  ================================================
+rewriter input                  emitted (``tp=N`` is the degree rewritten for)
+==============================  ================================================
+``Col()`` on ``nn.Linear``      ``ColumnParallelLinear(..., chunks=, gather=, tp=N)``
+``Row()`` on ``nn.Linear``      ``RowParallelLinear(..., tp=N)``
+``Vocab()`` on ``nn.Embedding`` ``VocabParallelEmbedding(..., tp=N)``
+``P("tp", None)`` on a param    ``shard_parameter(nn.Parameter(...), dim=0, tp=N)``
+==============================  ================================================
+
+Each layer takes the same arguments as the torch layer it replaces, holds only
+this rank's shard, and reads the tp group from ``runtime.mesh.current()``. It
+checks that ``tp`` equals the current mesh's tp degree (:class:`MeshError`
+otherwise) and that the sizes divide (:class:`HintError` otherwise).
+
+Parameters are initialised with the torch layer's distribution (the full
+layer's fan-in), independently per rank; exact parity with a single-device
+model comes from ``runtime.state_dict.load_full_state_dict``. Each layer says
+how its parameters map to the full tensors with ``annot_shard_layout()``:
+``{param_name: (dim, chunks)}`` for the sharded ones (replicated ones absent).
+
+With ``tp=1`` every layer is its torch counterpart plus one attribute check:
+no autograd function, no context lookup.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from annot.errors import HintError, MeshError
+from runtime.mesh import ParallelContext, current
+from runtime.tp_comm import _CopyToTP, _GatherFromTP, _ReduceFromTP, all_reduce_, split_local
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ShardedParameter",
+    "shard_parameter",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Checks shared by the layers
+# --------------------------------------------------------------------------- #
+
+
+def _check_degree(layer: str, tp: object) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise HintError(f"{layer}: tp={tp!r} must be an int >= 1")
+
+
+def _check_divisible(
+    layer: str, arg: str, value: int, tp: int, chunks: Optional[int] = None
+) -> None:
+    """``value`` must split evenly over tp (and over each of ``chunks`` blocks)."""
+    if chunks is None:
+        if value % tp:
+            raise HintError(
+                f"{layer}: {arg}={value} is not divisible by tp({tp}); "
+                f"choose a tp that divides {value}, or pad {arg} to a multiple of {tp}"
+            )
+        return
+    if value % (tp * chunks):
+        hint = (
+            f"each of the {chunks} fused blocks must split evenly over tp"
+            if chunks > 1
+            else f"choose a tp that divides {value}, or pad {arg} to a multiple of {tp}"
+        )
+        raise HintError(
+            f"{layer}: {arg}={value} is not divisible by tp({tp}) * chunks({chunks}) = "
+            f"{tp * chunks}; {hint}"
+        )
+
+
+def _mesh_for(layer: str, tp: int) -> Optional[ParallelContext]:
+    """The active context, checked against the degree the code was written for."""
+    ctx = current()
+    have = 1 if ctx is None else ctx.mesh.tp
+    if have != tp:
+        where = (
+            "no parallel context is active (tp=1)"
+            if ctx is None
+            else f"the current mesh is {ctx.mesh!r}"
+        )
+        raise MeshError(
+            f"{layer}(tp={tp}): this code was rewritten for tp={tp} but {where}; "
+            f"run it under a mesh with tp={tp} (inside runtime.mesh.use(ctx)), "
+            f"or rewrite the model again with --tp {have}"
+        )
+    return ctx
+
+
+def _linear_init(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -> None:
+    """nn.Linear's init (kaiming_uniform(a=sqrt(5)) and its bias rule) computed
+    with the *full* layer's fan-in, so a shard has the full layer's distribution."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        nn.init.uniform_(weight, -bound, bound)
+        if bias is not None:
+            nn.init.uniform_(bias, -bound, bound)
+
+
+def _factory(device, dtype) -> dict:
+    return {"device": device, "dtype": dtype}
+
+
+# --------------------------------------------------------------------------- #
+# Linear layers
+# --------------------------------------------------------------------------- #
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` split on out-features: weight ``(out/tp, in)``, bias ``(out/tp)``.
+
+    The input is replicated (its gradient is all-reduced in backward); the
+    output is this rank's slice of out-features, or the full output with
+    ``gather=True``. With ``chunks`` > 1 the full weight is read as ``chunks``
+    equal blocks along out-features (a fused q|k|v projection) and each rank
+    holds its ``1/tp`` of every block, so its local output is its own q|k|v
+    heads; a gathered output is in the full layer's order.
+
+    ``in_features`` / ``out_features`` are the full sizes, as on ``nn.Linear``;
+    ``out_features_local`` is this rank's.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        chunks: int = 1,
+        gather: bool = False,
+        tp: int = 1,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
+        _check_divisible(name, "out_features", out_features, tp, chunks)
+        _mesh_for(name, tp)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_local = out_features // tp
+        self.chunks = chunks
+        self.gather = bool(gather)
+        self.tp = tp
+        kw = _factory(device, dtype)
+        self.weight = nn.Parameter(torch.empty((self.out_features_local, in_features), **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features_local, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _linear_init(self.weight, self.bias, self.in_features)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        layout = {"weight": (0, self.chunks)}
+        if self.bias is not None:
+            layout["bias"] = (0, self.chunks)
+        return layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        ctx = _mesh_for(type(self).__name__, self.tp)
+        group = ctx.tp_group
+        if x.requires_grad:
+            # In place in backward: the gradient comes fresh from F.linear's backward.
+            x = _CopyToTP.apply(x, group, True)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather:
+            y = _GatherFromTP.apply(y, group, self.tp, ctx.tp_rank, -1, self.chunks)
+        return y
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"in_features={self.in_features}",
+            f"out_features={self.out_features}",
+            f"bias={self.bias is not None}",
+        ]
+        if self.chunks != 1:
+            parts.append(f"chunks={self.chunks}")
+        if self.gather:
+            parts.append("gather=True")
+        parts.append(f"tp={self.tp}")
+        parts.append(f"local_weight={tuple(self.weight.shape)}")
+        return ", ".join(parts)
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` split on in-features: weight ``(out, in/tp)``, bias ``(out)``
+    replicated.
+
+    The input is already sharded on its last dim (the output of a
+    ``ColumnParallelLinear``); each rank's partial product is all-reduced and
+    the bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        tp: int = 1,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        _check_divisible(name, "in_features", in_features, tp)
+        _mesh_for(name, tp)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_local = in_features // tp
+        self.tp = tp
+        kw = _factory(device, dtype)
+        self.weight = nn.Parameter(torch.empty((out_features, self.in_features_local), **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _linear_init(self.weight, self.bias, self.in_features)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        return {"weight": (1, 1)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        group = _mesh_for(type(self).__name__, self.tp).tp_group
+        y = F.linear(x, self.weight)  # partial sum; a fresh tensor, reduced in place
+        if y.requires_grad:
+            y = _ReduceFromTP.apply(y, group, True)
+            return y if self.bias is None else y + self.bias
+        all_reduce_(y, group)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.tp}, "
+            f"local_weight={tuple(self.weight.shape)}"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Embedding
+# --------------------------------------------------------------------------- #
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` split on the vocabulary: rank ``r`` holds the contiguous
+    rows ``[r * V/tp, (r + 1) * V/tp)``. Ids outside the block look up zeros and
+    the ranks' results are all-reduced, so every rank gets the full lookup.
+
+    ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused with tp > 1
+    (each needs the whole table); with tp=1 this is ``nn.Embedding`` exactly.
+    A given ``_weight`` is the full table: this rank copies its block.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Optional[torch.Tensor] = None,
+        _freeze: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        tp: int = 1,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        if tp > 1:
+            for arg, value, default in (
+                ("max_norm", max_norm, None),
+                ("scale_grad_by_freq", scale_grad_by_freq, False),
+                ("sparse", sparse, False),
+            ):
+                if value != default:
+                    raise HintError(
+                        f"{name}: {arg}={value!r} is not supported with tp > 1 (it needs "
+                        f"the whole table on one rank); drop {arg}, or leave this "
+                        f"embedding unsharded (Replicate()) instead of Vocab()"
+                    )
+        _check_divisible(name, "num_embeddings", num_embeddings, tp)
+        ctx = _mesh_for(name, tp)
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise HintError(
+                    f"{name}: padding_idx={padding_idx} must be within "
+                    f"[-{num_embeddings}, {num_embeddings})"
+                )
+            padding_idx %= num_embeddings
+        rank = ctx.tp_rank if ctx is not None else 0
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_local = num_embeddings // tp
+        self.vocab_start = rank * self.num_embeddings_local
+        self.padding_idx = padding_idx
+        self.local_padding_idx = (
+            padding_idx - self.vocab_start
+            if padding_idx is not None
+            and 0 <= padding_idx - self.vocab_start < self.num_embeddings_local
+            else None
+        )
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self.tp = tp
+        local_shape = (self.num_embeddings_local, embedding_dim)
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(local_shape, **_factory(device, dtype)))
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise HintError(
+                    f"{name}: _weight has shape {tuple(_weight.shape)}, expected the full "
+                    f"table ({num_embeddings}, {embedding_dim})"
+                )
+            block = _weight if tp == 1 else _weight.narrow(0, self.vocab_start, local_shape[0])
+            self.weight = nn.Parameter(block if tp == 1 else block.detach().clone())
+        self.weight.requires_grad_(not _freeze)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            if self.local_padding_idx is not None:
+                self.weight[self.local_padding_idx].fill_(0)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        return {"weight": (0, 1)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(
+                ids,
+                self.weight,
+                self.padding_idx,
+                self.max_norm,
+                self.norm_type,
+                self.scale_grad_by_freq,
+                self.sparse,
+            )
+        group = _mesh_for(type(self).__name__, self.tp).tp_group
+        start = self.vocab_start
+        outside = (ids < start) | (ids >= start + self.num_embeddings_local)
+        local_ids = (ids - start).masked_fill_(outside, 0)
+        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        if out.requires_grad:
+            return _ReduceFromTP.apply(out, group, True)
+        return all_reduce_(out, group)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return (
+            f"{s}, tp={self.tp}, local_weight={tuple(self.weight.shape)}, "
+            f"rows=[{self.vocab_start}, {self.vocab_start + self.num_embeddings_local})"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Raw parameters
+# --------------------------------------------------------------------------- #
+
+
+class ShardedParameter(nn.Parameter):
+    """An ``nn.Parameter`` holding this rank's slice of a full parameter.
+
+    ``annot_shard_dim`` is the split dim and ``annot_tp`` the degree; both
+    survive ``copy.deepcopy`` (plain ``nn.Parameter`` drops attributes there),
+    pickling and ``.to()``.
+    """
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        result = super().__deepcopy__(memo)
+        result.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return result
+
+    def __repr__(self) -> str:
+        return (
+            f"Parameter containing (tp shard dim={self.annot_shard_dim} of "
+            f"tp={self.annot_tp}):\n{self.detach()!r}"
+        )
+
+
+def shard_parameter(param: torch.Tensor, *, dim: int, tp: int = 1) -> ShardedParameter:
+    """This rank's contiguous ``1/tp`` slice of ``param`` along ``dim``, as a new
+    parameter (same ``requires_grad``) that records ``dim`` and ``tp`` for
+    ``runtime.state_dict``. The full ``param`` is not kept."""
+    name = "shard_parameter"
+    _check_degree(name, tp)
+    if not -param.dim() <= dim < param.dim():
+        raise HintError(
+            f"{name}: dim={dim} is out of range for a {param.dim()}-D parameter of shape "
+            f"{tuple(param.shape)}"
+        )
+    dim %= param.dim()
+    size = param.shape[dim]
+    if size % tp:
+        raise HintError(
+            f"{name}: dim {dim} of shape {tuple(param.shape)} has size {size}, which is not "
+            f"divisible by tp({tp}); split another dim or pad this one to a multiple of {tp}"
+        )
+    ctx = _mesh_for(name, tp)
+    data = param.detach()
+    if tp > 1:
+        data = split_local(data, dim, 1, tp, ctx.tp_rank).clone()
+    out = ShardedParameter(data, requires_grad=param.requires_grad)
+    out.annot_shard_dim = dim
+    out.annot_tp = tp
+    return out
