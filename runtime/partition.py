@@ -547,7 +547,7 @@ def evaluate(
     ``@stage(split=...)``, under the same cost model as :func:`partition`."""
     chain = _Chain(costs, memories, None, cross_bytes, bandwidth, shared)
     ends = [int(b) for b in boundaries] + [chain.n]
-    if any(not 0 < a < b for a, b in zip([0, *ends[:-1]], ends)):
+    if any(not a < b for a, b in zip([0, *ends[:-1]], ends)):
         raise PartitionError(
             f"boundaries {list(boundaries)} must increase strictly within 1..{chain.n - 1}"
         )
