@@ -240,8 +240,12 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1
 def get_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
     """The schedule called ``name`` ("gpipe", "1f1b" or "interleaved")."""
     key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
-    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
-               "interleaved1f1b": "interleaved"}  # fmt: skip
+    aliases = {
+        "gpipe": "gpipe",
+        "1f1b": "1f1b",
+        "interleaved": "interleaved",
+        "interleaved1f1b": "interleaved",
+    }
     if key not in aliases:
         raise PipelineError(
             f"unknown pipeline schedule {name!r}; expected one of "

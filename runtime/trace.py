@@ -105,7 +105,7 @@ def to_chrome_trace(events_by_rank: EventsByRank, *, align: bool = True) -> dict
                 "pid": rank,
                 "tid": 0,
                 "args": {"name": f"rank {rank}"},
-            }  # fmt: skip
+            }
         )
         out.append(
             {
@@ -114,7 +114,7 @@ def to_chrome_trace(events_by_rank: EventsByRank, *, align: bool = True) -> dict
                 "pid": rank,
                 "tid": 0,
                 "args": {"sort_index": rank},
-            }  # fmt: skip
+            }
         )
         for tid in sorted({e.get("tid", 0) for e in by_rank[rank]}):
             out.append(
@@ -124,7 +124,7 @@ def to_chrome_trace(events_by_rank: EventsByRank, *, align: bool = True) -> dict
                     "pid": rank,
                     "tid": tid,
                     "args": {"name": f"stage {tid}"},
-                }  # fmt: skip
+                }
             )
         for e in sorted(by_rank[rank], key=lambda e: e["ts"]):
             event = dict(e)

@@ -1,0 +1,691 @@
+"""The pipeline executor: run one training step over this rank's stages.
+
+The user's step body runs once per microbatch (SageMaker ``@smp.step``
+style). Inside it, ``model(...)`` maps to a :class:`ModelCall`: on the rank
+holding the first stage it runs stage 0 on the body's arguments; on the rank
+holding the last stage it runs that stage on the activations received and
+returns the real outputs; ``model.backward(loss)`` registers the loss. The
+executor walks this rank's list of :class:`~runtime.schedules.Action` and
+does what each says:
+
+===========  ==============================================================
+``F(s, i)``  run stage ``s`` on microbatch ``i`` under autograd (the body is
+             invoked here for the first stage, and for the last stage)
+``SEND_F``   send the outputs to the rank of stage ``s + 1`` (async)
+``RECV_F``   receive the inputs from the rank of stage ``s - 1``
+``B(s, i)``  last stage: ``backward(loss * loss_scale(i))``; else backward
+             of the outputs with the gradients received; keep the input
+             gradients; free the microbatch
+``SEND_B``   send the input gradients to the rank of stage ``s - 1``
+``RECV_B``   receive the gradients of the outputs
+===========  ==============================================================
+
+Stages on the same rank (interleaved with ``pp == 1``) hand values over
+locally, detached, so each stage's graph stays its own. Only tensors cross
+the backward: values that do not require grad (ints, masks, targets) cross
+forward only, and a tensor that got no gradient is sent as ``None``.
+
+Sends are async and waited at the end of the step; receives block under the
+fault guard, so a dead or hung peer becomes :class:`~annot.errors.RankFailure`
+instead of a hang. Every message carries its key ``(direction, stage,
+microbatch)``; one that arrives before it is needed is kept until its RECV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from annot.errors import PipelineError
+from runtime.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    get_schedule,
+    validate,
+)
+from runtime.schedules import forward_only as _strip_backward
+from runtime.trace import Tracer
+
+__all__ = ["LocalStage", "PipelineExecutor", "ModelCall", "Pending"]
+
+LossScale = Union[None, Callable[[int], float], Sequence[float]]
+
+
+@dataclass
+class LocalStage:
+    """One pipeline stage held by this rank."""
+
+    index: int  # global (virtual) stage index, 0 .. num_stages - 1
+    fn: Callable[..., Any]  # stage 0: fn(*args, **kwargs) of the model call; later
+    # stages: fn(**out) if the previous output is a dict, fn(*out) if a tuple, else fn(out)
+    module: Optional[nn.Module] = None  # holds its parameters
+
+
+# -- values that exist only on another rank -----------------------------------
+
+_ONLY_LAST = (
+    "model outputs exist only on the last pipeline stage, inside the step; this rank "
+    "holds an earlier stage, so {what} has no value here. Return the value from the "
+    "step function instead: the step returns the last stage's values to every rank, e.g.\n"
+    "    @annot.jit(model, microbatches=4)\n"
+    "    def train_step(x, y):\n"
+    "        logits, loss = model(x, y)\n"
+    "        model.backward(loss)\n"
+    "        return loss          # then: train_step(x, y).reduce_mean()"
+)
+
+
+class Pending:
+    """Stands for a model output computed on another pipeline rank.
+
+    Arithmetic, attribute access, indexing and calls give more Pendings, so a
+    step body written for one device runs unchanged on every rank. Asking
+    for a concrete value (``float()``, ``bool()``, ``.item()``, ``.tolist()``,
+    ``.numpy()``, formatting) raises :class:`PipelineError`. ``Pending(n=2)``
+    unpacks into two Pendings (``logits, loss = model(x, y)``).
+    """
+
+    __slots__ = ("_n", "_what")
+
+    def __init__(self, n: Optional[int] = None, what: str = "the model output"):
+        object.__setattr__(self, "_n", n)
+        object.__setattr__(self, "_what", what)
+
+    def _more(self, what: str) -> Pending:
+        return Pending(what=what)
+
+    def _fail(self, what: str):
+        raise PipelineError(_ONLY_LAST.format(what=f"{what} of {self._what}"))
+
+    def __repr__(self) -> str:
+        return f"Pending({self._what})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # keep Python's protocols (copy, pickle, numpy) honest
+            raise AttributeError(name)
+        if name in ("item", "tolist", "numpy"):
+            return lambda *a, **k: self._fail(f".{name}()")
+        if name == "backward":
+            raise PipelineError(
+                "loss.backward() inside a pipelined step: call model.backward(loss) instead, "
+                "so the pipeline runs the backward when its schedule says so"
+            )
+        return self._more(f"{self._what}.{name}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Pending:
+        return self._more(f"{self._what}(...)")
+
+    def __getitem__(self, key: Any) -> Pending:
+        return self._more(f"{self._what}[{key!r}]")
+
+    def __iter__(self):
+        if self._n is None:
+            raise PipelineError(
+                f"cannot unpack {self._what} on this pipeline rank: how many values the model "
+                "returns is not known here. Pass output_arity=<number of values> to the "
+                "PipelineExecutor (annot.parallelize finds it from the model's return statement)"
+            )
+        return iter([self._more(f"{self._what}[{k}]") for k in range(self._n)])
+
+    def __len__(self) -> int:
+        if self._n is None:
+            self._fail("len()")
+        return self._n
+
+    def __bool__(self) -> bool:
+        self._fail("bool() (an if / while / and / or on it)")
+
+    def __float__(self) -> float:
+        self._fail("float()")
+
+    def __int__(self) -> int:
+        self._fail("int()")
+
+    def __index__(self) -> int:
+        self._fail("using it as an index")
+
+    def __complex__(self) -> complex:
+        self._fail("complex()")
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        self._fail(f"formatting with {spec!r}")
+
+    def __array__(self, *args: Any, **kwargs: Any):
+        self._fail("converting to a numpy array")
+
+    __hash__ = object.__hash__
+
+
+def _pending_op(name: str) -> Callable[..., Pending]:
+    def op(self: Pending, *args: Any) -> Pending:
+        return self._more(f"{name}({self._what})")
+
+    op.__name__ = name
+    return op
+
+
+for _name in (
+    "add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod pow rpow "
+    "matmul rmatmul and rand or ror xor rxor lshift rlshift rshift rrshift "
+    "neg pos abs invert lt le gt ge eq ne"
+).split():
+    setattr(Pending, f"__{_name}__", _pending_op(f"__{_name}__"))
+del _name
+
+
+# -- pytrees: tuple / list / dict of tensors and plain values -----------------
+
+
+def _map(tree: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map(v, fn, other) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map(v, fn, other) for v in tree]
+    if isinstance(tree, tuple):
+        items = [_map(v, fn, other) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    return other(tree)
+
+
+def _keep(x: Any) -> Any:
+    return x
+
+
+def _none(x: Any) -> None:
+    return None
+
+
+def _handoff(out: Any) -> Any:
+    """A stage's outputs as the next stage's inputs on the same rank: the same
+    values, detached, so each stage has its own graph (like a p2p copy)."""
+    return _map(out, lambda t: t.detach().requires_grad_(t.requires_grad), _keep)
+
+
+def _as_leaves(tree: Any) -> Any:
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_leaf else t.detach().requires_grad_(t.requires_grad)
+
+    return _map(tree, leaf, _keep)
+
+
+def _input_grads(inputs: Any) -> Any:
+    """Same structure as ``inputs``: each tensor's ``.grad`` (None if it got none
+    or does not require grad), every other value None."""
+    return _map(inputs, lambda t: t.grad if t.requires_grad else None, _none)
+
+
+def _detached(tree: Any) -> Any:
+    return _map(tree, lambda t: t.detach(), _keep)
+
+
+def _grad_pairs(out: Any, grads: Any, acc: list) -> None:
+    """Pair each output tensor that requires grad with its gradient, walking
+    both trees by key / index (so dict order does not matter)."""
+    if grads is None:
+        return
+    if isinstance(out, torch.Tensor):
+        if out.requires_grad and isinstance(grads, torch.Tensor):
+            acc.append((out, grads))
+        return
+    if isinstance(out, dict) and isinstance(grads, dict):
+        for k, v in out.items():
+            _grad_pairs(v, grads.get(k), acc)
+    elif isinstance(out, (list, tuple)) and isinstance(grads, (list, tuple)):
+        if len(out) != len(grads):
+            raise PipelineError(
+                f"gradients for {len(grads)} values arrived for {len(out)} outputs: the two "
+                "sides of a stage boundary disagree about its values (please report this)"
+            )
+        for v, g in zip(out, grads):
+            _grad_pairs(v, g, acc)
+
+
+def _call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return fn(**inputs)
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return fn(*inputs)
+    return fn(inputs)
+
+
+# -- the executor -------------------------------------------------------------
+
+
+class _Step:
+    """Everything one step keeps per (stage, microbatch); emptied as it goes."""
+
+    def __init__(self, microbatches: int, body: Callable, scale: Callable[[int], float], fwd_only):
+        self.microbatches = microbatches
+        self.body = body
+        self.scale = scale
+        self.forward_only = fwd_only
+        self.inputs: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.out_grads: dict[tuple[int, int], Any] = {}
+        self.in_grads: dict[tuple[int, int], Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.results: dict[int, Any] = {}
+        self.forwarded: set[tuple[int, int]] = set()
+        self.inbox: dict[int, dict[tuple, Any]] = {}
+        self.handles: list[tuple[Any, Action, int]] = []
+
+
+class ModelCall:
+    """What ``model(...)`` and ``model.backward(loss)`` map to inside the step
+    body, for one microbatch on one rank."""
+
+    def __init__(self, executor: PipelineExecutor, step: _Step, microbatch: int, stage: int):
+        self._ex = executor
+        self._step = step
+        self.microbatch = microbatch
+        self.stage = stage  # the stage whose F invoked the body
+        self.called = False
+        self.backward_called = False
+
+    @property
+    def is_last(self) -> bool:
+        """True where ``call(...)`` returns real outputs (the last stage's rank)."""
+        return self._ex._owner(self._ex.num_stages - 1) == self._ex.pp_rank
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.called:
+            raise PipelineError(
+                f"the model was called twice for microbatch {self.microbatch}; a pipelined "
+                "step calls model(...) once per microbatch (return the values you need from "
+                "that one call)"
+            )
+        self.called = True
+        ex, st, i = self._ex, self._step, self.microbatch
+        last = ex.num_stages - 1
+        if self.stage == 0:
+            out = ex._forward(st, 0, i, (args, kwargs))
+            if not self.is_last:
+                return Pending(ex.output_arity)
+            for s in range(1, ex.num_stages):  # pp == 1: every stage is here
+                out = ex._forward(st, s, i)
+            st.outputs.pop((last, i), None)
+            return out
+        out = ex._forward(st, last, i)
+        st.outputs.pop((last, i), None)
+        return out
+
+    def backward(self, loss: Any) -> None:
+        """Register the microbatch's loss; the executor runs its backward when
+        the schedule says B. Several calls add up. A no-op off the last stage."""
+        self.backward_called = True
+        if not self.is_last or self._step.forward_only:
+            return
+        if isinstance(loss, Pending) or not isinstance(loss, torch.Tensor):
+            raise PipelineError(
+                f"model.backward(loss) got a {type(loss).__name__}; expected the loss tensor "
+                "computed from the model's outputs"
+            )
+        if not loss.requires_grad:
+            raise PipelineError(
+                f"model.backward(loss): the loss of microbatch {self.microbatch} does not "
+                "require grad (computed under torch.no_grad(), or not from the model outputs?)"
+            )
+        losses = self._step.losses
+        i = self.microbatch
+        losses[i] = loss if i not in losses else losses[i] + loss
+
+
+class PipelineExecutor:
+    """Runs steps over this rank's stages following a schedule.
+
+    ``stages`` are the :class:`LocalStage` s this rank holds: with ``pp``
+    ranks and ``chunks`` stages per rank, pipeline rank ``r`` holds stages
+    ``r, r + pp, ...`` of ``num_stages = pp * chunks``. ``ctx`` is the
+    :class:`runtime.mesh.ParallelContext` (None: one process, ``pp == 1``).
+    ``output_arity`` is how many values the model returns, so that
+    ``a, b = model(...)`` unpacks on ranks without the last stage.
+    """
+
+    def __init__(
+        self,
+        stages: list[LocalStage],
+        *,
+        num_stages: int,
+        ctx: Any = None,
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        timeout_s: Optional[float] = None,
+        trace: bool = False,
+        output_arity: Optional[int] = None,
+    ):
+        if ctx is None:
+            from runtime.mesh import current
+
+            ctx = current()
+        self.ctx = ctx
+        self.pp = ctx.mesh.pp if ctx is not None else 1
+        self.pp_rank = ctx.pp_rank if ctx is not None else 0
+        self.rank = ctx.rank if ctx is not None else 0
+        self.num_stages = num_stages
+        self.chunks = chunks
+        self.schedule_name = schedule
+        self.timeout_s = timeout_s
+        self.output_arity = output_arity
+        if num_stages != self.pp * chunks:
+            raise PipelineError(
+                f"num_stages={num_stages} but pp({self.pp}) * chunks({chunks}) = "
+                f"{self.pp * chunks}; each pipeline rank holds `chunks` stages"
+            )
+        want = [self.pp_rank + c * self.pp for c in range(chunks)]
+        got = sorted(s.index for s in stages)
+        if got != want:
+            raise PipelineError(
+                f"pipeline rank {self.pp_rank} must hold stages {want} (rank r holds stages "
+                f"r, r + pp, ...), but was given stages {got}"
+            )
+        self.stages = {s.index: s for s in stages}
+        get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
+        self._peers = ctx.axis_ranks("pp") if ctx is not None else [0]
+        self._group = ctx.pp_group if ctx is not None and self.pp > 1 else None
+        self._device = ctx.device if ctx is not None else None
+        self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
+        self.tracer = Tracer(self.rank, enabled=trace)
+        self.last_rank_outputs: Optional[list[Any]] = None
+
+    # -- public ---------------------------------------------------------------
+
+    def schedule(self, microbatches: int, *, forward_only: bool = False) -> list[list[Action]]:
+        """The (validated) schedule of a step with ``microbatches``, every rank's."""
+        key = (microbatches, forward_only)
+        if key not in self._schedules:
+            sched = get_schedule(self.schedule_name, self.pp, microbatches, self.chunks)
+            if forward_only:
+                sched = _strip_backward(sched)
+            validate(sched, self.pp, microbatches, self.chunks, forward_only=forward_only)
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    def run(
+        self,
+        microbatches: int,
+        body: Callable[[int, ModelCall], Any],
+        *,
+        loss_scale: LossScale = None,
+        forward_only: bool = False,
+    ) -> Optional[list[Any]]:
+        """Run one step of ``microbatches``.
+
+        ``body(i, call)`` is invoked once per microbatch on the ranks holding
+        the first or the last stage (at the F of stage 0 on the first rank, at
+        the F of the last stage on the last rank; once when ``pp == 1``) and
+        never elsewhere. ``call(*args, **kwargs)`` is the model call;
+        ``call.backward(loss)`` registers the loss, whose backward runs scaled
+        by ``loss_scale(i)`` (default ``1 / microbatches``; pass a callable or
+        a sequence of weights, e.g. ``n_i / N`` for uneven microbatches, to
+        get the exact full-batch mean). ``forward_only`` runs no backward.
+
+        Returns the body's return values per microbatch on the rank holding
+        the last stage, None elsewhere (see :meth:`broadcast_outputs`).
+        Parameter gradients accumulate in ``.grad``; the dp all-reduce is the
+        caller's.
+        """
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
+        st = _Step(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
+        actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
+        try:
+            for action in actions:
+                self._do(st, action)
+            self._wait_sends(st)
+        except BaseException as exc:
+            self._on_failure(exc)
+            raise
+        self._check_empty(st)
+        holds_last = self._owner(self.num_stages - 1) == self.pp_rank
+        self.last_rank_outputs = (
+            [st.results[i] for i in range(microbatches)] if holds_last else None
+        )
+        return self.last_rank_outputs
+
+    def broadcast_outputs(self, outputs: Optional[list[Any]] = None) -> list[Any]:
+        """The last stage's step outputs (``outputs`` there, else the last
+        :meth:`run`'s), tensors detached, on every rank of the pipeline."""
+        holds_last = self._owner(self.num_stages - 1) == self.pp_rank
+        if holds_last:
+            outputs = self.last_rank_outputs if outputs is None else outputs
+            if outputs is None:
+                raise PipelineError("broadcast_outputs() before any run(): nothing to send")
+            outputs = _detached(outputs)
+        if self.pp == 1:
+            return outputs
+        from runtime.faults import guard
+        from runtime.p2p import recv_pytree, send_pytree
+
+        src = self._peers[self._owner(self.num_stages - 1)]
+        if holds_last:
+            handles = [
+                (dst, send_pytree(outputs, dst, group=self._group, what="step outputs"))
+                for dst in self._peers
+                if dst != self.rank
+            ]
+            for dst, h in handles:
+                with guard("send step outputs", **self._where(None, None, dst)):
+                    h.wait()
+            return outputs
+        with guard("recv step outputs", **self._where(None, None, src)):
+            return recv_pytree(
+                src,
+                group=self._group,
+                device=self._device,
+                what="step outputs",
+                timeout_s=self.timeout_s,
+            )
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """This rank's Chrome trace events so far (``trace=True``); merge ranks
+        with :func:`runtime.trace.to_chrome_trace`."""
+        return list(self.tracer.events)
+
+    # -- actions --------------------------------------------------------------
+
+    def _owner(self, stage: int) -> int:
+        return stage % self.pp
+
+    def _where(self, stage: Optional[int], microbatch: Optional[int], peer: int) -> dict:
+        return {
+            "rank": self.rank,
+            "stage": stage,
+            "microbatch": microbatch,
+            "peer": peer,
+            "timeout_s": self.timeout_s,
+        }
+
+    def _do(self, st: _Step, a: Action) -> None:
+        kind, s, i = a
+        cat = {F: "forward", B: "backward"}.get(kind, "p2p")
+        with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
+            if kind == F:
+                self._run_forward_action(st, s, i)
+            elif kind == B:
+                self._backward(st, s, i)
+            elif kind == SEND_F:
+                out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
+                self._send(st, a, out)
+            elif kind == SEND_B:
+                self._send(st, a, st.in_grads.pop((s, i)))
+            elif kind == RECV_F:
+                st.inputs[(s, i)] = _as_leaves(self._recv(st, a, self._owner(s - 1)))
+            elif kind == RECV_B:
+                st.out_grads[(s, i)] = self._recv(st, a, self._owner(s + 1))
+
+    def _run_forward_action(self, st: _Step, s: int, i: int) -> None:
+        if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already
+            return
+        last = self.num_stages - 1
+        if s != 0 and s != last:
+            self._forward(st, s, i)
+            return
+        call = ModelCall(self, st, i, s)
+        result = st.body(i, call)
+        if not call.called:
+            raise PipelineError(
+                f"the step body did not call the model for microbatch {i}; with pipeline "
+                "stages every microbatch must call model(...) exactly once"
+            )
+        if call.is_last:
+            st.results[i] = result
+            if not st.forward_only and i not in st.losses:
+                raise PipelineError(
+                    f"the step body did not call model.backward(loss) for microbatch {i}; a "
+                    "training step must (for evaluation, run with forward_only=True)"
+                )
+
+    def _forward(self, st: _Step, s: int, i: int, first_args: Any = None) -> Any:
+        stage = self.stages[s]
+        if s == 0:
+            args, kwargs = first_args
+            inputs = None
+            out = stage.fn(*args, **kwargs)
+        else:
+            inputs = st.inputs.pop((s, i))
+            out = _call_stage(stage.fn, inputs)
+        st.forwarded.add((s, i))
+        if not st.forward_only and s > 0:
+            st.inputs[(s, i)] = inputs  # its .grad is what B sends back
+        if s < self.num_stages - 1:
+            if self._owner(s + 1) == self.pp_rank:
+                st.inputs[(s + 1, i)] = _handoff(out)
+                if not st.forward_only:
+                    st.outputs[(s, i)] = out
+            else:
+                st.outputs[(s, i)] = out  # sent by SEND_F, kept for B
+        return out
+
+    def _backward(self, st: _Step, s: int, i: int) -> None:
+        if s == self.num_stages - 1:
+            loss = st.losses.pop(i)
+            torch.autograd.backward(loss * st.scale(i))
+        else:
+            out = st.outputs.pop((s, i))
+            pairs: list = []
+            _grad_pairs(out, st.out_grads.pop((s, i)), pairs)
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            del out, pairs
+        if s > 0:
+            grads = _input_grads(st.inputs.pop((s, i)))
+            if self._owner(s - 1) == self.pp_rank:
+                st.out_grads[(s - 1, i)] = grads
+            else:
+                st.in_grads[(s, i)] = grads
+
+    # -- p2p ------------------------------------------------------------------
+
+    def _send(self, st: _Step, a: Action, payload: Any) -> None:
+        from runtime.p2p import send_pytree
+
+        direction, dst_stage, i = a.message
+        dst = self._peers[self._owner(dst_stage)]
+        what = f"{a} to rank {dst}"
+        handle = send_pytree(
+            (direction, dst_stage, i, payload),
+            dst,
+            group=self._group,
+            what=what,
+            timeout_s=self.timeout_s,
+        )
+        st.handles.append((handle, a, dst))
+
+    def _recv(self, st: _Step, a: Action, src_pp_rank: int) -> Any:
+        """The payload of message ``a.message`` from ``src``; messages from the
+        same peer that arrive first are kept for their own RECV."""
+        from runtime.faults import guard
+        from runtime.p2p import recv_pytree
+
+        src = self._peers[src_pp_rank]
+        key = a.message
+        box = st.inbox.setdefault(src, {})
+        while key not in box:
+            with guard(f"{a} from rank {src}", **self._where(a.stage, a.microbatch, src)):
+                msg = recv_pytree(
+                    src,
+                    group=self._group,
+                    device=self._device,
+                    what=f"{a} from rank {src}",
+                    timeout_s=self.timeout_s,
+                )
+            if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] in (F, B)):
+                raise PipelineError(
+                    f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
+                    f"got a {type(msg).__name__}; another p2p exchange is interleaved with the "
+                    "pipeline on this pair of ranks"
+                )
+            got = (msg[0], msg[1], msg[2])
+            if got in box:
+                raise PipelineError(f"rank {self.rank} received {got} from rank {src} twice")
+            box[got] = msg[3]
+        return box.pop(key)
+
+    def _wait_sends(self, st: _Step) -> None:
+        if not st.handles:
+            return
+        from runtime.faults import guard
+
+        with self.tracer.span("wait sends", "p2p", {"count": len(st.handles)}, tid=self.pp_rank):
+            for handle, a, dst in st.handles:
+                with guard(f"{a} to rank {dst}", **self._where(a.stage, a.microbatch, dst)):
+                    handle.wait()
+        st.handles.clear()
+
+    def _on_failure(self, exc: BaseException) -> None:
+        """Tell the peers this rank failed, so they stop instead of waiting."""
+        if self.pp == 1 or isinstance(exc, KeyboardInterrupt):
+            return
+        try:
+            from runtime.faults import report_failure
+        except ImportError:
+            return
+        try:
+            report_failure(exc, rank=self.rank)
+        except Exception:  # noqa: BLE001 - reporting must not hide the real error
+            pass
+
+    def _check_empty(self, st: _Step) -> None:
+        left = {
+            "activations": list(st.outputs),
+            "inputs": list(st.inputs),
+            "gradients": list(st.out_grads) + list(st.in_grads),
+            "losses": list(st.losses),
+            "messages": [k for box in st.inbox.values() for k in box],
+        }
+        left = {k: v for k, v in left.items() if v}
+        if left:
+            raise PipelineError(
+                f"rank {self.rank}: the step ended with values left over {left}; the schedule "
+                "and the executor disagree (please report this with the schedule name)"
+            )
+
+
+def _scaler(loss_scale: LossScale, microbatches: int) -> Callable[[int], float]:
+    if loss_scale is None:
+        return lambda i: 1.0 / microbatches
+    if callable(loss_scale):
+        return loss_scale
+    scales = list(loss_scale)
+    if len(scales) != microbatches:
+        raise PipelineError(
+            f"loss_scale has {len(scales)} weights for {microbatches} microbatches; give one "
+            "per microbatch (e.g. n_i / N for microbatch sizes n_i summing to N)"
+        )
+    return lambda i: scales[i]

@@ -1,0 +1,319 @@
+"""The pipeline executor on real gloo ranks, against the single-device model.
+
+A hand-split model (8 Linear+Tanh blocks in an nn.Sequential; stage s runs a
+slice of it) is run with each schedule; loss and every parameter gradient
+must equal the single-device model built from the same seed. Stage 0 sends a
+dict with a tensor, a None, an int and the target, which only the last stage
+uses.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from annot.errors import PipelineError
+from annot.testing import run_ranks
+from runtime.pipeline import LocalStage, Pending, PipelineExecutor
+
+RTOL, ATOL = 1e-5, 4e-5  # float32, written once
+WIDTH, BLOCKS = 8, 8
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+    )
+
+
+def _data(sizes, seq):
+    torch.manual_seed(1 + sum(sizes) + 7 * seq)
+    n = sum(sizes)
+    return torch.randn(n, seq, WIDTH), torch.randn(n, seq, WIDTH)
+
+
+def _stage_fn(blocks: nn.Module, s: int, n: int):
+    def check(mask, count, h):
+        assert mask is None and isinstance(count, int) and count == h.shape[0], (mask, count)
+
+    def first(x, y):
+        return {"h": blocks(x), "mask": None, "n": x.shape[0], "y": y}
+
+    def middle(h, mask, n, y):
+        check(mask, n, h)
+        return {"h": blocks(h), "mask": None, "n": n, "y": y}
+
+    def last(h, mask, n, y):
+        check(mask, n, h)
+        out = blocks(h)
+        return out, ((out - y) ** 2).mean()
+
+    def only(x, y):
+        out = blocks(x)
+        return out, ((out - y) ** 2).mean()
+
+    if n == 1:
+        return only
+    return first if s == 0 else last if s == n - 1 else middle
+
+
+def _local_stages(model, pp, pp_rank, chunks):
+    n = pp * chunks
+    per = BLOCKS // n
+    out = []
+    for c in range(chunks):
+        s = pp_rank + c * pp
+        blocks = model[s * per : (s + 1) * per]
+        out.append(LocalStage(index=s, fn=_stage_fn(blocks, s, n), module=blocks))
+    return out
+
+
+def _grads(model, pp, pp_rank, chunks):
+    """Gradients of this rank's parameters, keyed like the full model's."""
+    per = BLOCKS // (pp * chunks)
+    mine = {
+        b
+        for c in range(chunks)
+        for b in range((pp_rank + c * pp) * per, (pp_rank + c * pp + 1) * per)
+    }
+    return {
+        name: p.grad.clone()
+        for name, p in model.named_parameters()
+        if int(name.split(".")[0]) in mine and p.grad is not None
+    }
+
+
+def _run_case(ex, model, pp, pp_rank, chunks, sizes, seq, weighted=False, forward_only=False):
+    """One step on this rank; returns (broadcast losses, local grads)."""
+    model.zero_grad(set_to_none=True)  # no optimizer step: parameters stay the reference's
+    x, y = _data(sizes, seq)
+    xs, ys = x.split(list(sizes)), y.split(list(sizes))
+
+    def body(i, call):
+        out, loss = call(xs[i], ys[i])
+        if isinstance(loss, Pending):
+            assert pp_rank == 0 and isinstance(out, Pending)
+        call.backward(loss)
+        return loss
+
+    scale = [n / sum(sizes) for n in sizes] if weighted else None
+    ex.run(len(sizes), body, loss_scale=scale, forward_only=forward_only)
+    losses = [float(v) for v in ex.broadcast_outputs()]
+    return losses, _grads(model, pp, pp_rank, chunks)
+
+
+def _reference(sizes, seq):
+    model = _model()
+    x, y = _data(sizes, seq)
+    losses = []
+    for xi, yi in zip(x.split(list(sizes)), y.split(list(sizes))):
+        losses.append(float(((model(xi) - yi) ** 2).mean().detach()))
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check(case, got_losses, got_grads, forward_only=False):
+    ref_losses, ref_grads = _reference(case["sizes"], case["seq"])
+    torch.testing.assert_close(
+        torch.tensor(got_losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL
+    )
+    if forward_only:
+        assert got_grads == {}
+        return
+    assert sorted(got_grads) == sorted(ref_grads), "every parameter has a gradient"
+    for name, g in got_grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+CASES = [
+    # one executor per (schedule, chunks) runs every case of it, in order:
+    # several microbatch counts and sequence lengths on the same executor
+    {"schedule": "gpipe", "chunks": 1, "sizes": (2,), "seq": 3},
+    {"schedule": "gpipe", "chunks": 1, "sizes": (2, 2, 2), "seq": 5},
+    {"schedule": "gpipe", "chunks": 1, "sizes": (1, 2, 1, 2), "seq": 2, "weighted": True},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (3,), "seq": 4},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (2, 2, 2), "seq": 3},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (2, 2, 2, 2), "seq": 6},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (3, 2, 2), "seq": 1, "weighted": True},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (2, 1, 2), "seq": 2, "forward_only": True},
+    {"schedule": "interleaved", "chunks": 2, "sizes": (2, 2, 2, 2), "seq": 3},
+    {"schedule": "interleaved", "chunks": 2, "sizes": (1, 2), "seq": 4, "weighted": True},
+]
+
+
+def _executors(pp, pp_rank, ctx, trace=False):
+    """One (executor, model) per (schedule, chunks), reused by every case of it."""
+    ex = {}
+    for case in CASES:
+        key = (case["schedule"], case["chunks"])
+        if key not in ex:
+            model = _model()
+            stages = _local_stages(model, pp, pp_rank, case["chunks"])
+            ex[key] = (
+                model,
+                PipelineExecutor(
+                    stages,
+                    num_stages=pp * case["chunks"],
+                    ctx=ctx,
+                    schedule=case["schedule"],
+                    chunks=case["chunks"],
+                    timeout_s=60,
+                    trace=trace,
+                    output_arity=2,
+                ),
+            )
+    return ex
+
+
+def _parity_rank(pp, cases):
+    from annot.mesh import Mesh
+    from runtime.mesh import init, use
+
+    ctx = init(Mesh(pp=pp))
+    out = []
+    with use(ctx):
+        executors = _executors(pp, ctx.pp_rank, ctx, trace=True)
+        for case in cases:
+            model, ex = executors[(case["schedule"], case["chunks"])]
+            losses, grads = _run(ex, model, pp, ctx.pp_rank, case)
+            # tensors do not survive the harness's queue once the rank exits: numpy does
+            out.append((losses, {k: v.numpy() for k, v in grads.items()}))
+        names = sorted({e["name"] for _, ex in executors.values() for e in ex.trace_events()})
+    return out, names
+
+
+def _run(ex, model, pp, pp_rank, case):
+    return _run_case(
+        ex,
+        model,
+        pp,
+        pp_rank,
+        case["chunks"],
+        case["sizes"],
+        case["seq"],
+        case.get("weighted", False),
+        case.get("forward_only", False),
+    )
+
+
+def _check_ranks(pp, cases, per_rank):
+    for k, case in enumerate(cases):
+        losses = [r[0][k][0] for r in per_rank]
+        assert all(v == losses[-1] for v in losses), "every rank gets the same step outputs"
+        grads = {}
+        for r in per_rank:
+            assert not set(grads) & set(r[0][k][1]), "each parameter lives on one rank"
+            grads.update({n: torch.from_numpy(g) for n, g in r[0][k][1].items()})
+        try:
+            _check(case, losses[-1], grads, case.get("forward_only", False))
+        except AssertionError as e:
+            raise AssertionError(f"pp={pp} {case}: {e}") from None
+
+
+def test_parity_pp2_every_schedule():
+    per_rank = run_ranks(_parity_rank, 2, 2, CASES, timeout=240)
+    _check_ranks(2, CASES, per_rank)
+    names0, names1 = per_rank[0][1], per_rank[1][1]
+    assert {"0F0", "0SEND_F0", "0RECV_B0", "0B0", "2F0", "wait sends"} <= set(names0)
+    assert {"1RECV_F0", "1F0", "1B0", "1SEND_B0", "3B0"} <= set(names1)
+
+
+SLOW_CASES = [
+    {"schedule": "gpipe", "chunks": 1, "sizes": (2, 1, 2), "seq": 3, "weighted": True},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (1, 1, 2, 1, 2), "seq": 2, "weighted": True},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (2, 2), "seq": 3},
+    {"schedule": "interleaved", "chunks": 2, "sizes": (1, 1, 1, 1), "seq": 2},
+]
+
+
+@pytest.mark.slow
+def test_parity_pp4():
+    per_rank = run_ranks(_parity_rank, 4, 4, SLOW_CASES, timeout=300)
+    _check_ranks(4, SLOW_CASES, per_rank)
+
+
+# -- one process (pp = 1): the executor's local paths --------------------------
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_parity_one_process(schedule, chunks):
+    model, ex = _executors(1, 0, None)[(schedule, chunks)]
+    for case in [c for c in CASES if c["schedule"] == schedule]:
+        losses, grads = _run(ex, model, 1, 0, case)
+        _check(case, losses, grads, case.get("forward_only", False))
+
+
+def test_body_must_call_model_and_backward():
+    model = _model()
+    ex = PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=1, ctx=None)
+    x, y = _data((2,), 3)
+    with pytest.raises(PipelineError, match="did not call the model for microbatch 0"):
+        ex.run(1, lambda i, call: None)
+    with pytest.raises(
+        PipelineError, match=r"did not call model.backward\(loss\) for microbatch 0"
+    ):
+        ex.run(1, lambda i, call: call(x, y))
+
+    def twice(i, call):
+        call(x, y)
+        call(x, y)
+
+    with pytest.raises(PipelineError, match="called twice for microbatch 0"):
+        ex.run(1, twice)
+    with torch.no_grad(), pytest.raises(PipelineError, match="does not require grad"):
+        ex.run(1, lambda i, call: call.backward(call(x, y)[1]))
+    with pytest.raises(PipelineError, match="3 weights for 2 microbatches"):
+        ex.run(2, lambda i, call: None, loss_scale=[1, 2, 3])
+
+
+def test_executor_checks_its_stages():
+    model = _model()
+    with pytest.raises(PipelineError, match=r"pp\(1\) \* chunks\(1\) = 1"):
+        PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=2, ctx=None)
+    with pytest.raises(PipelineError, match=r"must hold stages \[0, 1\].*given stages \[0\]"):
+        PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=2, ctx=None, chunks=2)
+    with pytest.raises(PipelineError, match="unknown pipeline schedule 'zb'"):
+        PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=1, ctx=None, schedule="zb")
+
+
+# -- Pending -------------------------------------------------------------------
+
+
+def test_pending_propagates_and_refuses_values():
+    logits, loss = Pending(2)
+    assert isinstance(logits, Pending) and isinstance(loss, Pending)
+    for v in (
+        loss * 2,
+        1 + loss,
+        -loss,
+        loss / 3,
+        loss @ logits,
+        loss.mean(),
+        logits[0, :],
+        logits.argmax(-1) == 3,
+        loss.detach().cpu(),
+    ):
+        assert isinstance(v, Pending)
+    a, b, c = Pending(n=3)
+    assert len(Pending(n=3)) == 3
+    for ask in (
+        lambda: float(loss),
+        lambda: bool(loss),
+        lambda: int(loss),
+        lambda: loss.item(),
+        lambda: loss.tolist(),
+        lambda: loss.numpy(),
+        lambda: f"{loss:.3f}",
+        lambda: [0, 1][loss],
+    ):
+        with pytest.raises(PipelineError, match="exist only on the last pipeline stage"):
+            ask()
+    with pytest.raises(PipelineError, match="should|Return the value from the step function"):
+        if loss > 1:
+            pass
+    with pytest.raises(PipelineError, match="output_arity"):
+        x, y = Pending()
+    with pytest.raises(PipelineError, match=r"call model.backward\(loss\) instead"):
+        loss.backward()
+    assert "Pending" in repr(loss) and "Pending" in f"{loss}"
