@@ -1,0 +1,381 @@
+"""Tensor-parallel layers, collectives and the vocab-parallel loss.
+
+Every parallel result is compared with the torch layer it replaces (built from
+the same seed, weights loaded with ``load_full_state_dict``): outputs, input
+gradients and the parameter gradients gathered back to full size. Multi-rank
+checks run on real gloo ranks, one spawn per test; cases are drawn inside the
+ranks from a seeded generator, so every rank draws the same ones.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from annot.errors import HintError, MeshError
+from annot.mesh import Mesh
+from annot.testing import run_ranks
+from runtime.mesh import ParallelContext, use
+from runtime.tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, split_local
+from runtime.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_parameter,
+)
+from runtime.vocab_loss import vocab_parallel_cross_entropy
+
+RTOL, ATOL = 1e-5, 4e-5  # float32, written down once
+ALL_REDUCE = torch.ops.c10d.allreduce_
+ALL_GATHER = torch.ops.c10d._allgather_base_
+
+
+def _close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------- #
+# Single process: errors, tp=1, slicing
+# --------------------------------------------------------------------------- #
+
+
+def test_col_not_divisible_names_layer_argument_and_product():
+    with pytest.raises(HintError) as info:
+        ColumnParallelLinear(8, 10, tp=4)
+    assert str(info.value).startswith(
+        "ColumnParallelLinear: out_features=10 is not divisible by tp(4) * chunks(1) = 4"
+    )
+    with pytest.raises(
+        HintError, match=r"out_features=15 is not divisible by tp\(2\) \* chunks\(3\) = 6"
+    ):
+        ColumnParallelLinear(8, 15, chunks=3, tp=2)
+
+
+def test_row_and_vocab_not_divisible():
+    with pytest.raises(
+        HintError, match=r"^RowParallelLinear: in_features=10 is not divisible by tp\(4\)"
+    ):
+        RowParallelLinear(10, 8, tp=4)
+    with pytest.raises(
+        HintError, match=r"^VocabParallelEmbedding: num_embeddings=51 is not divisible by tp\(2\)"
+    ):
+        VocabParallelEmbedding(51, 8, tp=2)
+    with pytest.raises(HintError, match=r"^shard_parameter: dim 1 of shape \(4, 6\) has size 6"):
+        shard_parameter(nn.Parameter(torch.zeros(4, 6)), dim=1, tp=4)
+
+
+def test_vocab_refuses_options_that_need_the_whole_table():
+    for kwargs in ({"max_norm": 1.0}, {"sparse": True}, {"scale_grad_by_freq": True}):
+        ((arg, value),) = kwargs.items()
+        with pytest.raises(HintError, match=f"{arg}={value!r} is not supported with tp > 1"):
+            VocabParallelEmbedding(8, 4, tp=2, **kwargs)
+
+
+def test_tp_mismatch_without_context_and_with_another_mesh():
+    with pytest.raises(MeshError) as info:
+        ColumnParallelLinear(8, 8, tp=2)
+    assert str(info.value).startswith(
+        "ColumnParallelLinear(tp=2): this code was rewritten for tp=2 but no parallel "
+        "context is active (tp=1)"
+    )
+    assert "--tp 1" in str(info.value)
+    with use(ParallelContext(mesh=Mesh(tp=2))):
+        with pytest.raises(
+            MeshError, match=r"rewritten for tp=4 but the current mesh is Mesh\(dp=1, pp=1, tp=2\)"
+        ):
+            RowParallelLinear(8, 8, tp=4)
+        with pytest.raises(MeshError, match="--tp 2"):
+            VocabParallelEmbedding(8, 8)  # tp=1 code under a tp=2 mesh
+
+
+def test_bad_degree_and_chunks():
+    with pytest.raises(HintError, match="tp=0 must be an int >= 1"):
+        RowParallelLinear(4, 4, tp=0)
+    with pytest.raises(HintError, match="chunks=0 must be an int >= 1"):
+        ColumnParallelLinear(4, 4, chunks=0)
+
+
+def test_tp1_layers_are_the_torch_layers():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 6)
+    for layer, ref in (
+        (ColumnParallelLinear(6, 9, chunks=3, gather=True), nn.Linear(6, 9)),
+        (RowParallelLinear(6, 4, bias=False), nn.Linear(6, 4, bias=False)),
+    ):
+        layer.load_state_dict(ref.state_dict())
+        assert torch.equal(layer(x), ref(x))
+    emb = VocabParallelEmbedding(10, 4, padding_idx=-1, max_norm=1.0)
+    ref = nn.Embedding(10, 4, padding_idx=-1, max_norm=1.0)
+    emb.load_state_dict(ref.state_dict())
+    ids = torch.tensor([[0, 9, 3], [9, 9, 1]])
+    assert torch.equal(emb(ids), ref(ids))
+    logits, target = torch.randn(6, 10), torch.tensor([1, -1, 3, 9, 0, -1])
+    assert torch.equal(
+        vocab_parallel_cross_entropy(logits, target, ignore_index=-1),
+        F.cross_entropy(logits, target, ignore_index=-1),
+    )
+    # the comm functions are identities with no context
+    assert all(f(x) is x for f in (copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp))
+
+
+def test_init_distribution_and_repr():
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(64, 32, chunks=2)
+    bound = 1 / 64**0.5
+    assert col.weight.abs().max() <= bound and col.weight.abs().max() > 0.9 * bound
+    emb = VocabParallelEmbedding(16, 4, padding_idx=3)
+    assert torch.equal(emb.weight[3], torch.zeros(4))
+    assert "chunks=2, tp=1, local_weight=(32, 64)" in repr(col)
+    assert "tp=1, local_weight=(16, 4), rows=[0, 16)" in repr(emb)
+    assert col.annot_shard_layout() == {"weight": (0, 2), "bias": (0, 2)}
+    assert RowParallelLinear(4, 4).annot_shard_layout() == {"weight": (1, 1)}
+
+
+@settings(derandomize=True, deadline=None, max_examples=40)
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    tp=st.sampled_from([1, 2, 4]),
+    chunks=st.integers(1, 3),
+    local=st.integers(1, 3),
+    data=st.data(),
+)
+def test_split_local_takes_each_ranks_slice_of_every_chunk(lead, tp, chunks, local, data):
+    shape = [*lead, chunks * tp * local]
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    shape[dim], shape[-1] = shape[-1], shape[dim]  # the split dim may be any dim
+    x = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    for rank in range(tp):
+        got = split_local(x, dim, chunks, tp, rank)
+        for k in range(chunks):
+            start = (k * tp + rank) * local
+            assert torch.equal(got.narrow(dim, k * local, local), x.narrow(dim, start, local)), (
+                rank,
+                k,
+            )
+
+
+# --------------------------------------------------------------------------- #
+# Multi-rank parity
+# --------------------------------------------------------------------------- #
+
+
+def _setup(mesh):
+    from runtime.mesh import init
+
+    ctx = init(mesh)
+    torch.manual_seed(1234)  # the same reference weights and inputs on every rank
+    return ctx
+
+
+def _run_linear(ref, layer, x, *, in_split, out_chunks, ctx):
+    """Run ``ref`` on the full input and ``layer`` on its (maybe sharded) input;
+    compare output, input grad and full weight grads. ``out_chunks`` is None
+    when the layer's output is full, else the chunks of its sharded output."""
+    from runtime.state_dict import full_grads, load_full_state_dict
+
+    tp, rank = ctx.mesh.tp, ctx.tp_rank
+    load_full_state_dict(layer, ref.state_dict())
+    xr = x.clone().requires_grad_(True)
+    yr = ref(xr)
+    grad_out = torch.randn_like(yr)
+    yr.backward(grad_out)
+
+    xl = (split_local(x, -1, 1, tp, rank) if in_split else x).clone().requires_grad_(True)
+    y = layer(xl)
+    if out_chunks is None:
+        _close(y, yr, "output")
+        y.backward(grad_out)
+    else:
+        _close(y, split_local(yr, -1, out_chunks, tp, rank), "local output")
+        y.backward(split_local(grad_out, -1, out_chunks, tp, rank))
+    expected_xgrad = split_local(xr.grad, -1, 1, tp, rank) if in_split else xr.grad
+    _close(xl.grad, expected_xgrad, "input grad")
+    grads = full_grads(layer)
+    for name, p in ref.named_parameters():
+        _close(grads[name], p.grad, f"grad of {name}")
+
+
+def _linear_cases(tp):
+    from runtime.mesh import use
+
+    ctx = _setup(Mesh(tp=tp))
+    rng = random.Random(tp)
+    with use(ctx):
+        for _ in range(4):
+            lead = [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
+            n_in, chunks = 4 * rng.randint(1, 3), rng.randint(1, 3)
+            n_out = chunks * tp * rng.randint(1, 3)
+            bias, gather = rng.random() < 0.7, rng.random() < 0.5
+            x = torch.randn(*lead, n_in)
+            col = ColumnParallelLinear(n_in, n_out, bias, chunks=chunks, gather=gather, tp=tp)
+            _run_linear(
+                nn.Linear(n_in, n_out, bias),
+                col,
+                x,
+                in_split=False,
+                out_chunks=None if gather else chunks,
+                ctx=ctx,
+            )
+            n_in_row = tp * rng.randint(1, 4)
+            x = torch.randn(*lead, n_in_row)
+            row = RowParallelLinear(n_in_row, n_out, bias, tp=tp)
+            _run_linear(
+                nn.Linear(n_in_row, n_out, bias), row, x, in_split=True, out_chunks=None, ctx=ctx
+            )
+
+        # Fused QKV (chunks=3): local output is this rank's q|k|v; gathered is the full one.
+        ref = nn.Linear(8, 3 * 4 * tp)
+        x = torch.randn(2, 5, 8)
+        for gather in (False, True):
+            qkv = ColumnParallelLinear(8, 3 * 4 * tp, chunks=3, gather=gather, tp=tp)
+            ref.zero_grad()
+            _run_linear(ref, qkv, x, in_split=False, out_chunks=None if gather else 3, ctx=ctx)
+            if not gather:
+                q, k, v = qkv(x).split(4, dim=-1)  # the layout attention code relies on
+                q_ref, k_ref, v_ref = ref(x).split(4 * tp, dim=-1)
+                for got, full in ((q, q_ref), (k, k_ref), (v, v_ref)):
+                    _close(got, full[..., 4 * ctx.tp_rank : 4 * (ctx.tp_rank + 1)], "q/k/v heads")
+    return True
+
+
+def test_linear_layers_match_nn_linear_tp2():
+    assert run_ranks(_linear_cases, 2, 2, timeout=240) == [True, True]
+
+
+def _mlp_and_embedding(tp):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from runtime.mesh import use
+    from runtime.state_dict import full_grads, load_full_state_dict
+
+    ctx = _setup(Mesh(tp=tp))
+    rank = ctx.tp_rank
+    with use(ctx):
+        # Col -> GELU -> Row: one all-reduce forward, one backward.
+        ref = nn.Sequential(nn.Linear(8, 8 * tp), nn.GELU(), nn.Linear(8 * tp, 8))
+        mlp = nn.Sequential(
+            ColumnParallelLinear(8, 8 * tp, tp=tp), nn.GELU(), RowParallelLinear(8 * tp, 8, tp=tp)
+        )
+        load_full_state_dict(mlp, ref.state_dict())
+        x = torch.randn(2, 3, 8)
+        xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with CommDebugMode() as fwd:
+            y = mlp(xt)
+        with CommDebugMode() as bwd:
+            y.pow(2).sum().backward()
+        assert fwd.get_comm_counts() == {ALL_REDUCE: 1}, fwd.get_comm_counts()
+        assert bwd.get_comm_counts() == {ALL_REDUCE: 1}, bwd.get_comm_counts()
+        ref(xr).pow(2).sum().backward()
+        _close(y, ref(xr), "mlp output")
+        _close(xt.grad, xr.grad, "mlp input grad")
+        grads = full_grads(mlp)
+        for name, p in ref.named_parameters():
+            _close(grads[name], p.grad, f"mlp grad {name}")
+        # Without an input that needs grad, the backward all-reduce is skipped.
+        with CommDebugMode() as bwd:
+            mlp(x).sum().backward()
+        assert bwd.get_comm_counts() == {ALL_REDUCE: 1}, "forward only"
+
+        # Vocab-parallel embedding; ids cover every shard, padding row included.
+        vocab = 4 * tp
+        ref = nn.Embedding(vocab, 6, padding_idx=vocab - 1)
+        emb = VocabParallelEmbedding(vocab, 6, padding_idx=vocab - 1, tp=tp)
+        load_full_state_dict(emb, ref.state_dict())
+        ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (11,))]).view(3, -1)
+        out, out_ref = emb(ids), ref(ids)
+        _close(out, out_ref, "embedding output")
+        g = torch.randn_like(out)
+        out.backward(g)
+        out_ref.backward(g)
+        _close(full_grads(emb)["weight"], ref.weight.grad, "embedding grad")
+        assert (emb.weight.grad[-1] == 0).all() or rank != tp - 1, "padding row gets no grad"
+        with torch.no_grad():
+            _close(emb(ids), ref(ids), "embedding output without grad")
+
+        # scatter / gather round trip and their backward.
+        x = torch.randn(3, 4 * tp, requires_grad=True)
+        with CommDebugMode() as comm:
+            y = gather_from_tp(scatter_to_tp(x) * (rank + 1))
+        assert comm.get_comm_counts() == {ALL_GATHER: 1}
+        scale = torch.arange(1, tp + 1, dtype=torch.float32).repeat_interleave(4)
+        _close(y, x * scale, "scatter/gather")
+        y.sum().backward()
+        _close(x.grad, scale.expand(3, -1), "scatter grad (all-gathered)")
+        # copy / reduce: sums of per-rank contributions.
+        x = torch.ones(2, requires_grad=True)
+        z = reduce_from_tp(copy_to_tp(x) * (rank + 1))
+        z.sum().backward()
+        _close(z, torch.full((2,), tp * (tp + 1) / 2), "reduce_from_tp")
+        _close(x.grad, torch.full((2,), tp * (tp + 1) / 2), "copy_to_tp grad")
+    return True
+
+
+def test_mlp_block_counts_collectives_and_embedding_tp4():
+    assert run_ranks(_mlp_and_embedding, 4, 4, timeout=240) == [True] * 4
+
+
+def _cross_entropy(tp):
+    from runtime.mesh import use
+    from runtime.state_dict import full_grads, load_full_state_dict
+
+    ctx = _setup(Mesh(tp=tp))
+    rank = ctx.tp_rank
+    rng = random.Random(7)
+    with use(ctx):
+        for case in range(6):
+            n, classes = rng.randint(1, 9), tp * rng.randint(1, 5)
+            smoothing = (0.0, 0.1)[case % 2]
+            logits = torch.randn(n, classes) * 4
+            target = torch.randint(0, classes, (n,))
+            target[torch.rand(n) < 0.3] = -1  # nanoGPT's ignore_index
+            if case == 0:
+                target[:] = -1  # all ignored: mean is nan, as in torch
+            for reduction in ("mean", "sum", "none"):
+                lr = logits.clone().requires_grad_(True)
+                lt = split_local(logits, -1, 1, tp, rank).clone().requires_grad_(True)
+                kw = dict(ignore_index=-1, reduction=reduction, label_smoothing=smoothing)
+                loss_ref = F.cross_entropy(lr, target, **kw)
+                loss = vocab_parallel_cross_entropy(lt, target, **kw)
+                what = f"case {case} {reduction} smoothing={smoothing}"
+                if not (target != -1).any() and reduction == "mean":
+                    assert loss.isnan() and loss_ref.isnan(), what
+                    continue
+                _close(loss, loss_ref, f"loss, {what}")
+                g = torch.rand_like(loss_ref)
+                loss_ref.backward(g)
+                loss.backward(g)
+                _close(lt.grad, split_local(lr.grad, -1, 1, tp, rank), f"logits grad, {what}")
+
+        # An LM head: Col (not gathered) -> vocab-parallel CE, vs Linear -> CE.
+        ref = nn.Linear(8, 4 * tp, bias=False)
+        head = ColumnParallelLinear(8, 4 * tp, bias=False, tp=tp)
+        load_full_state_dict(head, ref.state_dict())
+        h = torch.randn(2, 5, 8)
+        targets = torch.randint(0, 4 * tp, (2, 5))
+        hr, ht = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+        loss_ref = F.cross_entropy(ref(hr).view(-1, 4 * tp), targets.view(-1))
+        loss = vocab_parallel_cross_entropy(head(ht).view(-1, 4), targets.view(-1))
+        loss_ref.backward()
+        loss.backward()
+        _close(loss, loss_ref, "lm loss")
+        _close(ht.grad, hr.grad, "lm hidden grad")
+        _close(full_grads(head)["weight"], ref.weight.grad, "lm head grad")
+        # (N, C, d) input layout.
+        x = torch.randn(3, 2 * tp, 4)
+        t = torch.randint(0, 2 * tp, (3, 4))
+        got = vocab_parallel_cross_entropy(split_local(x, 1, 1, tp, rank), t, reduction="none")
+        _close(got, F.cross_entropy(x, t, reduction="none"), "(N, C, d) input")
+
+        with pytest.raises(HintError, match="weight= .* not supported with tp > 1"):
+            vocab_parallel_cross_entropy(lt, target, weight=torch.ones(classes))
+        with pytest.raises(IndexError, match="target 99 is out of bounds"):
+            vocab_parallel_cross_entropy(lt, torch.full_like(target, 99))
+    return True
+
+
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy_tp2():
+    assert run_ranks(_cross_entropy, 2, 2, timeout=240) == [True, True]
