@@ -1,0 +1,571 @@
+"""A failing rank never leaves the others hanging.
+
+Every blocking wait in the runtime has a timeout, and every rank that stops
+says why in torch.distributed's key-value store, so that every other rank can
+name the rank that failed *first*, not just its neighbour::
+
+    with guard("forward", stage=1, microbatch=3):
+        out = stage(x)                      # an exception here is reported
+
+    with guard("recv activations", stage=1, microbatch=3, peer=src) as timeout_s:
+        wait_work(dist.irecv(buf, src), timeout_s)   # a timeout or a lost peer
+                                                      # names the culprit
+
+Both raise :class:`annot.errors.RankFailure`, e.g. ``rank 3 (stage 1) failed
+during forward of microbatch 2: ValueError: boom`` or ``rank 2 (stage 1) did not
+respond within 10 s while this rank waited in recv activations of microbatch 4``.
+
+Timeout: ``timeout_s=`` or the environment variable ``ANNOT_TIMEOUT_S``
+(default 300 s). Grace: ``grace_s=`` or ``ANNOT_FAULT_GRACE_S`` (default 2 s),
+how long a rank whose wait failed looks in the store for a better culprit than
+its own peer before it blames the peer (half of it when the peer's connection
+closed rather than timed out).
+
+The store (keys under ``annot/``):
+
+- ``annot/failure/self``: the first rank that reported its own failure (an
+  exception in its compute, a bad message it received). First writer wins.
+- ``annot/failure/blame``: the first rank that another rank blamed (it did not
+  respond in time, or its connection closed without a report). First writer
+  wins, except that a rank still alive replaces a blame that names itself.
+- ``annot/waiting/<rank>``: written by a rank whose wait on ``peer`` failed.
+  Following these from one's own peer (0 waited on 1, 1 waited on 2) reaches
+  the rank that is not itself waiting on anyone: the one that hung or died.
+
+The store is a ``torch.distributed.TCPStore`` client connected to the store of
+the default group (``MASTER_ADDR:MASTER_PORT``, which torchrun and the env://
+init both serve), made when the first guard is entered, while every rank is
+still alive. Without it (no environment, store host gone) each rank only
+reports what it saw itself.
+
+What gloo does (torch 2.13, measured):
+
+- ``Work.wait(timeout=timedelta(...))`` raises ``RuntimeError: ... Timed out
+  waiting 1000ms for recv operation to complete`` and closes *every* connection
+  of that process group (later calls: "Application timeout caused pair
+  closure"), so the group is unusable after a timeout and the peers of the
+  timed-out rank see "Connection closed by peer" at once.
+- A peer that exits (even ``os._exit``) shows at once as ``RuntimeError: ...
+  Connection closed by peer``.
+- ``Work.is_completed()`` of a gloo recv stays False until ``wait()`` is called,
+  so a gloo wait cannot be sliced into short polls: it is one ``wait(timeout)``.
+  (NCCL is the other way round: :func:`wait_work` polls ``is_completed()``.)
+- ``destroy_process_group()`` returns at once after a timeout or with only
+  point-to-point work pending, but blocks while a collective runs on a gloo
+  worker thread for a peer that hangs, until that peer exits;
+  ``_abort_process_group()`` blocks the same way on gloo (it is for NCCL).
+  :func:`abort_process_group` therefore tears down on a daemon thread with a
+  bound and, when asked, leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from annot.errors import AnnotError, RankFailure
+
+__all__ = [
+    "abort_process_group",
+    "classify",
+    "connect_store",
+    "default_grace",
+    "default_timeout",
+    "first_failure",
+    "guard",
+    "report_failure",
+    "set_store",
+    "wait_work",
+]
+
+TIMEOUT_ENV = "ANNOT_TIMEOUT_S"
+GRACE_ENV = "ANNOT_FAULT_GRACE_S"
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_GRACE_S = 2.0
+PREFIX = "annot/"
+_SELF_KEY = PREFIX + "failure/self"
+_BLAME_KEY = PREFIX + "failure/blame"
+_STORE_TIMEOUT_S = 5.0
+_MAX_ERROR_CHARS = 2000
+
+
+class CommTimeout(TimeoutError):
+    """A communication did not complete within its timeout (raised by
+    :func:`wait_work` on backends whose ``Work`` is polled)."""
+
+
+# -- settings ---------------------------------------------------------------
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise AnnotError(f"{name}={raw!r} is not a positive number of seconds; e.g. {name}=600")
+    return value
+
+
+def default_timeout(timeout_s: Optional[float] = None) -> float:
+    """``timeout_s`` if given, else ``$ANNOT_TIMEOUT_S``, else 300 seconds."""
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise AnnotError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        return float(timeout_s)
+    return _env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def default_grace(grace_s: Optional[float] = None) -> float:
+    """``grace_s`` if given, else ``$ANNOT_FAULT_GRACE_S``, else 2 seconds."""
+    if grace_s is not None:
+        return max(0.0, float(grace_s))
+    return _env_seconds(GRACE_ENV, DEFAULT_GRACE_S)
+
+
+def _my_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+# -- the store --------------------------------------------------------------
+
+_store_state: dict[str, Any] = {"pid": None, "store": None}
+
+
+def set_store(store: Any) -> None:
+    """Use ``store`` (any ``torch.distributed.Store``, e.g. a ``HashStore`` in a
+    test) for failure records; ``None`` disables the side channel."""
+    _store_state.update(pid=os.getpid(), store=store)
+
+
+def connect_store() -> Any:
+    """The store for failure records, connected on first use; None when there is
+    none (no process group, no ``MASTER_ADDR``/``MASTER_PORT``, or unreachable)."""
+    if _store_state["pid"] == os.getpid():
+        return _store_state["store"]
+    store = None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and dist.is_available() and dist.is_initialized():
+        try:
+            store = dist.TCPStore(
+                addr,
+                int(port),
+                is_master=False,
+                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+            )
+        except Exception:  # noqa: BLE001 - degrade to local messages
+            store = None
+    set_store(store)
+    return store
+
+
+def _get(store: Any, key: str) -> Optional[dict]:
+    """The JSON record under ``key``, or None, without blocking on a missing key."""
+    try:
+        if not store.check([key]):
+            return None
+        return json.loads(store.get(key))
+    except Exception:  # noqa: BLE001 - a dead store reads as empty
+        return None
+
+
+def _put_first(store: Any, key: str, record: dict, me: Optional[int] = None) -> dict:
+    """Write ``record`` unless ``key`` holds one already; return whichever holds.
+    A record that names ``me`` (a live rank blamed by mistake) is replaced."""
+    text = json.dumps(record)
+    try:
+        held = store.compare_set(key, "", text)
+        first = json.loads(held)
+        if me is not None and first.get("rank") == me and first != record:
+            first = json.loads(store.compare_set(key, held.decode(), text))
+        return first
+    except Exception:  # noqa: BLE001 - a dead store: keep our own view
+        return record
+
+
+def report_failure(
+    rank: int,
+    stage: Optional[int],
+    op: str,
+    microbatch: Optional[int],
+    error: str,
+    *,
+    kind: Optional[str] = None,
+    reporter: Optional[int] = None,
+    timeout_s: Optional[float] = None,
+) -> dict:
+    """Record that ``rank`` failed (first writer wins); return the record that
+    now stands: ours, or the one written before it.
+
+    ``kind``: ``"error"`` (the rank reports its own exception; the default when
+    ``rank`` is the reporter), ``"timeout"`` (did not respond within
+    ``timeout_s``) or ``"lost"`` (its connection closed; the default otherwise).
+    ``reporter`` (default: this rank) is the rank that saw it.
+    """
+    reporter = _my_rank() if reporter is None else reporter
+    kind = kind or ("error" if rank == reporter else "lost")
+    record = {
+        "rank": rank,
+        "stage": stage,
+        "op": op,
+        "microbatch": microbatch,
+        "error": error[:_MAX_ERROR_CHARS],
+        "kind": kind,
+        "reporter": reporter,
+        "timeout_s": timeout_s,
+        "time": time.time(),
+    }
+    store = connect_store()
+    if store is None:
+        return record
+    key = _SELF_KEY if kind == "error" else _BLAME_KEY
+    return _put_first(store, key, record, me=None if kind == "error" else _my_rank())
+
+
+def first_failure() -> Optional[dict]:
+    """The first failure recorded by any rank, without blocking: a rank's own
+    report wins over another rank's blame. None if nothing is recorded (or there
+    is no store). Keys: rank, stage, op, microbatch, error, kind, reporter,
+    timeout_s, time."""
+    store = connect_store()
+    if store is None:
+        return None
+    return _get(store, _SELF_KEY) or _get(store, _BLAME_KEY)
+
+
+# -- waiting with a timeout -------------------------------------------------
+
+
+def wait_work(work: Any, timeout_s: float, *, backend: Optional[str] = None) -> None:
+    """Wait for one ``torch.distributed`` Work, at most ``timeout_s`` seconds.
+
+    gloo: ``work.wait(timeout=...)`` (a timeout raises RuntimeError and, in
+    gloo, breaks the whole group). Other backends (NCCL): poll
+    ``work.is_completed()`` from the host, then ``work.wait()`` to order the
+    current stream after it; :class:`CommTimeout` past the deadline.
+    """
+    if backend is None:
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    if "gloo" in str(backend).lower():
+        work.wait(timeout=timedelta(seconds=timeout_s))
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"timed out after {timeout_s:g} s waiting for the operation")
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    work.wait()
+
+
+_LOST_MARKS = (
+    "pair closure",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "remote worker",
+    "socket closed",
+    "end of file",
+    "communicator was aborted",
+    "remote process exited",
+    "network error",
+    "ncclremoteerror",
+)
+_TIMEOUT_MARKS = ("timed out", "timeout", "deadline exceeded")
+
+
+def classify(exc: BaseException) -> Optional[str]:
+    """``"timeout"``, ``"lost"`` (a peer's connection went away), or None when
+    ``exc`` is not a communication failure."""
+    if isinstance(exc, CommTimeout):
+        return "timeout"
+    if not isinstance(exc, (RuntimeError, OSError)):
+        return None
+    text = str(exc).lower()
+    if any(mark in text for mark in _LOST_MARKS):
+        return "lost"
+    if any(mark in text for mark in _TIMEOUT_MARKS):
+        return "timeout"
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return "timeout" if isinstance(exc, TimeoutError) else "lost"
+    return None
+
+
+# -- the guard --------------------------------------------------------------
+
+
+def _who(rank: Any, stage: Any) -> str:
+    return f"rank {rank}" + (f" (stage {stage})" if stage is not None else "")
+
+
+def _during(op: str, microbatch: Any) -> str:
+    return op + (f" of microbatch {microbatch}" if microbatch is not None else "")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # gloo prefixes its messages with the C++ source location: drop it.
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def describe(record: dict, me: int, mine: str) -> str:
+    """The RankFailure message for ``record`` as seen by rank ``me``, which
+    stopped in ``mine`` (e.g. ``"recv activations of microbatch 4"``)."""
+    kind = record.get("kind")
+    rank = record.get("rank")
+    who = _who(rank, record.get("stage"))
+    during = _during(str(record.get("op")), record.get("microbatch"))
+    reporter = record.get("reporter")
+    observer = "this rank" if reporter == me else f"rank {reporter}"
+    if kind == "error":
+        text = f"{who} failed during {during}: {record.get('error')}"
+    elif kind == "timeout":
+        text = (
+            f"{who} did not respond within {record.get('timeout_s') or 0:g} s"
+            f" while {observer} waited in {during}"
+        )
+    elif kind == "deadlock":
+        text = (
+            f"ranks {record.get('error')} all wait on the next one (a deadlock: their sends"
+            " and receives are posted in orders that never match)"
+        )
+    else:
+        text = f"{who} exited or closed its connection while {observer} waited in {during}"
+    if rank != me and (kind == "error" or reporter != me):
+        text += f"; this rank ({me}) stopped in {mine}"
+    if rank != me and kind == "timeout":
+        text += (
+            f"\n  If rank {rank} is only slow (a long first step, a big checkpoint), raise"
+            f" the timeout: {TIMEOUT_ENV}=600 or timeout_s=600."
+        )
+    elif rank != me and kind in ("error", "lost"):
+        text += f"\n  The cause is in rank {rank}'s own output."
+    return text
+
+
+def _follow(store: Any, me: int, peer: int, peer_stage: Optional[int]) -> tuple[dict, list]:
+    """Follow ``annot/waiting/<rank>`` records from ``peer``; return the waiting
+    record of the last rank in the chain (``peer`` is its culprit) and the chain."""
+    chain = [me, peer]
+    last = None
+    while store is not None:
+        rec = _get(store, f"{PREFIX}waiting/{chain[-1]}")
+        if rec is None:
+            break
+        last = rec
+        if rec["peer"] in chain:
+            chain.append(rec["peer"])
+            return rec, chain
+        chain.append(rec["peer"])
+    return last, chain
+
+
+def _resolve(
+    exc: BaseException,
+    kind: str,
+    *,
+    me: int,
+    op: str,
+    stage: Optional[int],
+    microbatch: Optional[int],
+    peer: Optional[int],
+    peer_stage: Optional[int],
+    timeout_s: float,
+    grace_s: float,
+) -> RankFailure:
+    """A communication failed: find who failed first and build the RankFailure."""
+    mine = _during(op, microbatch)
+    store = connect_store()
+    mine_rec = {
+        "rank": peer,
+        "stage": peer_stage,
+        "op": op,
+        "microbatch": microbatch,
+        "error": _short(exc)[:_MAX_ERROR_CHARS],
+        "kind": kind,
+        "reporter": me,
+        "timeout_s": timeout_s,
+        "time": time.time(),
+    }
+    if store is not None and peer is not None:
+        try:
+            waiting = dict(mine_rec, rank=me, stage=stage, peer=peer, peer_stage=peer_stage)
+            store.set(f"{PREFIX}waiting/{me}", json.dumps(waiting))
+        except Exception:  # noqa: BLE001 - a dead store: local view only
+            store = None
+    deadline = time.monotonic() + (grace_s if kind == "timeout" else grace_s / 2)
+    found = None
+    while store is not None:
+        rec = first_failure()
+        if rec is not None and rec.get("rank") != me:
+            found = rec
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if found is None and peer is not None:
+        last, chain = _follow(store, me, peer, peer_stage)
+        if chain[-1] in chain[:-1]:
+            cycle = chain[chain.index(chain[-1]) :]
+            found = dict(mine_rec, kind="deadlock", rank=None, error=" -> ".join(map(str, cycle)))
+        else:
+            if last is None:  # nobody else waited: my peer is the culprit
+                found = mine_rec
+            else:  # the last waiter's peer is the culprit, as that waiter saw it
+                found = {
+                    "rank": last["peer"],
+                    "stage": last.get("peer_stage"),
+                    "op": last["op"],
+                    "microbatch": last["microbatch"],
+                    "error": last["error"],
+                    "kind": last["kind"],
+                    "reporter": last["reporter"],
+                    "timeout_s": last["timeout_s"],
+                    "time": time.time(),
+                }
+            if store is not None:
+                stood = _put_first(store, _BLAME_KEY, found, me=me)
+                if stood.get("rank") != me:
+                    found = stood
+    if found is None:
+        return RankFailure(
+            f"this rank ({me}) {'timed out' if kind == 'timeout' else 'lost a connection'}"
+            f" in {mine} and no rank reported a failure: {_short(exc)}",
+            rank=None,
+            op=op,
+            microbatch=microbatch,
+        )
+    return RankFailure(
+        describe(found, me, mine),
+        rank=found.get("rank"),
+        stage=found.get("stage"),
+        op=found.get("op"),
+        microbatch=found.get("microbatch"),
+    )
+
+
+@contextlib.contextmanager
+def guard(
+    op: str,
+    *,
+    rank: Optional[int] = None,
+    stage: Optional[int] = None,
+    microbatch: Optional[int] = None,
+    peer: Optional[int] = None,
+    timeout_s: Optional[float] = None,
+    peer_stage: Optional[int] = None,
+    comm: Optional[bool] = None,
+    grace_s: Optional[float] = None,
+) -> Iterator[float]:
+    """Turn any failure inside the block into a :class:`RankFailure` that names
+    the rank that failed first; yields the timeout (seconds) to wait with.
+
+    ``op`` is what the block does (``"forward"``, ``"recv activations"``),
+    ``rank`` this rank (default: the process group's), ``stage`` and
+    ``microbatch`` where it is. ``peer`` is the global rank a communication
+    waits on (and ``peer_stage`` its stage, for the message); ``comm`` says the
+    block communicates (default: ``peer is not None``; set it for collectives).
+
+    - An exception in a block that does not communicate (or one that is not a
+      communication failure) is this rank's own: it is reported to the store and
+      raised as ``rank R (stage S) failed during OP of microbatch M: Type: msg``.
+    - A timeout or a lost connection in a communication: the first failure in
+      the store names the culprit if there is one (waiting up to the grace
+      period for it to appear); else the chain of waiting ranks from ``peer``;
+      else ``peer`` itself. The verdict is written back for the other ranks.
+
+    A RankFailure raised inside passes through unchanged. After a RankFailure
+    the process group is unusable: stop, and see :func:`abort_process_group`.
+    """
+    me = _my_rank() if rank is None else rank
+    timeout = default_timeout(timeout_s)
+    is_comm = (peer is not None) if comm is None else comm
+    connect_store()  # now, while every rank (and the store's host) is alive
+    try:
+        yield timeout
+    except RankFailure:
+        raise
+    except Exception as exc:
+        kind = classify(exc) if is_comm else None
+        if kind is None:
+            error = _short(exc)
+            report_failure(me, stage, op, microbatch, error, kind="error", reporter=me)
+            raise RankFailure(
+                f"{_who(me, stage)} failed during {_during(op, microbatch)}: {error}",
+                rank=me,
+                stage=stage,
+                op=op,
+                microbatch=microbatch,
+            ) from exc
+        raise _resolve(
+            exc,
+            kind,
+            me=me,
+            op=op,
+            stage=stage,
+            microbatch=microbatch,
+            peer=peer,
+            peer_stage=peer_stage,
+            timeout_s=timeout,
+            grace_s=default_grace(grace_s),
+        ) from exc
+
+
+# -- leaving ----------------------------------------------------------------
+
+
+def abort_process_group(*, wait_s: float = 2.0, exit_code: Optional[int] = None) -> bool:
+    """Tear down torch.distributed on a failing rank without hanging; True if
+    the teardown finished within ``wait_s`` seconds.
+
+    Closing this rank's connections promptly is what tells its peers (they see
+    "Connection closed by peer" at once and look up the failure in the store).
+    NCCL: ``_abort_process_group()`` (``ncclCommAbort``; destroy would wait for
+    kernels that never end). gloo: ``destroy_process_group()``, which returns at
+    once unless a collective is running for a hung peer. Either runs on a daemon
+    thread for at most ``wait_s``; if it is still blocked, the process should
+    leave without its destructors: pass ``exit_code`` to flush stdout/stderr and
+    ``os._exit(exit_code)`` after the attempt.
+    """
+    done = threading.Event()
+
+    def teardown() -> None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                backend = str(dist.get_backend()).lower()
+                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                if "nccl" in backend and abort is not None:
+                    abort()
+                else:
+                    dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may refuse; we are leaving
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=teardown, name="annot-abort", daemon=True).start()
+    finished = done.wait(wait_s)
+    if exit_code is not None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(exit_code)
+    return finished
