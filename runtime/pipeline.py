@@ -40,7 +40,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.errors import PipelineError
+from annot.errors import PipelineError, RankFailure
+from runtime.faults import report_failure
+from runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
 from runtime.schedules import (
     RECV_B,
     RECV_F,
@@ -187,79 +189,62 @@ for _name in (
 del _name
 
 
-# -- pytrees: tuple / list / dict of tensors and plain values -----------------
+# -- pytrees: what runtime.p2p carries, in its flatten order ------------------
 
 
-def _map(tree: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map(v, fn, other) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map(v, fn, other) for v in tree]
-    if isinstance(tree, tuple):
-        items = [_map(v, fn, other) for v in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
-    return other(tree)
-
-
-def _keep(x: Any) -> Any:
-    return x
-
-
-def _none(x: Any) -> None:
-    return None
-
-
-def _handoff(out: Any) -> Any:
+def _handoff(out: Any, device: Optional[torch.device]) -> Any:
     """A stage's outputs as the next stage's inputs on the same rank: the same
-    values, detached, so each stage has its own graph (like a p2p copy)."""
-    return _map(out, lambda t: t.detach().requires_grad_(t.requires_grad), _keep)
+    values, tensors detached, so each stage keeps its own graph (as after p2p)."""
+    tree, tensors = flatten(out, root="stage outputs")
+    fresh = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    return unflatten(tree, fresh, device=device)
 
 
-def _as_leaves(tree: Any) -> Any:
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_leaf else t.detach().requires_grad_(t.requires_grad)
+def _keep_grads(inputs: Any) -> None:
+    """Received tensors that require grad must collect a ``.grad`` (p2p gives
+    leaves; anything else is asked to retain it)."""
+    for t in tensors_requiring_grad(inputs):
+        if not t.is_leaf:
+            t.retain_grad()
 
-    return _map(tree, leaf, _keep)
+
+def _input_grads(inputs: Any) -> list[Optional[torch.Tensor]]:
+    """What B sends back: the ``.grad`` of each input tensor that requires
+    grad (p2p's flatten order), None where one got no gradient."""
+    return [t.grad for t in tensors_requiring_grad(inputs)]
 
 
-def _input_grads(inputs: Any) -> Any:
-    """Same structure as ``inputs``: each tensor's ``.grad`` (None if it got none
-    or does not require grad), every other value None."""
-    return _map(inputs, lambda t: t.grad if t.requires_grad else None, _none)
+def _grad_pairs(out: Any, grads: list, stage: int, microbatch: int) -> list[tuple]:
+    """Pair each output tensor that requires grad with its gradient; skip Nones."""
+    tensors = tensors_requiring_grad(out)
+    if not isinstance(grads, list) or len(grads) != len(tensors):
+        n = len(grads) if isinstance(grads, list) else type(grads).__name__
+        raise PipelineError(
+            f"stage {stage}, microbatch {microbatch}: {n} gradients arrived for "
+            f"{len(tensors)} outputs that require grad; the two sides of the stage boundary "
+            "disagree about its values (please report this)"
+        )
+    return [(t, g) for t, g in zip(tensors, grads) if g is not None]
 
 
 def _detached(tree: Any) -> Any:
-    return _map(tree, lambda t: t.detach(), _keep)
-
-
-def _grad_pairs(out: Any, grads: Any, acc: list) -> None:
-    """Pair each output tensor that requires grad with its gradient, walking
-    both trees by key / index (so dict order does not matter)."""
-    if grads is None:
-        return
-    if isinstance(out, torch.Tensor):
-        if out.requires_grad and isinstance(grads, torch.Tensor):
-            acc.append((out, grads))
-        return
-    if isinstance(out, dict) and isinstance(grads, dict):
-        for k, v in out.items():
-            _grad_pairs(v, grads.get(k), acc)
-    elif isinstance(out, (list, tuple)) and isinstance(grads, (list, tuple)):
-        if len(out) != len(grads):
-            raise PipelineError(
-                f"gradients for {len(grads)} values arrived for {len(out)} outputs: the two "
-                "sides of a stage boundary disagree about its values (please report this)"
-            )
-        for v, g in zip(out, grads):
-            _grad_pairs(v, g, acc)
+    """Tensors detached in tuples, lists and dicts; everything else as is."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach()
+    if isinstance(tree, dict):
+        return type(tree)((k, _detached(v)) for k, v in tree.items())
+    if isinstance(tree, list):
+        return [_detached(v) for v in tree]
+    if isinstance(tree, tuple):
+        items = [_detached(v) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    return tree
 
 
 def _call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return fn(**inputs)
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+    if isinstance(inputs, tuple):
         return fn(*inputs)
     return fn(inputs)
 
@@ -283,7 +268,7 @@ class _Step:
         self.results: dict[int, Any] = {}
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}
-        self.handles: list[tuple[Any, Action, int]] = []
+        self.handles: list[Any] = []  # runtime.p2p.Handle
 
 
 class ModelCall:
@@ -444,13 +429,9 @@ class PipelineExecutor:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
         st = _Step(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
-        try:
-            for action in actions:
-                self._do(st, action)
-            self._wait_sends(st)
-        except BaseException as exc:
-            self._on_failure(exc)
-            raise
+        for action in actions:
+            self._do(st, action)
+        self._wait_sends(st)
         self._check_empty(st)
         holds_last = self._owner(self.num_stages - 1) == self.pp_rank
         self.last_rank_outputs = (
@@ -461,7 +442,8 @@ class PipelineExecutor:
     def broadcast_outputs(self, outputs: Optional[list[Any]] = None) -> list[Any]:
         """The last stage's step outputs (``outputs`` there, else the last
         :meth:`run`'s), tensors detached, on every rank of the pipeline."""
-        holds_last = self._owner(self.num_stages - 1) == self.pp_rank
+        last = self.num_stages - 1
+        holds_last = self._owner(last) == self.pp_rank
         if holds_last:
             outputs = self.last_rank_outputs if outputs is None else outputs
             if outputs is None:
@@ -469,28 +451,32 @@ class PipelineExecutor:
             outputs = _detached(outputs)
         if self.pp == 1:
             return outputs
-        from runtime.faults import guard
-        from runtime.p2p import recv_pytree, send_pytree
-
-        src = self._peers[self._owner(self.num_stages - 1)]
-        if holds_last:
-            handles = [
-                (dst, send_pytree(outputs, dst, group=self._group, what="step outputs"))
-                for dst in self._peers
-                if dst != self.rank
-            ]
-            for dst, h in handles:
-                with guard("send step outputs", **self._where(None, None, dst)):
-                    h.wait()
-            return outputs
-        with guard("recv step outputs", **self._where(None, None, src)):
+        src = self._peers[self._owner(last)]
+        if not holds_last:
             return recv_pytree(
                 src,
                 group=self._group,
                 device=self._device,
                 what="step outputs",
                 timeout_s=self.timeout_s,
+                stage=self.pp_rank,
+                peer_stage=last,
             )
+        handles = [
+            send_pytree(
+                outputs,
+                dst,
+                group=self._group,
+                what="step outputs",
+                timeout_s=self.timeout_s,
+                stage=last,
+            )
+            for dst in self._peers
+            if dst != self.rank
+        ]
+        for h in handles:
+            h.wait()
+        return outputs
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This rank's Chrome trace events so far (``trace=True``); merge ranks
@@ -502,32 +488,43 @@ class PipelineExecutor:
     def _owner(self, stage: int) -> int:
         return stage % self.pp
 
-    def _where(self, stage: Optional[int], microbatch: Optional[int], peer: int) -> dict:
-        return {
-            "rank": self.rank,
-            "stage": stage,
-            "microbatch": microbatch,
-            "peer": peer,
-            "timeout_s": self.timeout_s,
-        }
-
     def _do(self, st: _Step, a: Action) -> None:
         kind, s, i = a
         cat = {F: "forward", B: "backward"}.get(kind, "p2p")
         with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
-            if kind == F:
-                self._run_forward_action(st, s, i)
-            elif kind == B:
-                self._backward(st, s, i)
-            elif kind == SEND_F:
-                out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
-                self._send(st, a, out)
-            elif kind == SEND_B:
-                self._send(st, a, st.in_grads.pop((s, i)))
-            elif kind == RECV_F:
-                st.inputs[(s, i)] = _as_leaves(self._recv(st, a, self._owner(s - 1)))
-            elif kind == RECV_B:
-                st.out_grads[(s, i)] = self._recv(st, a, self._owner(s + 1))
+            try:
+                if kind == F:
+                    self._run_forward_action(st, s, i)
+                elif kind == B:
+                    self._backward(st, s, i)
+                elif kind == SEND_F:
+                    out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
+                    self._send(st, a, out)
+                elif kind == SEND_B:
+                    self._send(st, a, st.in_grads.pop((s, i)))
+                elif kind == RECV_F:
+                    st.inputs[(s, i)] = x = self._recv(st, a, self._owner(s - 1))
+                    _keep_grads(x)
+                elif kind == RECV_B:
+                    st.out_grads[(s, i)] = self._recv(st, a, self._owner(s + 1))
+            except RankFailure:
+                raise  # another rank failed first; the store already says who
+            except Exception as exc:
+                self._report(exc, a)
+                raise
+
+    def _report(self, exc: BaseException, a: Action) -> None:
+        """Record this rank's own failure in the fault store, so the ranks
+        waiting on it name it (and this action) instead of timing out."""
+        if self.ctx is None or not self.ctx.distributed:
+            return
+        op = {F: "forward", B: "backward"}.get(a.kind, str(a))
+        try:
+            report_failure(
+                self.rank, a.stage, op, a.microbatch, f"{type(exc).__name__}: {exc}", kind="error"
+            )
+        except Exception:  # noqa: BLE001 - reporting must not hide the real error
+            pass
 
     def _run_forward_action(self, st: _Step, s: int, i: int) -> None:
         if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already
@@ -565,7 +562,7 @@ class PipelineExecutor:
             st.inputs[(s, i)] = inputs  # its .grad is what B sends back
         if s < self.num_stages - 1:
             if self._owner(s + 1) == self.pp_rank:
-                st.inputs[(s + 1, i)] = _handoff(out)
+                st.inputs[(s + 1, i)] = _handoff(out, self._device)
                 if not st.forward_only:
                     st.outputs[(s, i)] = out
             else:
@@ -578,8 +575,7 @@ class PipelineExecutor:
             torch.autograd.backward(loss * st.scale(i))
         else:
             out = st.outputs.pop((s, i))
-            pairs: list = []
-            _grad_pairs(out, st.out_grads.pop((s, i)), pairs)
+            pairs = _grad_pairs(out, st.out_grads.pop((s, i)), s, i)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del out, pairs
@@ -593,38 +589,37 @@ class PipelineExecutor:
     # -- p2p ------------------------------------------------------------------
 
     def _send(self, st: _Step, a: Action, payload: Any) -> None:
-        from runtime.p2p import send_pytree
-
         direction, dst_stage, i = a.message
         dst = self._peers[self._owner(dst_stage)]
-        what = f"{a} to rank {dst}"
         handle = send_pytree(
             (direction, dst_stage, i, payload),
             dst,
             group=self._group,
-            what=what,
+            what="activations" if direction == F else "gradients",
             timeout_s=self.timeout_s,
+            stage=a.stage,
+            microbatch=i,
+            peer_stage=dst_stage,
         )
-        st.handles.append((handle, a, dst))
+        st.handles.append(handle)
 
     def _recv(self, st: _Step, a: Action, src_pp_rank: int) -> Any:
-        """The payload of message ``a.message`` from ``src``; messages from the
-        same peer that arrive first are kept for their own RECV."""
-        from runtime.faults import guard
-        from runtime.p2p import recv_pytree
-
+        """The payload of message ``a.message`` from its sender; messages from
+        the same peer that arrive first are kept for their own RECV."""
         src = self._peers[src_pp_rank]
         key = a.message
         box = st.inbox.setdefault(src, {})
         while key not in box:
-            with guard(f"{a} from rank {src}", **self._where(a.stage, a.microbatch, src)):
-                msg = recv_pytree(
-                    src,
-                    group=self._group,
-                    device=self._device,
-                    what=f"{a} from rank {src}",
-                    timeout_s=self.timeout_s,
-                )
+            msg = recv_pytree(
+                src,
+                group=self._group,
+                device=self._device,
+                what="activations" if a.kind == RECV_F else "gradients",
+                timeout_s=self.timeout_s,
+                stage=a.stage,
+                microbatch=a.microbatch,
+                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+            )
             if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] in (F, B)):
                 raise PipelineError(
                     f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
@@ -640,26 +635,10 @@ class PipelineExecutor:
     def _wait_sends(self, st: _Step) -> None:
         if not st.handles:
             return
-        from runtime.faults import guard
-
         with self.tracer.span("wait sends", "p2p", {"count": len(st.handles)}, tid=self.pp_rank):
-            for handle, a, dst in st.handles:
-                with guard(f"{a} to rank {dst}", **self._where(a.stage, a.microbatch, dst)):
-                    handle.wait()
+            for handle in st.handles:
+                handle.wait()
         st.handles.clear()
-
-    def _on_failure(self, exc: BaseException) -> None:
-        """Tell the peers this rank failed, so they stop instead of waiting."""
-        if self.pp == 1 or isinstance(exc, KeyboardInterrupt):
-            return
-        try:
-            from runtime.faults import report_failure
-        except ImportError:
-            return
-        try:
-            report_failure(exc, rank=self.rank)
-        except Exception:  # noqa: BLE001 - reporting must not hide the real error
-            pass
 
     def _check_empty(self, st: _Step) -> None:
         left = {

@@ -137,6 +137,7 @@ CASES = [
     {"schedule": "1f1b", "chunks": 1, "sizes": (2, 2, 2, 2), "seq": 6},
     {"schedule": "1f1b", "chunks": 1, "sizes": (3, 2, 2), "seq": 1, "weighted": True},
     {"schedule": "1f1b", "chunks": 1, "sizes": (2, 1, 2), "seq": 2, "forward_only": True},
+    {"schedule": "1f1b", "chunks": 1, "sizes": (1,) * 8, "seq": 2},
     {"schedule": "interleaved", "chunks": 2, "sizes": (2, 2, 2, 2), "seq": 3},
     {"schedule": "interleaved", "chunks": 2, "sizes": (1, 2), "seq": 4, "weighted": True},
 ]
@@ -166,11 +167,11 @@ def _executors(pp, pp_rank, ctx, trace=False):
     return ex
 
 
-def _parity_rank(pp, cases):
+def _parity_rank(pp, cases, tp=1):
     from annot.mesh import Mesh
     from runtime.mesh import init, use
 
-    ctx = init(Mesh(pp=pp))
+    ctx = init(Mesh(pp=pp, tp=tp))  # tp > 1: replicas, so pp peers are tp ranks apart
     out = []
     with use(ctx):
         executors = _executors(pp, ctx.pp_rank, ctx, trace=True)
@@ -197,7 +198,11 @@ def _run(ex, model, pp, pp_rank, case):
     )
 
 
-def _check_ranks(pp, cases, per_rank):
+def _check_ranks(pp, cases, per_rank, tp=1):
+    if tp > 1:  # each tp index runs its own pipeline over ranks t, t + tp, ...
+        for t in range(tp):
+            _check_ranks(pp, cases, per_rank[t::tp])
+        return
     for k, case in enumerate(cases):
         losses = [r[0][k][0] for r in per_rank]
         assert all(v == losses[-1] for v in losses), "every rank gets the same step outputs"
@@ -231,6 +236,59 @@ SLOW_CASES = [
 def test_parity_pp4():
     per_rank = run_ranks(_parity_rank, 4, 4, SLOW_CASES, timeout=300)
     _check_ranks(4, SLOW_CASES, per_rank)
+
+
+@pytest.mark.slow
+def test_parity_pp2_peers_not_adjacent():
+    """Mesh(pp=2, tp=2): the pipeline of tp index t runs over global ranks t, t + 2."""
+    cases = [c for c in CASES if c["schedule"] != "gpipe"][:3] + CASES[-2:-1]
+    per_rank = run_ranks(_parity_rank, 4, 2, cases, 2, timeout=300)
+    _check_ranks(2, cases, per_rank, tp=2)
+
+
+def _fault_rank(schedule):
+    from annot.mesh import Mesh
+    from runtime.mesh import init
+
+    ctx = init(Mesh(pp=2))
+    stages = _local_stages(_model(), 2, ctx.pp_rank, 1)
+    if ctx.pp_rank == 1:
+        inner, calls = stages[0].fn, []
+
+        def failing(h, mask, n, y):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("boom in the last stage")
+            return inner(h, mask, n, y)
+
+        stages[0].fn = failing
+    ex = PipelineExecutor(
+        stages, num_stages=2, ctx=ctx, schedule=schedule, timeout_s=30, output_arity=2
+    )
+    x, y = _data((1, 1, 1), 2)
+
+    def body(i, call):
+        out, loss = call(x[i : i + 1], y[i : i + 1])
+        call.backward(loss)
+        return loss
+
+    try:
+        ex.run(3, body)
+    except Exception as e:  # noqa: BLE001 - the test looks at what each rank saw
+        return type(e).__name__, getattr(e, "rank", None), getattr(e, "stage", None), str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_failing_stage_names_rank_stage_and_microbatch(schedule):
+    """Rank 1 raises in its forward of microbatch 1; rank 0, waiting for it,
+    stops with a RankFailure that names rank 1, its stage and the microbatch."""
+    first, last = run_ranks(_fault_rank, 2, schedule, timeout=120)
+    assert last[:2] == ("ValueError", None) and "boom in the last stage" in last[3]
+    kind, rank, stage, message = first
+    assert (kind, rank, stage) == ("RankFailure", 1, 1), first
+    assert "rank 1 (stage 1) failed during forward of microbatch 1" in message
+    assert "ValueError: boom in the last stage" in message
 
 
 # -- one process (pp = 1): the executor's local paths --------------------------
