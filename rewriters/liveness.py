@@ -439,7 +439,12 @@ def _pattern_effects(node: cst.CSTNode) -> Effects:
         parts += [_pattern_effects(k.pattern) for k in node.kwds]
         return sequence(*parts)
     if isinstance(node, cst.MatchSequence):
-        return sequence(*(_pattern_effects(p.value) for p in node.patterns))
+        return sequence(
+            *(
+                _pattern_effects(p.value if isinstance(p, cst.MatchSequenceElement) else p)
+                for p in node.patterns
+            )
+        )
     if isinstance(node, cst.MatchOr):
         return _branch(*(_pattern_effects(p.pattern) for p in node.patterns))
     return EMPTY  # MatchSingleton
@@ -453,7 +458,16 @@ def _match_effects(node: cst.Match) -> Effects:
             parts.append(expression_effects(case.guard))
         parts.append(block_effects(case.body))
         cases.append(sequence(*parts))
-    return sequence(expression_effects(node.subject), _branch(*cases, EMPTY))
+    last = node.cases[-1] if node.cases else None
+    irrefutable = (  # `case _:` / `case name:` always matches
+        last is not None
+        and last.guard is None
+        and isinstance(last.pattern, cst.MatchAs)
+        and last.pattern.pattern is None
+    )
+    return sequence(
+        expression_effects(node.subject), _branch(*cases, *([] if irrefutable else [EMPTY]))
+    )
 
 
 def _small_effects(node: cst.BaseSmallStatement) -> Effects:

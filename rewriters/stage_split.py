@@ -561,6 +561,14 @@ class _Splitter:
                 self.forward, "forward takes no `self` parameter; annot splits methods"
             )
         self.self_name = positional[0].name.value
+        self.methods = {
+            f.name.value: f
+            for f in cls.body.body
+            if isinstance(f, cst.FunctionDef)
+            and f.name.value != "forward"
+            and not f.name.value.startswith(STAGE_PREFIX)
+            and not f.decorators  # plain methods only (no static/class methods, properties)
+        }
         params = param_names(self.forward.params)
         self.params = tuple(p for p in params if p != self.self_name)
 
@@ -624,6 +632,8 @@ class _Splitter:
                 label = f"boundary()@{self.line(stmt)}"
                 markers.append(_Cut(len(items), 0, label, stmt))
                 pending += list(stmt.leading_lines)
+                if stmt.trailing_whitespace.comment is not None:  # boundary()  # why
+                    pending.append(cst.EmptyLine(comment=stmt.trailing_whitespace.comment))
                 continue
             self.uses += collector.uses
             if pending:
@@ -885,6 +895,30 @@ def _output_arity(returns: Sequence[cst.Return]) -> Optional[int]:
     return arities.pop() if len(arities) == 1 else None
 
 
+def _with_methods(found: Mapping[str, None], methods: Mapping[str, cst.FunctionDef]):
+    """``found`` plus what the class's own methods that it calls read from
+    ``self`` (``self.head(x)`` uses ``lm_head`` when ``head`` does), transitively."""
+    out = dict(found)
+    todo = [p for p in found if p in methods]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        fn = methods[name]
+        positional = [*fn.params.posonly_params, *fn.params.params]
+        if not positional:
+            continue
+        inner = _SelfPaths(positional[0].name.value)
+        fn.body.visit(inner)
+        for p in inner.found:
+            out.setdefault(p, None)
+            if p in methods:
+                todo.append(p)
+    return tuple(out)
+
+
 def _build_stages(sp: _Splitter, plan: dict) -> list[tuple[cst.FunctionDef, StagePlan]]:
     fwd = sp.forward
     units: list[_Unit] = plan["units"]
@@ -926,10 +960,9 @@ def _build_stages(sp: _Splitter, plan: dict) -> list[tuple[cst.FunctionDef, Stag
         paths = _SelfPaths(sp.self_name)
         for stmt in body:
             stmt.visit(paths)
+        modules = _with_methods(paths.found, sp.methods)
         src = cst.Module(body=[func.with_changes(leading_lines=())]).code
-        out.append(
-            (func, StagePlan(k, func.name.value, tuple(inputs), outputs, tuple(paths.found), src))
-        )
+        out.append((func, StagePlan(k, func.name.value, tuple(inputs), outputs, modules, src)))
     return out
 
 
