@@ -13,7 +13,9 @@ Python's own ``SyntaxError`` use), taken from libcst's ``PositionProvider``.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import re
 from typing import Union
 
 import libcst as cst
@@ -35,10 +37,30 @@ Source = Union[str, bytes]
 _EMPTY = cst.Module(body=[])
 
 
-def syntax_error(exc: cst.ParserSyntaxError, path: str = "<string>") -> RewriteError:
-    """Turn libcst's ``ParserSyntaxError`` into a ``RewriteError`` at its position."""
+def syntax_error(
+    exc: cst.ParserSyntaxError, path: str = "<string>", source: Source | None = None
+) -> RewriteError:
+    """Turn libcst's ``ParserSyntaxError`` into a ``RewriteError`` at its position.
+
+    Given the ``source``, Python's own compiler is asked too: its position and
+    message are usually the more precise (libcst often points past the error).
+    """
+    if source is not None:
+        try:
+            compile(source, path, "exec", flags=ast.PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError as py:
+            if py.lineno:
+                return RewriteError(
+                    f"syntax error: {py.msg}; annot rewrites only code Python can parse",
+                    path,
+                    py.lineno,
+                    py.offset or 1,
+                )
+        except (ValueError, UnicodeDecodeError):
+            pass
+    message = re.sub(r"^parser error: error at \d+:\d+: ", "", exc.message)
     return RewriteError(
-        f"syntax error: {exc.message}; annot rewrites only code Python can parse",
+        f"syntax error: {message}; annot rewrites only code Python can parse",
         path,
         exc.editor_line,
         exc.editor_column,
@@ -55,7 +77,7 @@ def parse_source(source: Source, path: str = "<string>") -> cst.Module:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        raise syntax_error(exc, path) from None
+        raise syntax_error(exc, path, source) from None
     except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
         # bad coding cookie or bytes that do not decode
         line = getattr(exc, "lineno", None) or 1

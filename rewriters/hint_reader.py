@@ -207,8 +207,19 @@ class _HintReader(cst.CSTVisitor):
                 if not isinstance(value, (tuple, list)) or not all(
                     isinstance(n, str) and n.isidentifier() for n in value
                 ):
+                    bad = arg.value
+                    if isinstance(bad, (cst.Tuple, cst.List)):
+                        bad = next(
+                            (
+                                el.value
+                                for el in bad.elements
+                                if not isinstance(el.value, cst.SimpleString)
+                                or not str(el.value.evaluated_value).isidentifier()
+                            ),
+                            bad,
+                        )
                     raise self.locate.error(
-                        arg.value,
+                        bad,
                         f"{where}: local={node_source(arg.value)}; expected a tuple of "
                         'attribute or variable names, e.g. local=("n_head", "n_embd")',
                     )

@@ -121,9 +121,11 @@ def rewrite_tensor_parallel(
 
     ``source`` is text or bytes; the result has the same type (bytes keep the
     file's encoding, BOM and line endings). ``extra_hints`` maps class names
-    to :class:`ShardSpec` for classes without a ``@shard`` decorator, applied
-    exactly as if decorated; names not defined in ``source`` are ignored (a
-    model may span several files). Raises :class:`RewriteError` at
+    to :class:`ShardSpec` for hints given outside the source: a class without
+    a ``@shard`` decorator is rewritten exactly as if decorated, and for a
+    decorated class the given spec replaces the decorator's (the caller merges
+    the two, as ``annot.parallelize`` does). Names not defined in ``source``
+    are ignored (a model may span several files). Raises :class:`RewriteError` at
     ``path:line:col`` for anything it cannot rewrite safely.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -179,13 +181,8 @@ def _targets(
         hint = found.get(id(cls))
         if hint is not None:
             assert isinstance(hint.spec, ShardSpec)
-            if name in extra and extra[name] != hint.spec:
-                raise locate.error(
-                    hint.decorator,
-                    f"class {name} has {format_hint(hint.spec)} in the source and different "
-                    f"extra hints {format_hint(extra[name])}; give its hints in one place",
-                )
-            targets.append((cls, hint.spec, hint.decorator))
+            # extra hints replace the decorator's (the caller merged them)
+            targets.append((cls, extra.get(name, hint.spec), hint.decorator))
         elif name in extra and not _has_marker(cls):
             targets.append((cls, extra[name], None))
     return targets
@@ -227,10 +224,11 @@ def _with_args(call: cst.Call, func: cst.BaseExpression, extra: list[cst.Arg]) -
         last.comma.whitespace_after, cst.SimpleWhitespace
     ):
         sep = last.comma  # single argument written on its own line
-    tail = last.comma  # a trailing comma (and its newline) moves to the end
-    args[-1] = last.with_changes(comma=sep)
+    # a trailing comma and the space before ")" move to the end
+    tail, tail_ws = last.comma, last.whitespace_after_arg
+    args[-1] = last.with_changes(comma=sep, whitespace_after_arg=cst.SimpleWhitespace(""))
     new = [a.with_changes(comma=sep) for a in extra[:-1]]
-    new.append(extra[-1].with_changes(comma=tail))
+    new.append(extra[-1].with_changes(comma=tail, whitespace_after_arg=tail_ws))
     return call.with_changes(func=func, args=args + new)
 
 
@@ -678,6 +676,18 @@ class TensorParallelTransformer(ContextAwareTransformer):
                 cst.IfExp,
                 cst.DictElement,
                 cst.FormattedStringExpression,
+                cst.ListComp,
+                cst.SetComp,
+                cst.GeneratorExp,
+                cst.DictComp,
+                cst.CompFor,
+                cst.CompIf,
+                cst.If,
+                cst.While,
+                cst.For,
+                cst.Assert,
+                cst.Yield,
+                cst.Lambda,
             ),
         )
 
