@@ -57,6 +57,7 @@ from rewriters.hint_reader import (
     has_qualified_name,
 )
 from rewriters.liveness import (
+    Crossing,
     Effects,
     block_effects,
     crossings,
@@ -416,12 +417,11 @@ def _returns_in(nodes: Sequence[cst.CSTNode]) -> list[cst.Return]:
 
 
 class _Breaks(cst.CSTVisitor):
-    """``break`` / ``continue`` statements that belong to one loop body."""
+    """``break`` statements that belong to one loop body (not to loops nested in it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.breaks: list[cst.Break] = []
-        self.continues: list[cst.Continue] = []
 
     def visit_For(self, node: cst.For) -> bool:
         return False
@@ -437,9 +437,6 @@ class _Breaks(cst.CSTVisitor):
 
     def visit_Break(self, node: cst.Break) -> None:
         self.breaks.append(node)
-
-    def visit_Continue(self, node: cst.Continue) -> None:
-        self.continues.append(node)
 
 
 class _Closures(cst.CSTVisitor):
@@ -501,6 +498,21 @@ class _Unit:
     stop: Optional[int] = None
 
 
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """Stage ``k`` runs ``units[ranges[k][0]:ranges[k][1]]`` and, unless it is
+    the last, hands ``crossings[k]`` to stage ``k + 1``, which begins at
+    ``cuts[k]``. ``moved``: comments of removed ``boundary()`` lines, by the
+    item they now precede. ``returns``: forward's own ``return`` statements."""
+
+    units: list[_Unit]
+    ranges: list[tuple[int, int]]
+    crossings: list[Crossing]
+    cuts: list[_Cut]
+    moved: dict[int, list[cst.EmptyLine]]
+    returns: list[cst.Return]
+
+
 def _is_docstring(stmt: cst.CSTNode) -> bool:
     return (
         isinstance(stmt, cst.SimpleStatementLine)
@@ -549,7 +561,6 @@ class _Splitter:
     """Plans the stages of one class's forward (analysis only; no output)."""
 
     def __init__(self, wrapper: MetadataWrapper, cls: cst.ClassDef, path: str) -> None:
-        self.wrapper = wrapper
         self.cls = cls
         self.path = path
         self.locate = Locator(wrapper, path)
@@ -571,6 +582,7 @@ class _Splitter:
         }
         params = param_names(self.forward.params)
         self.params = tuple(p for p in params if p != self.self_name)
+        self.uses: list[_Use] = []  # filled by _items_and_markers
 
     def error(self, node: Optional[cst.CSTNode], reason: str) -> RewriteError:
         return self.locate.error(node if node is not None else self.forward, reason)
@@ -598,6 +610,8 @@ class _Splitter:
     # -- step 1: where each boundary is ---------------------------------------------
 
     def _items_and_markers(self) -> tuple[list[cst.BaseStatement], list[_Cut], dict]:
+        """Forward's top-level statements less its docstring and ``boundary()``
+        lines (``items``), a cut for each of those lines, and their comments."""
         stmts = _statements(self.forward.body)
         if stmts and _is_docstring(stmts[0]):
             stmts = stmts[1:]
@@ -605,7 +619,6 @@ class _Splitter:
         markers: list[_Cut] = []
         moved: dict[int, list[cst.EmptyLine]] = {}  # comments of removed markers
         pending: list[cst.EmptyLine] = []
-        self.uses: list[_Use] = []
         for stmt in stmts:
             collector = _Uses(self.self_name, len(items), self.qnames)
             stmt.visit(collector)
@@ -642,7 +655,8 @@ class _Splitter:
             items.append(stmt)
         return items, markers, moved
 
-    def _resolve(self, path: str, node: Optional[cst.CSTNode], items: list) -> _Cut:
+    def _resolve(self, path: str, node: Optional[cst.CSTNode]) -> _Cut:
+        """Where the stage named by boundary ``path`` begins (its first use in forward)."""
         for use in self.uses:
             element: Optional[int] = None
             if use.kind == "call" and use.path == path:
@@ -697,13 +711,19 @@ class _Splitter:
             f"forward of {self.cls.name.value} calls: {listing}",
         )
 
-    def _cuts(self, boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]], items, markers):
+    def _cuts(
+        self,
+        boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
+        items: list[cst.BaseStatement],
+        markers: list[_Cut],
+    ) -> list[_Cut]:
+        """All cuts in forward order; refuses disorder, duplicates, empty stages."""
         cuts: list[_Cut] = []
         seen: dict[str, _Cut] = {}
         for path, node in boundaries:
             if path in seen:
                 raise self.error(node, f"boundary {path!r} is given twice; give each once")
-            cut = self._resolve(path, node, items)
+            cut = self._resolve(path, node)
             seen[path] = cut
             if cuts:
                 prev = cuts[-1]
@@ -744,7 +764,11 @@ class _Splitter:
 
     # -- step 2: units and what crosses ----------------------------------------------
 
-    def _units(self, items, cuts: list[_Cut]) -> tuple[list[_Unit], list[int]]:
+    def _units(
+        self, items: list[cst.BaseStatement], cuts: list[_Cut]
+    ) -> tuple[list[_Unit], list[int]]:
+        """Items as units (split loops as one unit per piece) and the unit
+        index where each stage after the first begins."""
         units: list[_Unit] = []
         starts: list[int] = []  # unit index where each stage after the first begins
         for i, stmt in enumerate(items):
@@ -754,7 +778,7 @@ class _Splitter:
             if not elements:
                 units.append(_Unit(stmt, i, statement_effects(stmt)))
                 continue
-            self._check_split_loop(stmt, elements[0])
+            self._check_split_loop(stmt)
             bounds = [0, *elements, None]
             for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 if k:
@@ -772,7 +796,7 @@ class _Splitter:
                 units.append(_Unit(piece, i, eff, a, b))
         return units, starts
 
-    def _check_split_loop(self, loop: cst.For, element: int) -> None:
+    def _check_split_loop(self, loop: cst.For) -> None:
         jumps = _Breaks()
         loop.body.visit(jumps)
         if jumps.breaks:
@@ -785,7 +809,8 @@ class _Splitter:
         if loop.asynchronous is not None:
             raise self.error(loop, "an `async for` loop cannot be split into stages")
 
-    def plan(self, boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]]) -> dict:
+    def plan(self, boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]]) -> _Plan:
+        """Check forward, place the boundaries and compute what crosses each."""
         scope = _Scope()
         self.forward.body.visit(scope)
         if scope.bad:
@@ -849,14 +874,7 @@ class _Splitter:
                         "after the split it would still see the old value. Pass it as an "
                         "argument, or define the function after the last boundary",
                     )
-        return {
-            "units": units,
-            "ranges": ranges,
-            "crossings": [cross[s] for s in starts],
-            "cuts": cuts,
-            "moved": moved,
-            "returns": scope.returns,
-        }
+        return _Plan(units, ranges, [cross[s] for s in starts], cuts, moved, scope.returns)
 
 
 # ---- building the stage methods -------------------------------------------------
@@ -919,16 +937,16 @@ def _with_methods(found: Mapping[str, None], methods: Mapping[str, cst.FunctionD
     return tuple(out)
 
 
-def _build_stages(sp: _Splitter, plan: dict) -> list[tuple[cst.FunctionDef, StagePlan]]:
+def _build_stages(sp: _Splitter, plan: _Plan) -> list[tuple[cst.FunctionDef, StagePlan]]:
     fwd = sp.forward
-    units: list[_Unit] = plan["units"]
-    ranges = plan["ranges"]
+    units = plan.units
+    ranges = plan.ranges
     out = []
     for k, (a, b) in enumerate(ranges):
         body: list[cst.BaseStatement] = []
         for u in range(a, b):
             node = units[u].node
-            extra = plan["moved"].get(units[u].item) if units[u].start in (None, 0) else None
+            extra = plan.moved.get(units[u].item) if units[u].start in (None, 0) else None
             if extra:
                 node = node.with_changes(leading_lines=[*extra, *node.leading_lines])
             body.append(node)
@@ -938,13 +956,13 @@ def _build_stages(sp: _Splitter, plan: dict) -> list[tuple[cst.FunctionDef, Stag
             params = fwd.params
             inputs = sp.params
         else:
-            inputs = plan["crossings"][k - 1].names
+            inputs = plan.crossings[k - 1].names
             params = cst.Parameters(
                 params=[cst.Param(cst.Name(n)) for n in (sp.self_name, *inputs)]
             )
         outputs = None
         if not last:
-            cr = plan["crossings"][k]
+            cr = plan.crossings[k]
             outputs = cr.names
             body.append(_return_dict(cr.names, cr.maybe_unbound))
         func = cst.FunctionDef(
@@ -976,7 +994,6 @@ class StageSplitTransformer(cst.CSTTransformer):
     def __init__(
         self,
         cls: cst.ClassDef,
-        forward: cst.FunctionDef,
         stages: Sequence[cst.FunctionDef],
         decorator_index: Optional[int],
         decorator_comment: Optional[str],
@@ -984,7 +1001,6 @@ class StageSplitTransformer(cst.CSTTransformer):
     ) -> None:
         super().__init__()
         self.cls = cls
-        self.forward = forward
         self.stages = stages
         self.decorator_index = decorator_index
         self.decorator_comment = decorator_comment
@@ -1076,7 +1092,7 @@ def _split(
     sp = _Splitter(wrapper, cls, path)
     plan = sp.plan(boundaries)
     built = _build_stages(sp, plan)
-    labels = tuple(c.label for c in plan["cuts"])
+    labels = tuple(c.label for c in plan.cuts)
     n = len(built)
     header = (
         f"# annot: pipeline stages of forward (boundaries: {', '.join(labels)})"
@@ -1096,11 +1112,9 @@ def _split(
         except RewriteError:
             pass
         comment = f"# annot: {text} applied: {n} stage{'s' if n != 1 else ''}"
-    transformer = StageSplitTransformer(
-        cls, sp.forward, [f for f, _ in built], idx, comment, header
-    )
+    transformer = StageSplitTransformer(cls, [f for f, _ in built], idx, comment, header)
     source = wrapper.module.visit(transformer).code
-    return StageSplit(source, tuple(p for _, p in built), _output_arity(plan["returns"]), labels)
+    return StageSplit(source, tuple(p for _, p in built), _output_arity(plan.returns), labels)
 
 
 def split_stages(
