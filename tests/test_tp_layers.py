@@ -295,6 +295,9 @@ def _mlp_and_embedding(tp):
         assert (emb.weight.grad[-1] == 0).all() or rank != tp - 1, "padding row gets no grad"
         with torch.no_grad():
             _close(emb(ids), ref(ids), "embedding output without grad")
+            from_full = VocabParallelEmbedding(vocab, 6, _weight=ref.weight, _freeze=True, tp=tp)
+            assert not from_full.weight.requires_grad
+            _close(from_full(ids), ref(ids), "embedding from a full _weight")
 
         # scatter / gather round trip and their backward.
         x = torch.randn(3, 4 * tp, requires_grad=True)
