@@ -99,18 +99,21 @@ class Step:
         mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
         if self.compiles == 0:
             self._build()
+        from runtime.mesh import use
+
         self.model._step = self
-        try:
-            if not self.pipelined:
-                outs = []
-                for a, k in mbs:
-                    self._scale = 1.0 / len(mbs)
-                    outs.append(self.fn(*a, **k))
-            else:
-                outs = self._run_pipeline(mbs)
-        finally:
-            self.model._step = None
-            self._call = None
+        with use(self.model.ctx):
+            try:
+                if not self.pipelined:
+                    outs = []
+                    for a, k in mbs:
+                        self._scale = 1.0 / len(mbs)
+                        outs.append(self.fn(*a, **k))
+                else:
+                    outs = self._run_pipeline(mbs)
+            finally:
+                self.model._step = None
+                self._call = None
         self.model.finish_gradients()
         return StepOutput(outs)
 
@@ -129,7 +132,7 @@ class Step:
     def call(self, *args: Any, **kwargs: Any) -> Any:
         if self._call is not None:
             return self._call(*args, **kwargs)
-        return self.model.module(*args, **kwargs)
+        return self.model.module(*args, **kwargs)  # the step already installed the mesh
 
     def backward(self, loss, scale: Optional[float] = None) -> None:
         if self._call is not None:

@@ -46,7 +46,10 @@ class ParallelModel(nn.Module):
                 "        model.backward(loss)\n"
                 "        return loss"
             )
-        return self.module(*args, **kwargs)
+        from runtime.mesh import use
+
+        with use(self.ctx):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, scale: Optional[float] = None) -> None:
         """``loss.backward()`` for a parallel model (then dp / tied-weight reductions).
@@ -57,7 +60,10 @@ class ParallelModel(nn.Module):
         if self._step is not None:
             self._step.backward(loss, scale)
             return
-        (loss if scale is None else loss * scale).backward()
+        from runtime.mesh import use
+
+        with use(self.ctx):
+            (loss if scale is None else loss * scale).backward()
         self.finish_gradients()
 
     def finish_gradients(self) -> None:
@@ -69,14 +75,18 @@ class ParallelModel(nn.Module):
 
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from runtime.mesh import use
         from runtime.state_dict import full_state_dict
 
-        return _gather_stages(full_state_dict(self.module), self)
+        with use(self.ctx):
+            return _gather_stages(full_state_dict(self.module), self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
+        from runtime.mesh import use
         from runtime.state_dict import full_grads
 
-        return _gather_stages(full_grads(self.module), self)
+        with use(self.ctx):
+            return _gather_stages(full_grads(self.module), self)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         from runtime.state_dict import load_full_state_dict
@@ -85,7 +95,10 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             keep = set(self.pipeline.local_keys)
             local = {k: v for k, v in state_dict.items() if k in keep}
-        load_full_state_dict(self.module, local, strict=False)
+        from runtime.mesh import use
+
+        with use(self.ctx):
+            load_full_state_dict(self.module, local, strict=self.pipeline is None)
 
     def extra_repr(self) -> str:
         return f"mesh={self.ctx.mesh!r}, rank={self.ctx.rank}"

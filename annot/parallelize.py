@@ -80,6 +80,7 @@ def parallelize(
     mesh: Optional[Mesh] = None,
     hints: Optional[dict] = None,
     seed: Optional[int] = None,
+    chunks: int = 1,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -91,7 +92,10 @@ def parallelize(
         model = annot.parallelize(GPT, config, mesh=annot.Mesh(tp=2), seed=0)
 
     With ``seed`` the result equals ``torch.manual_seed(seed); GPT(config)``
-    cut into shards. Returns a :class:`ParallelModel`.
+    cut into shards. With ``mesh.pp > 1`` the root class's forward is split
+    into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule)
+    at its ``@stage(split=[...])`` boundaries, or balanced automatically.
+    Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
     from annot.verify import verify_shard_hints
@@ -121,14 +125,33 @@ def parallelize(
     verify_shard_hints(ref, specs, mesh.tp)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
 
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
+    n_stages = mesh.pp * chunks
+    boundaries: tuple[str, ...] = ()
+    if n_stages > 1:
+        boundaries = _choose_boundaries(ref, model, n_stages)
+        log.debug("annot: stage boundaries %s", boundaries)
+    splits: dict = {}
+
     def transform(source: str, path: str, module) -> str:
         from rewriters.tensor_parallel import rewrite_tensor_parallel
 
-        return rewrite_tensor_parallel(
+        out = rewrite_tensor_parallel(
             source, mesh.tp, path=path, extra_hints=_external_for_module(specs, module)
         )
+        if n_stages > 1 and module.__name__ == model.__module__:
+            from rewriters.stage_split import split_stages
 
-    key = f"tp={mesh.tp};hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
+            split = split_stages(out, model.__qualname__, list(boundaries), path=path)
+            splits["split"] = split
+            out = split.source
+        return out
+
+    key = (
+        f"tp={mesh.tp};stages={n_stages}:{boundaries};"
+        f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
+    )
     classes = list({type(m) for m in ref.modules()})
     mapping = compile_classes(classes, key=key, transform=transform)
     new_cls = mapping.get(model, model)
@@ -136,11 +159,78 @@ def parallelize(
         local = new_cls(*args, **kwargs)
     log.debug("annot: step 4: built %s for tp=%d", new_cls.__qualname__, mesh.tp)
 
+    plan = None
+    if n_stages > 1:
+        from runtime.stages import build_plan
+
+        split = splits.get("split") or _resplit(model, boundaries)
+        plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries)
+        keep = set(plan.local_keys)
+        full_state = {k: v for k, v in full_state.items() if k in keep}
+        log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
+
     with rmesh.use(ctx):
-        load_full_state_dict(local, full_state)
+        load_full_state_dict(local, full_state, strict=plan is None)
     local.to(ctx.device)
     del ref, full_state
     log.debug("annot: step 5: loaded reference weights into the shards")
-    from annot.compiler import compile_classes as cc
 
-    return ParallelModel(local, ctx, info={"compiled": list(cc.last), "specs": specs})
+    return ParallelModel(
+        local, ctx, pipeline=plan, info={"compiled": list(compile_classes.last), "specs": specs}
+    )
+
+
+def _resplit(cls: type, boundaries: tuple[str, ...]):
+    """On a cache hit the rewritten source already has the stage methods; the
+    plan (what each stage uses, what crosses) is the same as for the original
+    source, which the tensor-parallel rewrite does not rename, so split that."""
+    import inspect
+
+    from annot.compiler import _read_source
+    from rewriters.stage_split import split_stages
+
+    path = inspect.getfile(cls)
+    return split_stages(_read_source(path), cls.__qualname__, list(boundaries), path=path)
+
+
+def _choose_boundaries(ref: nn.Module, cls: type, n_stages: int) -> tuple[str, ...]:
+    """Where stages begin: ``@stage(split=[...])`` as given, else balanced over
+    the blocks of the model's largest ``nn.ModuleList`` (parameter counts as the
+    cost; the embedding counted with the first block, the head with the last)."""
+    from annot.hints import get_stage_spec
+    from runtime.partition import partition
+
+    spec = get_stage_spec(cls)
+    if spec is not None and spec.split:
+        if len(spec.split) != n_stages - 1:
+            raise HintError(
+                f"@stage on {cls.__name__}: split={list(spec.split)!r} makes {len(spec.split) + 1} "
+                f"stages but the mesh needs pp * chunks = {n_stages}; give {n_stages - 1} boundaries "
+                "or use @stage(auto=True)"
+            )
+        return tuple(spec.split)
+    lists = [
+        (sum(p.numel() for p in m.parameters()), path, m)
+        for path, m in ref.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > 1
+    ]
+    if not lists:
+        raise HintError(
+            f"{cls.__name__}: cannot place {n_stages} pipeline stages automatically: the model "
+            "has no nn.ModuleList / nn.Sequential of blocks; give boundaries with "
+            '@stage(split=["..."]) or annot.boundary() calls in forward'
+        )
+    _, path, blocks = max(lists, key=lambda t: t[0])
+    if len(blocks) < n_stages:
+        raise HintError(
+            f"{cls.__name__}: {path} has {len(blocks)} blocks, fewer than the "
+            f"{n_stages} pipeline stages asked for"
+        )
+    costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+    in_blocks = {id(p) for p in blocks.parameters()}
+    rest = [p for n_, p in ref.named_parameters() if id(p) not in in_blocks]
+    extra = float(sum(p.numel() for p in rest))
+    costs[0] += extra / 2
+    costs[-1] += extra / 2
+    part = partition(costs, [0.0] * len(costs), n_stages)
+    return tuple(f"{path}.{b}" for b in part.boundaries)

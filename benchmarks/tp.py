@@ -1,0 +1,185 @@
+"""Tensor parallelism, side by side in one run; prints ratios (this machine is noisy).
+
+    python benchmarks/tp.py            # about a minute on 2 CPU cores
+
+(a) annot at tp=1 vs the plain model: the overhead of annot's layers (goal <= 1.02)
+(b) annot at tp=2 vs torch.distributed.tensor.parallel (DTensor) parallelize_module
+    with ColwiseParallel / RowwiseParallel on the same model: step time (goal <= 0.8)
+(c) rewriting a large model file vs a bare libcst parse + codegen of it (goal <= 1.5)
+(d) JIT: parallelize() with a warm rewrite cache vs the first compile
+
+Each timing is the median of interleaved repeats (annot, peer, annot, peer, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STEPS = int(os.environ.get("BENCH_STEPS", "20"))
+BATCH, SEQ = 8, 64
+
+
+def _step_fn(model, opt, x, y, backward):
+    def step():
+        loss = model(x, y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _time_pair(a, b, steps=STEPS, warmup=3):
+    for _ in range(warmup):
+        a()
+        b()
+    ta, tb = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        a()
+        ta.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def bench_tp1() -> tuple[float, float]:
+    import torch
+
+    import annot
+    from benchmarks.bench_models import BenchConfig, BenchGPT
+
+    torch.set_num_threads(1)
+    cfg = BenchConfig()
+    model = annot.parallelize(BenchGPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
+    torch.manual_seed(0)
+    plain = BenchGPT(cfg)
+    x = torch.randint(0, cfg.vocab, (BATCH, SEQ))
+    y = torch.randint(0, cfg.vocab, (BATCH, SEQ))
+    a = _step_fn(model, torch.optim.AdamW(model.parameters()), x, y, model.backward)
+    b = _step_fn(plain, torch.optim.AdamW(plain.parameters()), x, y, lambda l: l.backward())
+    return _time_pair(a, b)
+
+
+def _tp2_rank(cache: str) -> tuple[float, float]:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import annot
+    from benchmarks.bench_models import BenchConfig, BenchGPT
+
+    tp = dist.get_world_size()
+    cfg = BenchConfig()
+    model = annot.parallelize(BenchGPT, cfg, mesh=annot.Mesh(tp=tp), seed=0)
+    torch.manual_seed(0)
+    peer = BenchGPT(cfg)
+    dmesh = init_device_mesh("cpu", (tp,))
+    plan = {}
+    for i in range(cfg.n_layer):
+        plan.update({
+            f"layers.{i}.attn.wq": ColwiseParallel(), f"layers.{i}.attn.wk": ColwiseParallel(),
+            f"layers.{i}.attn.wv": ColwiseParallel(), f"layers.{i}.attn.wo": RowwiseParallel(),
+            f"layers.{i}.ffn.up": ColwiseParallel(), f"layers.{i}.ffn.down": RowwiseParallel(),
+        })
+    parallelize_module(peer, dmesh, plan)
+    for layer in peer.layers:  # what DTensor users edit by hand (torchtitan does the same)
+        layer.attn.n_head //= tp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, cfg.vocab, (BATCH, SEQ), generator=g)
+    a = _step_fn(model, torch.optim.AdamW(model.parameters()), x, y, model.backward)
+    b = _step_fn(peer, torch.optim.AdamW(peer.parameters(), foreach=False), x, y,
+                 lambda l: l.backward())
+    ta, tb = _time_pair(a, b)
+    with torch.no_grad():  # same math: the two losses agree
+        la, lb = model(x, y).item(), peer(x, y).item()
+    assert abs(la - lb) < 1e-4 * max(1.0, abs(lb)), (la, lb)
+    return ta, tb
+
+
+def bench_tp2() -> tuple[float, float]:
+    from annot.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as cache:
+        res = run_ranks(_tp2_rank, 2, cache, timeout=600)
+    return max(r[0] for r in res), max(r[1] for r in res)
+
+
+def _large_source(copies: int = 60) -> str:
+    base = (ROOT / "examples" / "gpt" / "model.py").read_text()
+    head, _, body = base.partition("from annot import Col, Row, Vocab, shard, stage\n")
+    parts = [head + "from annot import Col, Row, Vocab, shard, stage\n"]
+    for i in range(copies):
+        b = body
+        for name in ("LayerNorm", "CausalSelfAttention", "MLP", "Block", "GPTConfig", "GPT"):
+            b = b.replace(f"class {name}(", f"class {name}{i}(").replace(f"{name}(config", f"{name}{i}(config")
+        parts.append(b)
+    return "\n".join(parts)
+
+
+def bench_rewrite() -> tuple[float, float, int]:
+    import libcst as cst
+
+    from rewriters.tensor_parallel import rewrite_tensor_parallel
+
+    src = _large_source()
+    ta, tb = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        rewrite_tensor_parallel(src, 2, path="large_model.py")
+        ta.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        cst.parse_module(src).code
+        tb.append(time.perf_counter() - t)
+    return min(ta), min(tb), src.count("\n")
+
+
+def bench_cache() -> tuple[float, float]:
+    import annot
+    from annot.compiler import compile_classes
+    from examples.gpt.model import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2)
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["ANNOT_CACHE_DIR"] = cache
+        annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
+        first = sum(r.seconds for r in compile_classes.last)
+        annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
+        hit = sum(r.seconds for r in compile_classes.last)
+        assert all(r.hit for r in compile_classes.last)
+    return first, hit
+
+
+def main() -> None:
+    rows = []
+    a, b = bench_tp1()
+    rows.append(("(a) annot tp=1 / plain model, step", a, b, a / b, "<= 1.02"))
+    a, b = bench_tp2()
+    rows.append(("(b) annot tp=2 / DTensor tp=2, step", a, b, a / b, "<= 0.80"))
+    a, b, lines = bench_rewrite()
+    rows.append((f"(c) rewrite / libcst parse+codegen ({lines} lines)", a, b, a / b, "<= 1.5"))
+    a, b = bench_cache()
+    rows.append(("(d) JIT cache hit / first compile", b, a, b / a, "(lower is better)"))
+    print(f"{'measurement':52} {'annot':>10} {'peer':>10} {'ratio':>7}  goal")
+    for name, x, y, r, goal in rows:
+        print(f"{name:52} {x * 1000:9.2f}ms {y * 1000:9.2f}ms {r:7.3f}  {goal}")
+
+
+if __name__ == "__main__":
+    main()
