@@ -194,7 +194,9 @@ def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
             items = []
             for key, v in x.items():
                 if type(key) not in (str, int):
-                    raise _unsupported(key, f"key {key!r} of {path}", "dict keys must be str or int.")
+                    raise _unsupported(
+                        key, f"key {key!r} of {path}", "dict keys must be str or int."
+                    )
                 items.append([key, _flatten(v, f"{path}[{key!r}]", tensors, active)])
             return {"k": "dict" if type(x) is dict else "odict", "v": items}
     finally:
