@@ -12,12 +12,8 @@ from annot.errors import (
     RewriteError,
 )
 from annot.hints import boundary, shard, stage
-from annot.jit import jit
 from annot.mesh import Mesh
-from annot.microbatch import StepOutput
-from annot.parallel_model import ParallelModel
-from annot.parallelize import parallelize
-from annot.specs import P, Col, Local, Replicate, Row, Vocab
+from annot.specs import Col, Local, P, Replicate, Row, Vocab
 
 __all__ = [
     "AnnotError",
@@ -43,3 +39,22 @@ __all__ = [
     "shard",
     "stage",
 ]
+
+# The torch-heavy entry points load on first use, so `annot rewrite` and the
+# rewriters start without importing torch.
+_LAZY = {
+    "jit": "annot.step",
+    "parallelize": "annot.build",
+    "ParallelModel": "annot.parallel_model",
+    "StepOutput": "annot.microbatch",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'annot' has no attribute {name!r}")

@@ -92,9 +92,17 @@ def _add_rewrite(sub) -> None:
         ),
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="model source files")
-    p.add_argument("--tp", type=_degree, required=True, metavar="N", help="tensor-parallel degree")
+    p.add_argument(
+        "--tp", type=_degree, default=1, metavar="N", help="tensor-parallel degree (default 1)"
+    )
     p.add_argument(
         "--pp", type=_degree, default=1, metavar="N", help="pipeline-parallel degree (default 1)"
+    )
+    p.add_argument(
+        "--split",
+        metavar="PATHS",
+        help="with --pp: comma-separated module paths where stages begin, for the @stage class "
+        "(overrides its split=[...]; needed for @stage(auto=True): see `annot plan`)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -109,10 +117,14 @@ def _add_rewrite(sub) -> None:
     p.set_defaults(run=_run_rewrite)
 
 
-def rewrite_source(source: bytes, path: str, *, tp: int, pp: int = 1) -> bytes:
+def rewrite_source(
+    source: bytes, path: str, *, tp: int, pp: int = 1, split: Optional[list[str]] = None
+) -> bytes:
     """The one dispatch from ``annot rewrite``'s degrees to the rewriters.
 
-    ``--tp 1`` leaves the source as it is.
+    ``--tp 1`` leaves the source as it is; ``--pp N`` splits every ``@stage``
+    class into N stages (its ``split=[...]``, ``annot.boundary()`` markers, or
+    ``split`` given here).
     """
     from rewriters.tensor_parallel import rewrite_tensor_parallel
 
@@ -120,11 +132,27 @@ def rewrite_source(source: bytes, path: str, *, tp: int, pp: int = 1) -> bytes:
     if tp > 1:
         out = rewrite_tensor_parallel(out, tp, path=path)
     if pp > 1:
-        # To wire pipeline staging in: out = rewrite_stages(out, pp, path=path)
-        raise _Refusal(
-            f"--pp {pp}: pipeline rewriting is provided by rewriters.stage_split and is not "
-            "wired into `annot rewrite` yet; run with --tp only"
-        )
+        from rewriters.hint_reader import read_stage_hints
+        from rewriters.stage_split import split_decorated
+
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(out).readline)
+        text = out.decode(encoding)
+        classes = list(read_stage_hints(text, path))
+        boundaries = None
+        if split is not None:
+            if len(classes) != 1:
+                raise _Refusal(
+                    f"{path}: --split needs exactly one @stage class, found {len(classes)}"
+                )
+            boundaries = {classes[0]: split}
+        text, splits = split_decorated(text, path=path, boundaries=boundaries)
+        for name, sp in splits.items():
+            if len(sp.stages) != pp:
+                raise _Refusal(
+                    f"{path}: {name} splits into {len(sp.stages)} stages but --pp is {pp}; "
+                    "give --split with pp - 1 module paths"
+                )
+        out = text.encode(encoding)
     assert isinstance(out, bytes)
     return out
 
@@ -150,7 +178,10 @@ def _run_rewrite(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise _Refusal(f"{path}: cannot read: {exc.strerror or exc}") from None
             try:
-                results.append((path, data, rewrite_source(data, path, tp=args.tp, pp=args.pp)))
+                results.append((path, data, rewrite_source(
+                    data, path, tp=args.tp, pp=args.pp,
+                    split=args.split.split(",") if args.split else None,
+                )))
             except RewriteError as exc:
                 print(exc, file=sys.stderr)
                 failed = True

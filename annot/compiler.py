@@ -23,9 +23,10 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.nn as nn
 
@@ -170,8 +171,9 @@ def compile_classes(
             if name in new_classes:
                 mapping[orig] = new_classes[name]
         records.append(
-            CompiledModule(mod, src_path, cache_path, text, ns, hit, time.perf_counter() - t0,
-                           new_classes)
+            CompiledModule(
+                mod, src_path, cache_path, text, ns, hit, time.perf_counter() - t0, new_classes
+            )
         )
     # A class of one module that names a class of another (``from .blocks import Block``)
     # must build the rewritten one.

@@ -31,8 +31,10 @@ def _params_under(module, paths: set[str]) -> int:
 def explain_step(step, args, kwargs) -> str:
     model = step.model
     ctx = model.ctx
-    out = [f"annot plan: {ctx.mesh!r}, world size {ctx.world_size}, this rank {ctx.rank} "
-           f"(dp {ctx.dp_rank}, pp {ctx.pp_rank}, tp {ctx.tp_rank}), device {ctx.device}"]
+    out = [
+        f"annot plan: {ctx.mesh!r}, world size {ctx.world_size}, this rank {ctx.rank} "
+        f"(dp {ctx.dp_rank}, pp {ctx.pp_rank}, tp {ctx.tp_rank}), device {ctx.device}"
+    ]
     if args or kwargs:
         from annot.microbatch import split_microbatches
 
@@ -48,26 +50,38 @@ def explain_step(step, args, kwargs) -> str:
         rows = []
         for st in plan.split.stages:
             held = plan.stage_modules.get(st.index, set())
-            rows.append([
-                str(st.index),
-                f"pp{plan.owner(st.index)}",
-                ", ".join(st.modules) or "-",
-                ", ".join(st.outputs) if st.outputs is not None else "(returns)",
-                f"{_params_under(model.module, held):,}" if st.index in plan.local_stage_ids else "-",
-            ])
-        out.append(f"pipeline: {plan.num_stages} stages, boundaries {list(plan.boundaries)}, "
-                   f"schedule {step.schedule}")
+            rows.append(
+                [
+                    str(st.index),
+                    f"pp{plan.owner(st.index)}",
+                    ", ".join(st.modules) or "-",
+                    ", ".join(st.outputs) if st.outputs is not None else "(returns)",
+                    f"{_params_under(model.module, held):,}"
+                    if st.index in plan.local_stage_ids
+                    else "-",
+                ]
+            )
+        out.append(
+            f"pipeline: {plan.num_stages} stages, boundaries {list(plan.boundaries)}, "
+            f"schedule {step.schedule}"
+        )
         out.append(_table(rows, ["stage", "rank", "modules", "sends", "params (this rank)"]))
         for tie in plan.ties:
-            out.append(f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
-                       "gradients summed over them")
+            out.append(
+                f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
+                "gradients summed over them"
+            )
         from runtime.schedules import format_table, get_schedule
 
         out.append("schedule (rows = pipeline ranks):")
-        out.append(format_table(get_schedule(step.schedule, plan.pp, step.microbatches, plan.chunks)))
+        out.append(
+            format_table(get_schedule(step.schedule, plan.pp, step.microbatches, plan.chunks))
+        )
     for rec in model.info.get("compiled", []):
-        out.append(f"rewritten source of {rec.source_path} -> {rec.cache_path} "
-                   f"({'cache hit' if rec.hit else 'compiled'} in {rec.seconds * 1000:.0f} ms)")
+        out.append(
+            f"rewritten source of {rec.source_path} -> {rec.cache_path} "
+            f"({'cache hit' if rec.hit else 'compiled'} in {rec.seconds * 1000:.0f} ms)"
+        )
     if plan is not None and plan.num_stages > 1:
         for s in plan.local_stage_ids:
             out.append(f"--- stage {s} (this rank) ---\n{plan.split.stages[s].source.rstrip()}")

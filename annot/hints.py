@@ -163,8 +163,18 @@ def boundary() -> None:
     return None
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: Union[int, str], where: str = "memory") -> int:
@@ -178,7 +188,7 @@ def parse_bytes(value: Union[int, str], where: str = "memory") -> int:
     if isinstance(value, str):
         s = value.strip().lower().replace(" ", "")
         num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = s[len(num):]
+        unit = s[len(num) :]
         if unit in _UNITS and num:
             try:
                 n = float(num)

@@ -9,7 +9,8 @@ divisible by the number of microbatches.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -74,8 +75,11 @@ def _split(obj: Any, m: int) -> list:
         return list(torch.chunk(obj, m, dim=0))
     if isinstance(obj, (tuple, list)):
         parts = [_split(v, m) for v in obj]
-        return [type(obj)(p[i] for p in parts) for i in range(m)] if not hasattr(obj, "_fields") \
+        return (
+            [type(obj)(p[i] for p in parts) for i in range(m)]
+            if not hasattr(obj, "_fields")
             else [type(obj)(*(p[i] for p in parts)) for i in range(m)]
+        )
     if isinstance(obj, dict):
         parts = {k: _split(v, m) for k, v in obj.items()}
         return [{k: p[i] for k, p in parts.items()} for i in range(m)]
@@ -105,7 +109,7 @@ def split_microbatches(
             _batch_sizes(value, name, sizes)
     if len(set(sizes.values())) > 1:
         raise PipelineError(
-            f"tensors split into microbatches must share the batch size (dim 0); got "
+            "tensors split into microbatches must share the batch size (dim 0); got "
             + ", ".join(f"{k}: {v}" for k, v in sizes.items())
             + "; pass the others in non_split=(...)"
         )

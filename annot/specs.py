@@ -112,9 +112,7 @@ class P:
     def __init__(self, *dims: Optional[str]) -> None:
         for i, d in enumerate(dims):
             if d is not None and d != TP_AXIS:
-                raise HintError(
-                    f"P(...): dim {i} is {d!r}; each entry must be {TP_AXIS!r} or None"
-                )
+                raise HintError(f"P(...): dim {i} is {d!r}; each entry must be {TP_AXIS!r} or None")
         if sum(d == TP_AXIS for d in dims) > 1:
             raise HintError(f"P{dims!r}: at most one dim may be split over {TP_AXIS!r}")
         object.__setattr__(self, "dims", tuple(dims))

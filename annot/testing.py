@@ -21,8 +21,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from annot.errors import AnnotError
 

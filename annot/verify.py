@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from annot.errors import HintError
 from annot.hints import ShardSpec
-from annot.specs import P, Col, Replicate, Row, Vocab
+from annot.specs import Col, P, Replicate, Row, Vocab
 
 __all__ = ["verify_shard_hints"]
 
@@ -57,21 +57,34 @@ def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp:
                         f"{t.shape[d]}, not divisible by tp ({tp})"
                     )
                 continue
-            if name not in children:
+            sub = children.get(name)
+            if sub is None:  # an entry of an nn.ModuleDict built in __init__ (nanoGPT's layout)
+                sub = next(
+                    (
+                        c[name]
+                        for c in children.values()
+                        if isinstance(c, nn.ModuleDict) and name in c
+                    ),
+                    None,
+                )
+            if sub is None:
                 hint = f"; its submodules are: {_fmt_names(children)}"
                 if name in params:
                     hint = f"; {name} is a parameter: use P(...) for parameters"
                 raise HintError(
                     f"@shard on {where}: argument {name}={s!r} names no submodule of {cls}{hint}"
                 )
-            sub = children[name]
             kind = type(sub).__name__
             if isinstance(s, (Col, Row)):
                 if not isinstance(sub, _LINEAR_TYPES):
                     raise HintError(
                         f"@shard on {where}: argument {name}={s!r} applies to nn.Linear, but "
                         f"{cls}.{name} is a {kind}"
-                        + ("; use Vocab() for an nn.Embedding" if isinstance(sub, nn.Embedding) else "")
+                        + (
+                            "; use Vocab() for an nn.Embedding"
+                            if isinstance(sub, nn.Embedding)
+                            else ""
+                        )
                     )
                 if isinstance(s, Col):
                     div = tp * s.chunks
@@ -90,7 +103,11 @@ def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp:
                     raise HintError(
                         f"@shard on {where}: argument {name}=Vocab() applies to nn.Embedding, but "
                         f"{cls}.{name} is a {kind}"
-                        + ("; use Col() or Row() for an nn.Linear" if isinstance(sub, nn.Linear) else "")
+                        + (
+                            "; use Col() or Row() for an nn.Linear"
+                            if isinstance(sub, nn.Linear)
+                            else ""
+                        )
                     )
                 if sub.num_embeddings % tp:
                     raise HintError(

@@ -5,7 +5,6 @@ plan) applies to the very same module tree as annot's hints."""
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 from torch.nn import functional as F
 

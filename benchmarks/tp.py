@@ -66,7 +66,7 @@ def bench_tp1() -> tuple[float, float]:
     x = torch.randint(0, cfg.vocab, (BATCH, SEQ))
     y = torch.randint(0, cfg.vocab, (BATCH, SEQ))
     a = _step_fn(model, torch.optim.AdamW(model.parameters()), x, y, model.backward)
-    b = _step_fn(plain, torch.optim.AdamW(plain.parameters()), x, y, lambda l: l.backward())
+    b = _step_fn(plain, torch.optim.AdamW(plain.parameters()), x, y, lambda loss: loss.backward())
     return _time_pair(a, b)
 
 
@@ -92,11 +92,16 @@ def _tp2_rank(cache: str) -> tuple[float, float]:
     dmesh = init_device_mesh("cpu", (tp,))
     plan = {}
     for i in range(cfg.n_layer):
-        plan.update({
-            f"layers.{i}.attn.wq": ColwiseParallel(), f"layers.{i}.attn.wk": ColwiseParallel(),
-            f"layers.{i}.attn.wv": ColwiseParallel(), f"layers.{i}.attn.wo": RowwiseParallel(),
-            f"layers.{i}.ffn.up": ColwiseParallel(), f"layers.{i}.ffn.down": RowwiseParallel(),
-        })
+        plan.update(
+            {
+                f"layers.{i}.attn.wq": ColwiseParallel(),
+                f"layers.{i}.attn.wk": ColwiseParallel(),
+                f"layers.{i}.attn.wv": ColwiseParallel(),
+                f"layers.{i}.attn.wo": RowwiseParallel(),
+                f"layers.{i}.ffn.up": ColwiseParallel(),
+                f"layers.{i}.ffn.down": RowwiseParallel(),
+            }
+        )
     parallelize_module(peer, dmesh, plan)
     for layer in peer.layers:  # what DTensor users edit by hand (torchtitan does the same)
         layer.attn.n_head //= tp
@@ -104,8 +109,13 @@ def _tp2_rank(cache: str) -> tuple[float, float]:
     x = torch.randint(0, cfg.vocab, (BATCH, SEQ), generator=g)
     y = torch.randint(0, cfg.vocab, (BATCH, SEQ), generator=g)
     a = _step_fn(model, torch.optim.AdamW(model.parameters()), x, y, model.backward)
-    b = _step_fn(peer, torch.optim.AdamW(peer.parameters(), foreach=False), x, y,
-                 lambda l: l.backward())
+    b = _step_fn(
+        peer,
+        torch.optim.AdamW(peer.parameters(), foreach=False),
+        x,
+        y,
+        lambda loss: loss.backward(),
+    )
     ta, tb = _time_pair(a, b)
     with torch.no_grad():  # same math: the two losses agree
         la, lb = model(x, y).item(), peer(x, y).item()
@@ -128,7 +138,9 @@ def _large_source(copies: int = 60) -> str:
     for i in range(copies):
         b = body
         for name in ("LayerNorm", "CausalSelfAttention", "MLP", "Block", "GPTConfig", "GPT"):
-            b = b.replace(f"class {name}(", f"class {name}{i}(").replace(f"{name}(config", f"{name}{i}(config")
+            b = b.replace(f"class {name}(", f"class {name}{i}(").replace(
+                f"{name}(config", f"{name}{i}(config"
+            )
         parts.append(b)
     return "\n".join(parts)
 
@@ -145,7 +157,7 @@ def bench_rewrite() -> tuple[float, float, int]:
         rewrite_tensor_parallel(src, 2, path="large_model.py")
         ta.append(time.perf_counter() - t)
         t = time.perf_counter()
-        cst.parse_module(src).code
+        _ = cst.parse_module(src).code
         tb.append(time.perf_counter() - t)
     return min(ta), min(tb), src.count("\n")
 

@@ -48,8 +48,11 @@ class Absent(nn.Module):
 def _get(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() and isinstance(obj, (nn.ModuleList, nn.Sequential)) \
+        obj = (
+            obj[int(part)]
+            if part.isdigit() and isinstance(obj, (nn.ModuleList, nn.Sequential))
             else getattr(obj, part)
+        )
     return obj
 
 
@@ -157,7 +160,9 @@ class PipelinePlan:
         ]
 
 
-def build_plan(model: nn.Module, split, ctx, *, chunks: int, boundaries: tuple[str, ...]) -> PipelinePlan:
+def build_plan(
+    model: nn.Module, split, ctx, *, chunks: int, boundaries: tuple[str, ...]
+) -> PipelinePlan:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
     Every rank must call this (tied-weight process groups are created
@@ -177,7 +182,12 @@ def build_plan(model: nn.Module, split, ctx, *, chunks: int, boundaries: tuple[s
     ties: list[Tie] = []
     for names in by_id.values():
         holders = sorted(
-            {s for s, keep in stage_modules.items() for nm in names if _covered(nm.rpartition(".")[0], keep) or _covered(nm, keep)}
+            {
+                s
+                for s, keep in stage_modules.items()
+                for nm in names
+                if _covered(nm.rpartition(".")[0], keep) or _covered(nm, keep)
+            }
         )
         owners = sorted({h % mesh.pp for h in holders})
         if len(owners) > 1:

@@ -217,15 +217,53 @@ def test_refusal_is_printed_as_file_line_col(tmp_path, capsys):
     )
 
 
-def test_pipeline_degree_is_not_wired_yet(model, capsys):
-    assert main(["rewrite", str(model), "--tp", "2", "--pp", "2"]) == 2
+PIPELINE_MODEL = """\
+import torch.nn as nn
+from annot import stage
+
+
+@stage(split=["blocks.1"])
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+"""
+
+
+def test_pipeline_split_from_decorator(tmp_path, capsys):
+    src = tmp_path / "net.py"
+    src.write_text(PIPELINE_MODEL)
+    assert main(["rewrite", str(src), "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "# annot: @stage(split=[\"blocks.1\"]) applied: 2 stages" in out
+    assert "for blk in self.blocks[:1]:" in out and "for blk in self.blocks[1:]:" in out
+    compile(out, "net.py", "exec")
+    assert src.read_text() == PIPELINE_MODEL
+
+
+def test_pipeline_degree_must_match_the_split(tmp_path, capsys):
+    src = tmp_path / "net.py"
+    src.write_text(PIPELINE_MODEL)
+    assert main(["rewrite", str(src), "--pp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--pp 2: pipeline rewriting is provided by rewriters.stage_split" in err
+    assert "Net splits into 2 stages but --pp is 3" in err
+
+
+def test_pipeline_auto_needs_split(tmp_path, capsys):
+    src = tmp_path / "net.py"
+    src.write_text(PIPELINE_MODEL.replace('split=["blocks.1"]', "auto=True"))
+    assert main(["rewrite", str(src), "--pp", "2"]) == 2
+    assert "@stage(auto=True) on Net" in capsys.readouterr().err
+    assert main(["rewrite", str(src), "--pp", "2", "--split", "blocks.1"]) == 0
 
 
 def test_usage_errors(model, capsys):
     assert main([]) == 2
-    assert main(["rewrite", str(model)]) == 2  # --tp is required
     assert main(["rewrite", str(model), "--tp", "0"]) == 2
     assert main(["rewrite", str(model), "--tp", "2", "--diff", "--in-place"]) == 2
     assert main(["rewrite", str(model.parent / "missing.py"), "--tp", "2"]) == 2

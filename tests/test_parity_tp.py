@@ -25,8 +25,13 @@ def _parity_examples(tp: int, max_examples: int, cache: str) -> int:
 
     ran = []
 
-    @settings(derandomize=True, max_examples=max_examples, deadline=None, database=None,
-              phases=[Phase.explicit, Phase.generate])
+    @settings(
+        derandomize=True,
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+    )
     @given(
         heads_per_rank=st.integers(1, 2),
         head_dim=st.sampled_from([4, 8]),
@@ -38,8 +43,15 @@ def _parity_examples(tp: int, max_examples: int, cache: str) -> int:
     )
     def check(heads_per_rank, head_dim, n_layer, vocab_per_rank, batch, seq, bias):
         n_head = heads_per_rank * tp
-        cfg = GPTConfig(block_size=8, vocab_size=vocab_per_rank * tp, n_layer=n_layer,
-                        n_head=n_head, n_embd=n_head * head_dim, dropout=0.0, bias=bias)
+        cfg = GPTConfig(
+            block_size=8,
+            vocab_size=vocab_per_rank * tp,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_head * head_dim,
+            dropout=0.0,
+            bias=bias,
+        )
         model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=tp), seed=1)
         torch.manual_seed(1)
         ref = GPT(cfg)

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import annot  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+
+import annot  # noqa: E402
 
 
 def batches(vocab: int, batch: int, seq: int, steps: int, seed: int):
@@ -57,16 +58,22 @@ def main() -> None:
     dp = max(1, world // (args.tp * args.pp))
     mesh = annot.Mesh(dp=dp, pp=args.pp, tp=args.tp)
     cfg = GPTConfig(
-        block_size=args.seq, vocab_size=args.vocab, n_layer=args.n_layer,
-        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0,
+        block_size=args.seq,
+        vocab_size=args.vocab,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
     )
     t0 = time.perf_counter()
     model = annot.parallelize(GPT, cfg, mesh=mesh, seed=args.seed)
     ctx = model.ctx
     master = ctx.rank == 0
     if master:
-        print(f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
-              f"built in {time.perf_counter() - t0:.2f}s")
+        print(
+            f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
+            f"built in {time.perf_counter() - t0:.2f}s"
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule)

@@ -41,7 +41,9 @@ def _class_specs(ref: nn.Module, hints: Optional[dict]) -> dict[type, ShardSpec]
         for cls, ext in resolve_external_hints(ref, hints).items():
             base = specs.get(cls)
             if base is not None:  # external entries override the decorator's
-                ext = ShardSpec({**base.specs, **ext.specs}, tuple(dict.fromkeys(base.local + ext.local)))
+                ext = ShardSpec(
+                    {**base.specs, **ext.specs}, tuple(dict.fromkeys(base.local + ext.local))
+                )
             specs[cls] = ext
     return specs
 
@@ -81,6 +83,7 @@ def parallelize(
     hints: Optional[dict] = None,
     seed: Optional[int] = None,
     chunks: int = 1,
+    split: Optional[list[str]] = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -94,7 +97,9 @@ def parallelize(
     With ``seed`` the result equals ``torch.manual_seed(seed); GPT(config)``
     cut into shards. With ``mesh.pp > 1`` the root class's forward is split
     into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule)
-    at its ``@stage(split=[...])`` boundaries, or balanced automatically.
+    at ``split=[...]`` (module paths where stages begin; overrides the class's
+    ``@stage(split=[...])``), at ``annot.boundary()`` markers, or balanced
+    automatically.
     Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
@@ -130,7 +135,7 @@ def parallelize(
     n_stages = mesh.pp * chunks
     boundaries: tuple[str, ...] = ()
     if n_stages > 1:
-        boundaries = _choose_boundaries(ref, model, n_stages)
+        boundaries = _choose_boundaries(ref, model, n_stages, split)
         log.debug("annot: stage boundaries %s", boundaries)
     splits: dict = {}
 
@@ -193,14 +198,35 @@ def _resplit(cls: type, boundaries: tuple[str, ...]):
     return split_stages(_read_source(path), cls.__qualname__, list(boundaries), path=path)
 
 
-def _choose_boundaries(ref: nn.Module, cls: type, n_stages: int) -> tuple[str, ...]:
+def _choose_boundaries(
+    ref: nn.Module, cls: type, n_stages: int, split: Optional[list[str]] = None
+) -> tuple[str, ...]:
     """Where stages begin: ``@stage(split=[...])`` as given, else balanced over
     the blocks of the model's largest ``nn.ModuleList`` (parameter counts as the
     cost; the embedding counted with the first block, the head with the last)."""
+    import inspect
+
+    from annot.compiler import _read_source
     from annot.hints import get_stage_spec
+    from rewriters.stage_split import split_stages
     from runtime.partition import partition
 
+    path = inspect.getfile(cls)
+    markers = len(split_stages(_read_source(path), cls.__qualname__, [], path=path).stages) - 1
+    if markers:
+        if markers != n_stages - 1:
+            raise HintError(
+                f"{cls.__name__}.forward has {markers} annot.boundary() markers, which make "
+                f"{markers + 1} stages, but the mesh needs pp * chunks = {n_stages}"
+            )
+        return ()
     spec = get_stage_spec(cls)
+    if split is not None:
+        from annot.hints import StageSpec
+
+        if isinstance(split, str) or not all(isinstance(b, str) for b in split):
+            raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
+        spec = StageSpec(split=tuple(split))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

@@ -24,7 +24,8 @@ shapes may change from step to step.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from annot.errors import HintError, PipelineError
 from annot.microbatch import StepOutput, split_microbatches

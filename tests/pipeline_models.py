@@ -1,0 +1,62 @@
+"""Models for the pipeline tests, written the way people write PyTorch.
+
+``Branchy`` has what torch.export-based pipelining cannot take: a branch on
+data inside the split loop, a module called twice, an embedding tied to the
+head across the first and last stage, kwargs and a None crossing a boundary,
+an int and a float crossing, and targets that only the last stage reads.
+"""
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+import annot
+
+
+class Branchy(nn.Module):
+    def __init__(self, vocab=16, width=8, depth=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.shared = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+        )
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied across the first and last stage
+
+    def forward(self, idx, targets=None, mask=None, scale=1.0):
+        x = self.emb(idx)
+        x = self.shared(torch.relu(self.shared(x)))  # one module, called twice
+        length = idx.shape[1]
+        bonus = None
+        for block in self.blocks:
+            x = block(x)
+            if x.mean() > 0:  # a different path per microbatch
+                x = x * scale
+                bonus = x.sum(-1, keepdim=True) / length
+        if bonus is not None:
+            x = x + bonus
+        if mask is not None:
+            x = x * mask.unsqueeze(-1)
+        logits = self.head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+class Marked(nn.Module):
+    """Stage boundaries marked in forward with annot.boundary()."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, 1)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x))
+        annot.boundary()
+        h = torch.tanh(self.b(h)) + x  # x crosses the boundary too
+        out = self.c(h).squeeze(-1)
+        return out, F.mse_loss(out, y)
