@@ -33,7 +33,7 @@ def batches(vocab: int, batch: int, seq: int, steps: int, seed: int):
         start = torch.randint(0, vocab, (batch, 1), generator=g)
         stride = torch.randint(1, 4, (batch, 1), generator=g)
         seqs = (start + stride * torch.arange(seq + 1)) % vocab  # (B, T+1)
-        yield seqs[:, :-1], seqs[:, 1:]
+        yield seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 def main() -> None:
