@@ -94,9 +94,10 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x, mask=None):
         B, T, _ = x.size()
-        q = self.query(x).view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.key(x).view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        v = self.value(x).view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        nh, hs = self.num_heads, self.head_size
+        q = self.query(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.key(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.value(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
 
         # mask: (B, 1, 1, T), True where the key is a real token; (B, nh, T, T) scores inside
         y = F.scaled_dot_product_attention(

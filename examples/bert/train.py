@@ -10,12 +10,14 @@ rank trains its part of the model; rank 0 also trains the plain single-device
 model on the same batches from the same seed and prints both losses. The
 remaining ranks (world size / (tp * pp)) form the data-parallel axis.
 
-The data is synthetic: each row counts up from a random start with a random
-stride (so a masked token can be inferred from its neighbours), is padded
-after a random length (attention mask 0, labels -100), has two segments
-(token type 0 then 1), and exactly ``ceil(15% of --seq)`` of its real tokens
-replaced by [MASK] and labelled. The same count in every row keeps the mean
-over microbatches equal to the mean over the batch.
+The data is synthetic: each row is runs of four equal words drawn with
+Zipf frequencies (within tens of steps the loss falls from ln(vocab) towards
+the unigram entropy; copying a masked word from its neighbours, which gets
+below that, takes many more steps), padded after
+a random length (attention mask 0, labels -100), in two segments (token type
+0 then 1), with exactly ``ceil(15% of --seq)`` of its real tokens replaced by
+[MASK] and labelled. The same count in every row keeps the mean over
+microbatches equal to the mean over the batch.
 """
 
 import argparse
@@ -29,22 +31,27 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import annot  # noqa: E402
 from model import BertConfig, BertForMaskedLM  # noqa: E402
+
+import annot  # noqa: E402
 
 PAD, MASK, FIRST_WORD = 0, 1, 2  # ids below FIRST_WORD are special tokens
 
 
-def batches(vocab: int, batch: int, seq: int, steps: int, seed: int, mask_frac: float = 0.15):
+def batches(
+    vocab: int, batch: int, seq: int, steps: int, seed: int, mask_frac: float = 0.15, run: int = 4
+):
     """Yield ``(input_ids, attention_mask, token_type_ids, labels)``, each (B, T)."""
     g = torch.Generator().manual_seed(seed)
     words = vocab - FIRST_WORD
+    zipf = 1.0 / torch.arange(1, words + 1, dtype=torch.float)  # (W,): word frequencies
     n_mask = max(1, math.ceil(mask_frac * seq))  # labelled positions per row
+    n_runs = -(-seq // run)
     pos = torch.arange(seq)  # (T,)
     for _ in range(steps):
-        start = torch.randint(0, words, (batch, 1), generator=g)
-        stride = torch.randint(1, 4, (batch, 1), generator=g)
-        ids = FIRST_WORD + (start + stride * pos) % words  # (B, T)
+        draws = torch.multinomial(zipf, batch * n_runs, replacement=True, generator=g)
+        runs = FIRST_WORD + draws.view(batch, n_runs)  # (B, runs)
+        ids = runs.repeat_interleave(run, dim=1)[:, :seq]  # (B, T): runs of equal tokens
         lengths = torch.randint(max(n_mask, seq // 2), seq + 1, (batch, 1), generator=g)
         attention_mask = (pos < lengths).long()  # (B, T): 1 for real tokens
         ids = ids.masked_fill(attention_mask == 0, PAD)
@@ -63,7 +70,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
@@ -79,17 +86,24 @@ def main() -> None:
     dp = max(1, world // (args.tp * args.pp))
     mesh = annot.Mesh(dp=dp, pp=args.pp, tp=args.tp)
     cfg = BertConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-        num_heads=args.heads, intermediate_size=4 * args.hidden, max_position=args.seq,
-        dropout=0.0, pad_token_id=PAD,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        max_position=args.seq,
+        dropout=0.0,
+        pad_token_id=PAD,
     )
     t0 = time.perf_counter()
     model = annot.parallelize(BertForMaskedLM, cfg, mesh=mesh, seed=args.seed)
     ctx = model.ctx
     master = ctx.rank == 0
     if master:
-        print(f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
-              f"built in {time.perf_counter() - t0:.2f}s")
+        print(
+            f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
+            f"built in {time.perf_counter() - t0:.2f}s"
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule)
@@ -122,7 +136,9 @@ def main() -> None:
         if ref is not None:
             input_ids, attention_mask, token_type_ids, labels = batch
             _, ref_loss = ref(
-                input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
                 labels=labels,
             )
             ref_loss.backward()

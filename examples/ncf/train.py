@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import annot  # noqa: E402
 from model import NCFConfig, NeuMF  # noqa: E402
+
+import annot  # noqa: E402
 
 
 def interactions(users: int, items: int, rank: int, seed: int, positive: float = 0.2):
@@ -77,8 +78,10 @@ def main() -> None:
     ctx = model.ctx
     master = ctx.rank == 0
     if master:
-        print(f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
-              f"built in {time.perf_counter() - t0:.2f}s")
+        print(
+            f"annot: {mesh!r} on {ctx.world_size} rank(s), device {ctx.device}; "
+            f"built in {time.perf_counter() - t0:.2f}s"
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule)
