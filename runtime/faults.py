@@ -50,12 +50,15 @@ What gloo does (torch 2.13, measured):
 - ``Work.is_completed()`` of a gloo recv stays False until ``wait()`` is called,
   so a gloo wait cannot be sliced into short polls: it is one ``wait(timeout)``.
   (NCCL is the other way round: :func:`wait_work` polls ``is_completed()``.)
-- ``destroy_process_group()`` returns at once after a timeout or with only
-  point-to-point work pending, but blocks while a collective runs on a gloo
-  worker thread for a peer that hangs, until that peer exits;
-  ``_abort_process_group()`` blocks the same way on gloo (it is for NCCL).
-  :func:`abort_process_group` therefore tears down on a daemon thread with a
-  bound and, when asked, leaves with ``os._exit``.
+- ``destroy_process_group()`` returns at once after a timeout, with only
+  point-to-point work pending, or with a collective pending on a subgroup; it
+  blocks while a collective of the default group is in flight for a peer that
+  is alive but never joins (in the ProcessGroupGloo destructor, which joins its
+  worker threads), until that peer exits. ``_abort_process_group()`` blocks the
+  same way on gloo (it is meant for NCCL). :func:`abort_process_group` tears
+  down on a daemon thread for at most ``wait_s`` (the group is already
+  unregistered then: ``is_initialized()`` is False) and, when asked, leaves
+  with ``os._exit``.
 """
 
 from __future__ import annotations
@@ -75,9 +78,11 @@ import torch.distributed as dist
 from annot.errors import AnnotError, RankFailure
 
 __all__ = [
+    "CommTimeout",
     "abort_process_group",
     "classify",
     "connect_store",
+    "describe",
     "default_grace",
     "default_timeout",
     "first_failure",
@@ -157,9 +162,11 @@ def connect_store() -> Any:
     none (no process group, no ``MASTER_ADDR``/``MASTER_PORT``, or unreachable)."""
     if _store_state["pid"] == os.getpid():
         return _store_state["store"]
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # not yet: try again once the process group exists
     store = None
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port and dist.is_available() and dist.is_initialized():
+    if addr and port:
         try:
             store = dist.TCPStore(
                 addr,
@@ -261,7 +268,8 @@ def wait_work(work: Any, timeout_s: float, *, backend: Optional[str] = None) -> 
     if backend is None:
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
     if "gloo" in str(backend).lower():
-        work.wait(timeout=timedelta(seconds=timeout_s))
+        if work.wait(timeout=timedelta(seconds=timeout_s)) is False:
+            raise RuntimeError("connection closed: the operation was aborted")
         return
     deadline = time.monotonic() + timeout_s
     pause = 5e-5
@@ -361,20 +369,19 @@ def describe(record: dict, me: int, mine: str) -> str:
     return text
 
 
-def _follow(store: Any, me: int, peer: int, peer_stage: Optional[int]) -> tuple[dict, list]:
+def _follow(store: Any, me: int, peer: int) -> tuple[Optional[dict], list]:
     """Follow ``annot/waiting/<rank>`` records from ``peer``; return the waiting
     record of the last rank in the chain (``peer`` is its culprit) and the chain."""
     chain = [me, peer]
     last = None
     while store is not None:
         rec = _get(store, f"{PREFIX}waiting/{chain[-1]}")
-        if rec is None:
+        if rec is None or not isinstance(rec.get("peer"), int):
             break
         last = rec
-        if rec["peer"] in chain:
-            chain.append(rec["peer"])
-            return rec, chain
         chain.append(rec["peer"])
+        if rec["peer"] in chain[:-1]:
+            break
     return last, chain
 
 
@@ -422,7 +429,7 @@ def _resolve(
             break
         time.sleep(0.05)
     if found is None and peer is not None:
-        last, chain = _follow(store, me, peer, peer_stage)
+        last, chain = _follow(store, me, peer)
         if chain[-1] in chain[:-1]:
             cycle = chain[chain.index(chain[-1]) :]
             found = dict(mine_rec, kind="deadlock", rank=None, error=" -> ".join(map(str, cycle)))

@@ -377,7 +377,9 @@ def _op(verb: str, what: str) -> str:
 
 
 class Handle:
-    """An asynchronous send: keeps its buffers alive until :meth:`wait`."""
+    """An asynchronous send: keeps its buffers alive until :meth:`wait`. A lone
+    contiguous tensor is sent from its own memory: do not modify it in place
+    before ``wait()``."""
 
     def __init__(self, works: list, keep: tuple, guard_kwargs: dict, backend: str):
         self._works = works
@@ -417,9 +419,12 @@ def send_pytree(
     """Start sending ``obj`` to global rank ``dst``; returns a :class:`Handle`
     to ``wait()`` on. ``what`` labels the message in errors (``"activations"``);
     ``stage``/``microbatch``/``peer_stage`` name this rank's stage, the
-    microbatch and the destination's stage in fault messages.
+    microbatch and the destination's stage in fault messages, which read
+    ``... waited in send activations of microbatch 3``: keep ``what`` short and
+    pass the microbatch separately.
 
-    Unsupported values raise PipelineError before anything is sent."""
+    Unsupported values raise PipelineError before anything is sent; a peer that
+    fails or hangs raises RankFailure (here or in ``wait()``)."""
     where = f" ({_op('send', what)} to rank {dst})"
     try:
         tree, tensors = flatten(obj)

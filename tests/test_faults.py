@@ -216,9 +216,11 @@ def _chain(mode: str, timeout_s: float):
                 os._exit(7)
     except RankFailure as err:
         elapsed = time.monotonic() - start
-        abort_process_group()
+        finished = abort_process_group(wait_s=1.0)
+        took = time.monotonic() - start - elapsed
         raise AssertionError(
-            f"RankFailure(rank={err.rank}, stage={err.stage}) after {elapsed:.1f} s: {err}"
+            f"RankFailure(rank={err.rank}, stage={err.stage}) after {elapsed:.1f} s"
+            f" (abort finished={finished} in {took:.1f} s): {err}"
         ) from err
     return "finished"
 
@@ -230,23 +232,29 @@ def _run_chain(mode: str) -> tuple[dict, float]:
     return info.value.failures, time.monotonic() - start
 
 
-def _seen(failures: dict, rank: int) -> tuple[int, int, float, str]:
+def _seen(failures: dict, rank: int) -> tuple[str, str, float, str, str]:
     text = failures[rank]
-    m = re.search(r"RankFailure\(rank=(\S+), stage=(\S+)\) after ([\d.]+) s: (.*)", text)
+    m = re.search(
+        r"RankFailure\(rank=(\S+), stage=(\S+)\) after ([\d.]+) s"
+        r" \(abort finished=(\w+) in ([\d.]+) s\): (.*)",
+        text,
+    )
     assert m, f"rank {rank} did not raise RankFailure:\n{text}"
-    return m.group(1), m.group(2), float(m.group(3)), m.group(4)
+    assert float(m.group(5)) < 5.0  # abort_process_group is bounded (wait_s=1), generous
+    return m.group(1), m.group(2), float(m.group(3)), m.group(4), m.group(6)
 
 
 def test_rank_that_raises_is_named_by_all():
     failures, wall = _run_chain("raise")
     for r in (0, 1):
-        rank, stage, elapsed, message = _seen(failures, r)
+        rank, stage, elapsed, finished, message = _seen(failures, r)
         assert (rank, stage) == ("2", "2"), failures[r]
         assert message.startswith(
             "rank 2 (stage 2) failed during forward of microbatch 0: ValueError: boom;"
             f" this rank ({r}) stopped in recv grads of microbatch 0"
         ), message
         assert elapsed < TIMEOUT_S + 5  # no-hang bound, generous
+        assert finished == "True"
     assert "rank 2 (stage 2) failed during forward of microbatch 0: ValueError: boom" in failures[2]
     assert wall < TIMEOUT_S + 45
 
@@ -254,10 +262,11 @@ def test_rank_that_raises_is_named_by_all():
 def test_rank_that_hangs_is_named_by_all():
     failures, wall = _run_chain("hang")
     for r in (0, 1):
-        rank, stage, elapsed, message = _seen(failures, r)
+        rank, stage, elapsed, finished, message = _seen(failures, r)
         assert (rank, stage) == ("2", "2"), failures[r]
         assert "rank 2 (stage 2) did not respond within 5 s while " in message, message
         assert elapsed < TIMEOUT_S + 5  # no-hang bound, generous
+        assert finished == "True"  # the timeout already closed the group
     assert wall < TIMEOUT_S + 45
 
 
@@ -265,18 +274,32 @@ def test_rank_that_dies_is_named_by_all():
     failures, wall = _run_chain("exit")
     assert "exited with code 7" in failures[2]
     for r in (0, 1):
-        rank, stage, elapsed, message = _seen(failures, r)
+        rank, stage, elapsed, finished, message = _seen(failures, r)
         assert (rank, stage) == ("2", "2"), failures[r]
-        assert (
-            "rank 2 (stage 2) exited or closed its connection while rank 1 waited in"
+        observer = "this rank" if r == 1 else "rank 1"
+        assert message.startswith(
+            f"rank 2 (stage 2) exited or closed its connection while {observer} waited in"
             " recv grads of microbatch 0"
-            in message
-            or (
-                r == 1
-                and "rank 2 (stage 2) exited or closed its connection while this rank"
-                " waited in recv grads of microbatch 0"
-                in message
-            )
         ), message
+        assert finished == "True"
         assert elapsed < TIMEOUT_S + 5
     assert wall < TIMEOUT_S + 45
+
+
+def _abort_with_collective_in_flight():
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(4)  # alive but never joins the all_reduce
+        return None
+    dist.all_reduce(torch.ones(2), async_op=True)
+    start = time.monotonic()
+    finished = abort_process_group(wait_s=1.0)
+    return finished, time.monotonic() - start, dist.is_initialized()
+
+
+def test_abort_is_bounded_with_a_collective_in_flight():
+    # gloo's destroy_process_group blocks here until rank 1 exits
+    (finished, took, initialized), _ = run_ranks(_abort_with_collective_in_flight, 2, timeout=60)
+    assert finished is False
+    assert took < 5.0  # bounded by wait_s=1, generous
+    assert initialized is False
