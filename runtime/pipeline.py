@@ -21,14 +21,23 @@ does what each says:
 ===========  ==============================================================
 
 Stages on the same rank (interleaved with ``pp == 1``) hand values over
-locally, detached, so each stage's graph stays its own. Only tensors cross
-the backward: values that do not require grad (ints, masks, targets) cross
-forward only, and a tensor that got no gradient is sent as ``None``.
+locally, detached, so each stage's graph stays its own. Only tensors that
+require grad cross the backward: other values (ints, masks, targets) cross
+forward only, and a tensor that got no gradient is sent back as ``None``.
 
-Sends are async and waited at the end of the step; receives block under the
-fault guard, so a dead or hung peer becomes :class:`~annot.errors.RankFailure`
-instead of a hang. Every message carries its key ``(direction, stage,
-microbatch)``; one that arrives before it is needed is kept until its RECV.
+Gradients cross as a list in :func:`runtime.p2p.tensors_requiring_grad`
+order, the same on both sides of a boundary.
+
+Sends are async and waited at the end of the step; every p2p wait runs under
+:func:`runtime.faults.guard` with the timeout, so a dead or hung peer becomes
+:class:`~annot.errors.RankFailure` instead of a hang. An exception on this
+rank (a stage, the body, a bad value) is recorded with
+:func:`runtime.faults.report_failure` before it propagates, so the ranks
+waiting on this one name it, its stage and the microbatch. Every message
+carries its key ``(direction, stage, microbatch)``; one that arrives before
+it is needed is kept until its RECV, so no schedule depends on two ranks
+ordering their messages alike (only on not deadlocking, which
+:func:`runtime.schedules.validate` checks).
 """
 
 from __future__ import annotations

@@ -232,18 +232,22 @@ SLOW_CASES = [
 ]
 
 
-@pytest.mark.slow
-def test_parity_pp4():
-    per_rank = run_ranks(_parity_rank, 4, 4, SLOW_CASES, timeout=300)
-    _check_ranks(4, SLOW_CASES, per_rank)
+PEER_CASES = [CASES[4], CASES[-2]]  # 1f1b M=3, interleaved M=4
+
+
+def _four_ranks():
+    pp4 = _parity_rank(4, SLOW_CASES)
+    tp2 = _parity_rank(2, PEER_CASES, tp=2)  # same processes, a second mesh
+    return pp4, tp2
 
 
 @pytest.mark.slow
-def test_parity_pp2_peers_not_adjacent():
-    """Mesh(pp=2, tp=2): the pipeline of tp index t runs over global ranks t, t + 2."""
-    cases = [c for c in CASES if c["schedule"] != "gpipe"][:3] + CASES[-2:-1]
-    per_rank = run_ranks(_parity_rank, 4, 2, cases, 2, timeout=300)
-    _check_ranks(2, cases, per_rank, tp=2)
+def test_parity_pp4_and_non_adjacent_peers():
+    """pp=4; then Mesh(pp=2, tp=2), where the pipeline of tp index t runs over
+    global ranks t and t + 2 (one spawn for both)."""
+    per_rank = run_ranks(_four_ranks, 4, timeout=300)
+    _check_ranks(4, SLOW_CASES, [r[0] for r in per_rank])
+    _check_ranks(2, PEER_CASES, [r[1] for r in per_rank], tp=2)
 
 
 def _fault_rank(schedule):
@@ -279,11 +283,10 @@ def _fault_rank(schedule):
     return "no error"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_failing_stage_names_rank_stage_and_microbatch(schedule):
+def test_failing_stage_names_rank_stage_and_microbatch():
     """Rank 1 raises in its forward of microbatch 1; rank 0, waiting for it,
     stops with a RankFailure that names rank 1, its stage and the microbatch."""
-    first, last = run_ranks(_fault_rank, 2, schedule, timeout=120)
+    first, last = run_ranks(_fault_rank, 2, "1f1b", timeout=120)
     assert last[:2] == ("ValueError", None) and "boom in the last stage" in last[3]
     kind, rank, stage, message = first
     assert (kind, rank, stage) == ("RankFailure", 1, 1), first

@@ -17,6 +17,7 @@ from runtime.schedules import (
     B,
     F,
     format_table,
+    forward_only,
     get_schedule,
     gpipe,
     interleaved_1f1b,
@@ -25,7 +26,7 @@ from runtime.schedules import (
     simulate,
     validate,
 )
-from runtime.trace import Tracer, schedule_to_chrome_trace, to_chrome_trace
+from runtime.trace import Tracer, schedule_to_chrome_trace, to_chrome_trace, write_chrome_trace
 
 PP = st.integers(1, 8)
 MB = st.integers(1, 16)
@@ -194,6 +195,18 @@ def test_validate_catches_deadlock():
         simulate(schedule)
 
 
+@FAST
+@given(pp=PP, mb=MB, chunks=CHUNKS)
+def test_forward_only_schedules_are_valid(pp, mb, chunks):
+    assume(chunks == 1 or _interleaved_ok(pp, mb))
+    name = "interleaved" if chunks > 1 else "1f1b"
+    schedule = forward_only(get_schedule(name, pp, mb, chunks))
+    validate(schedule, pp, mb, chunks, forward_only=True)
+    assert all(a.kind in (F, SEND_F, RECV_F) for acts in schedule for a in acts)
+    with pytest.raises(PipelineError, match="missing"):
+        validate(schedule, pp, mb, chunks)
+
+
 def test_get_schedule_names():
     assert get_schedule("1F1B", 2, 3) == one_f_one_b(2, 3)
     assert get_schedule("interleaved", 2, 4, chunks=1) == one_f_one_b(2, 4)
@@ -260,3 +273,18 @@ def test_tracer_spans_and_merge():
     assert min(e["ts"] for e in spans) == 0.0
     assert all(e["dur"] >= 0 for e in spans)
     assert spans[1]["args"] == {"error": "ValueError"}
+
+
+def test_write_chrome_trace(tmp_path):
+    t = Tracer(rank=3)
+    with t.span("3B1", "backward", {"microbatch": 1}, tid=3):
+        pass
+    path = write_chrome_trace(tmp_path / "step.json", {3: t.events})
+    trace = json.loads(open(path).read())
+    (span,) = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert (span["name"], span["pid"], span["tid"], span["args"]) == (
+        "3B1",
+        3,
+        3,
+        {"microbatch": 1},
+    )
