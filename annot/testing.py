@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_mod
 import socket
 import sys
 import time
@@ -91,7 +93,9 @@ def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout):
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
         result = fn(*args, **kwargs)
-        queue.put((rank, "ok", result))
+        # Pickled here, so tensors travel by value (not as shared memory that dies
+        # with this process).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -111,6 +115,7 @@ def run_ranks(
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
     pg_timeout: float = 60.0,
+    failure_grace: float = 2.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each
@@ -118,8 +123,10 @@ def run_ranks(
     (a module-level function).
 
     On the first rank that raises or exits non-zero, every other rank is killed
-    and :class:`RanksFailed` is raised with every traceback collected. Ranks
-    still running after ``timeout`` seconds are killed the same way.
+    and :class:`RanksFailed` is raised with every traceback collected (after
+    ``failure_grace`` seconds in which the others may report their own view of
+    the failure). Ranks still running after ``timeout`` seconds are killed the
+    same way.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -153,7 +160,7 @@ def run_ranks(
         if failures:
             # Give the others a moment to report their own view (a RankFailure
             # naming the failed rank is useful), then kill them all.
-            grace = time.monotonic() + 2.0
+            grace = time.monotonic() + failure_grace
             while time.monotonic() < grace and len(results) + len(failures) < world_size:
                 _drain(queue, results, failures)
                 _reap(procs, queue, results, failures)
@@ -190,9 +197,9 @@ def _drain(queue, results, failures) -> None:
     while True:
         try:
             rank, status, payload = queue.get_nowait()
-        except Exception:  # queue.Empty (or a closed pipe)
+        except (queue_mod.Empty, EOFError, OSError):
             return
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             failures[rank] = payload
