@@ -42,6 +42,7 @@ ordering their messages alike (only on not deadlocking, which
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -427,7 +428,8 @@ class PipelineExecutor:
         ``call.backward(loss)`` registers the loss, whose backward runs scaled
         by ``loss_scale(i)`` (default ``1 / microbatches``; pass a callable or
         a sequence of weights, e.g. ``n_i / N`` for uneven microbatches, to
-        get the exact full-batch mean). ``forward_only`` runs no backward.
+        get the exact full-batch mean). ``forward_only`` runs no backward and
+        the forwards under ``torch.no_grad()`` (evaluation).
 
         Returns the body's return values per microbatch on the rank holding
         the last stage, None elsewhere (see :meth:`broadcast_outputs`).
@@ -503,7 +505,8 @@ class PipelineExecutor:
         with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
             try:
                 if kind == F:
-                    self._run_forward_action(st, s, i)
+                    with torch.no_grad() if st.forward_only else contextlib.nullcontext():
+                        self._run_forward_action(st, s, i)
                 elif kind == B:
                     self._backward(st, s, i)
                 elif kind == SEND_F:
