@@ -120,6 +120,7 @@ class Step:
 
     def _run_pipeline(self, mbs: list) -> list:
         ex = self._executor
+        ex.tracer.clear()  # the trace shows the last step
 
         def body(i: int, call):
             self._call = call
@@ -144,6 +145,31 @@ class Step:
 
     def trace_events(self) -> list:
         return self._executor.trace_events() if self._executor is not None else []
+
+    def write_trace(self, path: str) -> Optional[str]:
+        """Write the last step's timeline of every pipeline rank as one Chrome
+        trace JSON (open it in Perfetto). ``path`` is a file or a directory
+        (then ``annot-trace.json`` in it). Collective over the pp group: call
+        it on every rank; rank 0 of each pipeline writes and gets the path."""
+        import os
+
+        import torch.distributed as dist
+
+        from runtime.trace import write_chrome_trace
+
+        events = self.trace_events()
+        ctx = self.model.ctx
+        if ctx.distributed and ctx.mesh.pp > 1:
+            parts: list = [None] * ctx.mesh.pp
+            dist.all_gather_object(parts, events, group=ctx.pp_group)
+        else:
+            parts = [events]
+        if ctx.pp_rank != 0 or ctx.tp_rank != 0 or ctx.dp_rank != 0:
+            return None
+        if os.path.isdir(path) or path.endswith(os.sep) or not path.endswith(".json"):
+            os.makedirs(path, exist_ok=True)
+            path = os.path.join(path, "annot-trace.json")
+        return write_chrome_trace(path, {r: ev for r, ev in enumerate(parts)})
 
     def explain(self, *args: Any, **kwargs: Any) -> str:
         """The plan: mesh, stages, schedule and this rank's rewritten source."""

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/gpt/train.py --tp 2
     torchrun --nproc-per-node 2 examples/gpt/train.py --pp 2 --schedule gpipe
     torchrun --nproc-per-node 4 examples/gpt/train.py --tp 2 --pp 2
+    torchrun --nproc-per-node 2 examples/gpt/train.py --tp 1 --pp 2 --schedule interleaved --trace out/
 
 On CPU the ranks talk over gloo; on GPUs over NCCL (one GPU per rank). Every
 rank trains its part of the model; rank 0 also trains the plain single-device
@@ -52,6 +53,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-reference", action="store_true", help="skip the single-device run")
+    p.add_argument("--trace", metavar="DIR", help="write a Chrome trace (open in Perfetto) of the last step")
+    p.add_argument("--explain", action="store_true", help="print the plan and this rank's source")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -66,7 +69,8 @@ def main() -> None:
         dropout=0.0,
     )
     t0 = time.perf_counter()
-    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=args.seed)
+    chunks = 2 if args.schedule == "interleaved" else 1  # two model chunks per pipeline rank
+    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=args.seed, chunks=chunks)
     ctx = model.ctx
     master = ctx.rank == 0
     if master:
@@ -76,7 +80,7 @@ def main() -> None:
         )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
-    @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule)
+    @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule, trace=bool(args.trace))
     def train_step(x, y):
         logits, loss = model(x, y)
         model.backward(loss)
@@ -90,6 +94,8 @@ def main() -> None:
 
     for step, (x, y) in enumerate(batches(args.vocab, args.batch, args.seq, args.steps, args.seed)):
         xs, ys = x.chunk(dp)[ctx.dp_rank], y.chunk(dp)[ctx.dp_rank]  # this replica's share
+        if step == 0 and args.explain and master:
+            print(train_step.explain(xs, ys))
         t = time.perf_counter()
         loss = train_step(xs.to(ctx.device), ys.to(ctx.device)).reduce_mean()
         opt.step()
@@ -108,6 +114,10 @@ def main() -> None:
             line += f" | single-device {ref_loss.item():.6f} | diff {abs(loss.item() - ref_loss.item()):.1e}"
         if master:
             print(line + f" | {dt * 1000:.0f} ms", flush=True)
+    if args.trace:
+        path = train_step.write_trace(args.trace)
+        if path:
+            print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)")
     if dist.is_initialized():
         dist.destroy_process_group()
 
