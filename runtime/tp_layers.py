@@ -7,7 +7,15 @@ rewriter input                  emitted (``tp=N`` is the degree rewritten for)
 ``Row()`` on ``nn.Linear``      ``RowParallelLinear(..., tp=N)``
 ``Vocab()`` on ``nn.Embedding`` ``VocabParallelEmbedding(..., tp=N)``
 ``P("tp", None)`` on a param    ``shard_parameter(nn.Parameter(...), dim=0, tp=N)``
+``Col()`` on HF ``Conv1D``      ``ColumnParallelConv1D(nf, nx, chunks=, gather=, tp=N)``
+``Row()`` on HF ``Conv1D``      ``RowParallelConv1D(nf, nx, tp=N)``
 ==============================  ================================================
+
+HF ``Conv1D`` is ``transformers.pytorch_utils.Conv1D(nf, nx)`` (GPT-2's
+projections): a linear layer whose weight is stored transposed, ``(nx, nf)`` =
+(in, out), computed as ``addmm(bias, x, weight)``. Its parallel forms split the
+same features as the Linear ones (out for Col, in for Row), so the split dim
+of the weight is 1 for Col and 0 for Row.
 
 Each layer takes the same arguments as the torch layer it replaces, holds only
 this rank's shard, and reads the tp group from ``runtime.mesh.current()``. It
@@ -41,6 +49,8 @@ from runtime.tp_comm import _CopyToTP, _GatherFromTP, _ReduceFromTP, all_reduce_
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "ColumnParallelConv1D",
+    "RowParallelConv1D",
     "VocabParallelEmbedding",
     "ShardedParameter",
     "shard_parameter",
@@ -260,6 +270,117 @@ class RowParallelLinear(nn.Module):
             f"bias={self.bias is not None}, tp={self.tp}, "
             f"local_weight={tuple(self.weight.shape)}"
         )
+
+
+# --------------------------------------------------------------------------- #
+# HF transformers' Conv1D (a Linear with a transposed weight)
+# --------------------------------------------------------------------------- #
+
+
+def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``transformers.pytorch_utils.Conv1D.forward``: ``x @ weight (+ bias)``,
+    weight ``(in, out)``, over the last dim of ``x``."""
+    size_out = x.size()[:-1] + (weight.size(1),)
+    x2 = x.reshape(-1, x.size(-1))
+    y = torch.mm(x2, weight) if bias is None else torch.addmm(bias, x2, weight)
+    return y.view(size_out)
+
+
+class ColumnParallelConv1D(nn.Module):
+    """HF ``Conv1D(nf, nx)`` split on its output features ``nf``: weight
+    ``(nx, nf/tp)``, bias ``(nf/tp)``.
+
+    The counterpart of :class:`ColumnParallelLinear` for GPT-2's transposed
+    weights: replicated input (gradient all-reduced in backward), output this
+    rank's slice of ``nf``, or the full output with ``gather=True``. With
+    ``chunks`` > 1 (GPT-2's fused ``c_attn``: q|k|v, ``chunks=3``) each rank
+    holds its ``1/tp`` of every block. ``nf`` / ``nx`` are the full sizes, as
+    on ``Conv1D``; ``nf_local`` is this rank's.
+    """
+
+    def __init__(
+        self, nf: int, nx: int, *, chunks: int = 1, gather: bool = False, tp: int = 1
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
+        _check_divisible(name, "nf", nf, tp, chunks)
+        _mesh_for(name, tp)
+        self.nf = nf
+        self.nx = nx
+        self.nf_local = nf // tp
+        self.chunks = chunks
+        self.gather = bool(gather)
+        self.tp = tp
+        # Conv1D's own init: weight ~ N(0, 0.02), bias zeros.
+        self.weight = nn.Parameter(torch.empty(nx, self.nf_local))
+        self.bias = nn.Parameter(torch.zeros(self.nf_local))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        return {"weight": (1, self.chunks), "bias": (0, self.chunks)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return _conv1d(x, self.weight, self.bias)
+        ctx = _mesh_for(type(self).__name__, self.tp)
+        group = ctx.tp_group
+        if x.requires_grad:
+            x = _CopyToTP.apply(x, group, True)  # the gradient comes fresh from addmm's backward
+        y = _conv1d(x, self.weight, self.bias)
+        if self.gather:
+            y = _GatherFromTP.apply(y, group, self.tp, ctx.tp_rank, -1, self.chunks)
+        return y
+
+    def extra_repr(self) -> str:
+        parts = [f"nf={self.nf}", f"nx={self.nx}"]
+        if self.chunks != 1:
+            parts.append(f"chunks={self.chunks}")
+        if self.gather:
+            parts.append("gather=True")
+        parts += [f"tp={self.tp}", f"local_weight={tuple(self.weight.shape)}"]
+        return ", ".join(parts)
+
+
+class RowParallelConv1D(nn.Module):
+    """HF ``Conv1D(nf, nx)`` split on its input features ``nx``: weight
+    ``(nx/tp, nf)``, bias ``(nf)`` replicated.
+
+    The counterpart of :class:`RowParallelLinear`: the input is sharded on its
+    last dim (a column-parallel output), the partial products are all-reduced
+    and the bias is added once, after the reduction.
+    """
+
+    def __init__(self, nf: int, nx: int, *, tp: int = 1) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        _check_divisible(name, "nx", nx, tp)
+        _mesh_for(name, tp)
+        self.nf = nf
+        self.nx = nx
+        self.nx_local = nx // tp
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(self.nx_local, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        return {"weight": (0, 1)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return _conv1d(x, self.weight, self.bias)
+        group = _mesh_for(type(self).__name__, self.tp).tp_group
+        y = _conv1d(x, self.weight, None)  # partial sum; a fresh tensor, reduced in place
+        if y.requires_grad:
+            return _ReduceFromTP.apply(y, group, True) + self.bias
+        return all_reduce_(y, group).add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"
 
 
 # --------------------------------------------------------------------------- #
