@@ -16,13 +16,17 @@ Gradients go back the same way: the receiving stage sends
 calls ``torch.autograd.backward(tensors_requiring_grad(outputs), grads)``
 (skipping pairs whose gradient is None).
 
-Wire format: one message is up to three sends on the pair, in this order:
+Wire format: one message is one to three sends on the pair, in this order:
 
-1. preamble, ``int64[4] = [MAGIC, VERSION, header bytes, payload bytes]``: the
-   only message the receiver posts blind, so its size never varies;
-2. header, ``uint8[header bytes]``: UTF-8 JSON, never pickle (nothing received
-   is ever executed or imported): the tree with its plain leaves, and each
-   tensor's dtype, shape and requires_grad;
+1. preamble, ``uint8[4096]``: ``int64[4] = [MAGIC, VERSION, header bytes,
+   payload bytes]`` followed by the header itself when it fits in the rest
+   (the usual case), and by the payload too when that also fits (small
+   transfers are then one message). It is the only message the receiver posts
+   blind, so its size never varies;
+2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
+   UTF-8 JSON, never pickle (nothing received is ever executed or imported):
+   the tree with its plain leaves, and each tensor's dtype, shape and
+   requires_grad;
 3. payload, ``uint8[payload bytes]``: the bytes of every non-empty tensor, each
    starting at a multiple of 16 bytes, all dtypes in one buffer (so one send
    per message, not one per tensor or per dtype); absent when there are none.
@@ -48,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import struct
 import sys
 from typing import Any, Optional
 
@@ -61,7 +66,9 @@ from runtime import faults
 __all__ = ["Handle", "flatten", "recv_pytree", "send_pytree", "tensors_requiring_grad", "unflatten"]
 
 MAGIC = int.from_bytes(b"annotP2P", "big")
-VERSION = 1
+VERSION = 2
+# Size of the first message of a transfer (preamble + header when it fits).
+FIRST_BYTES = 4096
 ALIGN = 16
 MAX_HEADER_BYTES = 16 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
@@ -443,8 +450,21 @@ def send_pytree(
         )
     offsets, total = _layout(metas)
     payload = _pack(tensors, offsets, total, comm)
-    pre = torch.tensor([MAGIC, VERSION, len(raw), total], dtype=torch.int64).to(comm)
-    head = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm)
+    # The first message has a fixed size: 4 int64 words, then the header itself
+    # when it fits (the usual case: 2 messages a transfer), else on its own.
+    first = bytearray(FIRST_BYTES)
+    first[:32] = struct.pack("<4q", MAGIC, VERSION, len(raw), total)
+    inline = len(raw) <= FIRST_BYTES - 32
+    head = None
+    if inline:
+        first[32 : 32 + len(raw)] = raw
+        at = _inline_payload_at(len(raw), total)
+        if at is not None and payload is not None:  # small: one message in all
+            first[at : at + total] = payload.cpu().numpy().tobytes()
+            payload = None
+    else:
+        head = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm)
+    pre = torch.frombuffer(first, dtype=torch.uint8).to(comm)
     guard_kwargs = dict(
         op=_op("send", what),
         stage=stage,
@@ -500,7 +520,8 @@ def recv_pytree(
             " receives between them in the same order (from one thread)."
         )
 
-    magic, version, hlen, plen = receive(4, torch.int64).tolist()
+    first = receive(FIRST_BYTES, torch.uint8).cpu().numpy().tobytes()
+    magic, version, hlen, plen = struct.unpack("<4q", first[:32])
     if magic != MAGIC:
         raise reject(
             f"bad preamble: expected magic {MAGIC:#x}, received {magic & (2**64 - 1):#x}"
@@ -513,7 +534,10 @@ def recv_pytree(
     if not 0 <= plen <= MAX_PAYLOAD_BYTES:
         raise reject(f"payload length {plen} is outside 0..{MAX_PAYLOAD_BYTES} bytes")
 
-    raw = receive(hlen, torch.uint8).cpu().numpy().tobytes()
+    if hlen <= FIRST_BYTES - 32:
+        raw = first[32 : 32 + hlen]
+    else:
+        raw = receive(hlen, torch.uint8).cpu().numpy().tobytes()
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -528,7 +552,11 @@ def recv_pytree(
             f"the header's tensors take {total} payload bytes but the preamble says {plen}"
         )
 
-    payload = receive(plen, torch.uint8) if plen else None
+    at = _inline_payload_at(hlen, plen)
+    if plen and at is not None:
+        payload = torch.frombuffer(bytearray(first[at : at + plen]), dtype=torch.uint8).to(comm)
+    else:
+        payload = receive(plen, torch.uint8) if plen else None
     tensors = []
     for (dtype_name, shape, requires_grad), off in zip(metas, offsets):
         dtype = _DTYPES[dtype_name]
@@ -545,6 +573,13 @@ def recv_pytree(
         return unflatten(header["tree"], tensors, device=target)
     except PipelineError as err:
         raise reject(str(err)) from None
+
+
+def _inline_payload_at(hlen: int, plen: int) -> Optional[int]:
+    """Where a payload of ``plen`` bytes sits inside the first message after a
+    ``hlen``-byte header (16-byte aligned), or None when it does not fit."""
+    at = -(-(32 + hlen) // ALIGN) * ALIGN
+    return at if plen and at + plen <= FIRST_BYTES else None
 
 
 def _check_header(header: Any) -> list:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import pickle
+import struct
 from typing import Any, NamedTuple
 
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from annot.errors import PipelineError
 from annot.testing import run_ranks
 from runtime.p2p import (
+    FIRST_BYTES,
     MAGIC,
     VERSION,
     flatten,
@@ -221,6 +223,14 @@ def _raw(*tensors_: torch.Tensor) -> None:
         dist.send(t, 1)
 
 
+def _first(words: list, inline: bytes = b"") -> torch.Tensor:
+    """A fixed-size first message: 4 int64 words, then an inline header."""
+    buf = bytearray(FIRST_BYTES)
+    buf[:32] = struct.pack("<4q", *words)
+    buf[32 : 32 + len(inline)] = inline
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
 def _p2p_session(examples: list) -> Any:
     """rank 0 sends, rank 1 receives: the drawn examples, changing shapes, a
     gradient round trip, then garbage."""
@@ -249,17 +259,11 @@ def _p2p_session(examples: list) -> Any:
         header = json.dumps(
             {"v": VERSION, "tree": {"k": "T", "i": 0}, "tensors": [["float32", [4], False]]}
         ).encode()
-        _raw(torch.tensor([12345, VERSION, 10, 0]))
-        _raw(torch.tensor([MAGIC, 99, 10, 0]))
-        _raw(torch.tensor([MAGIC, VERSION, 2**40, 0]))
-        _raw(
-            torch.tensor([MAGIC, VERSION, 8, 0]),
-            torch.tensor(list(b"\xff\xfe{junk"), dtype=torch.uint8),
-        )
-        _raw(
-            torch.tensor([MAGIC, VERSION, len(header), 0]),
-            torch.tensor(list(header), dtype=torch.uint8),
-        )
+        _raw(_first([12345, VERSION, 10, 0]))
+        _raw(_first([MAGIC, 99, 10, 0]))
+        _raw(_first([MAGIC, VERSION, 2**40, 0]))
+        _raw(_first([MAGIC, VERSION, 8, 0], b"\xff\xfe{junk"))
+        _raw(_first([MAGIC, VERSION, len(header), 0], header))
         send_pytree(["still", "in", "step"], 1, **kw).wait()
         return pickle.dumps(w.grad)  # plain pickle: a queued tensor dies with its rank
     received = [recv_pytree(0, what=f"example {i}", **kw) for i in range(len(examples))]
