@@ -24,16 +24,21 @@ saved: tp=2 -> tp=1, tp=4, pp=1 or a single process.
 Memory. No full tensor is ever built on a rank. Saving copies at most one
 chunk at a time (DCP's writer stages each item to CPU as it writes it).
 Loading reads into fresh buffers the size of this rank's shards (model and
-optimizer state: one extra copy of what the rank holds) and copies them into
-the live tensors only after every rank has read and verified everything, so
-a failed load leaves the model and optimizer unchanged. ``load_full`` holds
-the whole model and optimizer state, as the single-device model does.
+optimizer state: one extra copy of what the rank holds; plus one stored
+chunk at a time while reading) and copies them into the live tensors only
+after every rank has read and verified everything, so a failed load leaves
+the model and optimizer unchanged. Verifying reads each data file a rank
+needs once more, whole (its CRC-32), before DCP reads the parts it needs.
+``load_full`` holds the whole model and optimizer state, as the
+single-device model does.
 
-Atomic. Every rank writes into ``<path>.tmp-<id>``; after DCP's final
-collective rank 0 writes ``annot-info.pt`` (step, extra, names, optimizer
-groups), then the completion marker ``annot-complete.json`` (every file's
-size and CRC-32) last, then renames the directory to ``path``. A crash
-before that leaves no ``path``; a directory without the marker, with a
+Atomic. Rank 0 creates ``<path>.tmp-<id>`` and writes ``annot-info.pt``
+(step, extra, names, optimizer groups) there; every rank writes its chunks
+into it through ``dcp.save``; after DCP's last collective each rank records
+its own files' sizes and CRC-32s, and rank 0 writes the completion marker
+``annot-complete.json`` last, then renames the directory to ``path`` (an
+older checkpoint there is moved aside first, removed after). A crash before
+that leaves no new ``path``; a directory without the marker, with a
 truncated or altered file, or with corrupt metadata is refused with
 :class:`~annot.errors.CheckpointError`. ``path`` must be on a file system
 every rank sees (as DCP's ``FileSystemWriter`` assumes).
@@ -522,8 +527,8 @@ def _from_rank0(target: _Target, fn: Callable[[], Any], what: str) -> Any:
     if target.rank == 0:
         try:
             result = fn()
-        except (CheckpointError, OSError, RuntimeError) as e:
-            err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+        except Exception as e:  # noqa: BLE001 - the others must hear of any failure
+            err = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     if target.distributed:
         box = [(result, err)]
         dist.broadcast_object_list(box, src=0)

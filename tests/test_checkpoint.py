@@ -130,7 +130,11 @@ def _pipeline_run(cache, path, out_path):
     opt.step()
     opt.zero_grad()
     ck.save(model, opt, out_path, step=3)
-    return {"loaded": loaded, "after": _np(model.full_state_dict())}
+    return {
+        "loaded": loaded,
+        "after": _np(model.full_state_dict()),
+        "optim": _full_optim(model, opt),
+    }
 
 
 def _crash_run(cache, path):
@@ -270,12 +274,23 @@ def test_load_full_into_the_plain_model(saved):
 def test_pipeline_load_and_save(saved, cache, tmp_path):
     path, ref = saved
     out = str(tmp_path / "pp")
-    res = run_ranks(_pipeline_run, 4, cache, path, out, timeout=300)[0]
-    _same_state(res["loaded"], ref["saved"]["model"], "loaded at pp=2 x tp=2")
+    res = run_ranks(_pipeline_run, 4, cache, path, out, timeout=300)
+    _same_state(res[0]["loaded"], ref["saved"]["model"], "loaded at pp=2 x tp=2")
+    optim = {}  # by name, from both stages; the tied head's state is the embedding's
+    for r in res:
+        for name, st in r["optim"].items():
+            name = "wte.weight" if name == "lm_head.weight" else name
+            if name in optim:
+                _same_state(st, optim[name], f"tied {name} on both stages")
+            optim[name] = st
+    assert ck.load(*_plain_with_optimizer(), out)["step"] == 3
     model_sd, optim_sd = ck.load_full(out)
-    _same_state(_np(model_sd), res["after"], "saved at pp=2 x tp=2")
-    assert ck._open(out).info["step"] == 3
-    assert len(optim_sd["state"]) == len(ref["saved"]["optim"])
+    _same_state(_np(model_sd), res[0]["after"], "saved at pp=2 x tp=2")
+    plain, opt = _plain_with_optimizer()
+    plain.load_state_dict(model_sd)
+    opt.load_state_dict(optim_sd)
+    by_name = {n: _np(opt.state[p]) for n, p in plain.named_parameters()}
+    _same_state(by_name, optim, "optimizer saved at pp=2 x tp=2")
 
 
 def test_crash_mid_save_publishes_nothing(saved, cache, tmp_path):
@@ -292,6 +307,13 @@ def test_crash_mid_save_publishes_nothing(saved, cache, tmp_path):
         ck.load_full(partial)
     model_sd, _ = ck.load_full(target)  # the old checkpoint is untouched
     _same_state(_np(model_sd), {**ref["saved"]["model"]}, "old checkpoint")
+
+
+def _plain_with_optimizer():
+    from examples.gpt.model import GPT, GPTConfig
+
+    plain = GPT(GPTConfig(**CFG))
+    return plain, torch.optim.AdamW(plain.parameters(), lr=LR)
 
 
 def _plain_trained():
