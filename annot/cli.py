@@ -4,6 +4,8 @@
     annot rewrite model.py --tp 2 --diff          # unified diff, like black --diff
     annot rewrite model.py --tp 2 -o out/         # out/model.py, with an @generated header
     annot rewrite model.py --tp 2 --in-place      # overwrite model.py itself
+    annot plan model.py:GPT --pp 4 --input idx=int64[8,256]:vocab=50304 \
+        --init 'GPTConfig(n_layer=8)'             # balanced stage boundaries, as a table
     annot --version
 
 Exit status: 0 on success, 2 on any error (a refusal prints
@@ -21,6 +23,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 import tokenize
@@ -33,7 +36,7 @@ __all__ = ["build_parser", "main", "rewrite_source"]
 
 
 class _Refusal(Exception):
-    """A command-line mistake: printed as ``annot rewrite: <message>``, exit 2."""
+    """A command-line mistake: printed as ``annot <command>: <message>``, exit 2."""
 
 
 def _version() -> str:
@@ -63,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"annot {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_rewrite(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -178,10 +182,19 @@ def _run_rewrite(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise _Refusal(f"{path}: cannot read: {exc.strerror or exc}") from None
             try:
-                results.append((path, data, rewrite_source(
-                    data, path, tp=args.tp, pp=args.pp,
-                    split=args.split.split(",") if args.split else None,
-                )))
+                results.append(
+                    (
+                        path,
+                        data,
+                        rewrite_source(
+                            data,
+                            path,
+                            tp=args.tp,
+                            pp=args.pp,
+                            split=args.split.split(",") if args.split else None,
+                        ),
+                    )
+                )
             except RewriteError as exc:
                 print(exc, file=sys.stderr)
                 failed = True
@@ -305,6 +318,413 @@ def _atomic_write(dest: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# ---- annot plan -------------------------------------------------------------
+
+_PLAN_EPILOG = """\
+FILE is imported as a module to build the model: its top-level code runs
+(as with `python FILE`; its directory is put first on sys.path). The model
+is CLASS() unless --init / --config-json say otherwise:
+
+  --init 'GPT(GPTConfig(n_layer=8, bias=False))'   the model itself
+  --init 'GPTConfig(n_layer=8)'                    GPT(GPTConfig(n_layer=8))
+  --init GPTConfig --config-json cfg.json          GPT(GPTConfig(**cfg))
+  --config-json '{"width": 64}'                    CLASS(width=64)
+
+--init is read, not evaluated: only calls of classes and functions defined
+at the top level of FILE, with literal arguments (numbers, strings, True,
+False, None, tuples, lists, dicts) or such calls nested, are accepted.
+
+--input NAME=DTYPE[D0,D1,...][:HIGH] makes one random sample input for
+forward's argument NAME (repeat it per argument): floats are normal(0, 1),
+ints are uniform in [0, HIGH) (default [0, 2)), bools random. A label may
+name the range: idx=int64[8,256]:vocab=50304. DTYPE: float32, float16,
+bfloat16, float64, int64, int32, int16, int8, uint8, bool. The sample is
+one microbatch: its shape is what each stage is measured on. Without
+--input the plan balances parameter bytes and nothing runs.
+
+--tp T divides the parameters and FLOPs of @shard-ed layers by T
+(approximate: FLOPs by their parameter share; activations and measured
+times are not scaled).
+
+Prints the table (or with --json the plan as JSON) and writes no file.
+Exit status 2 on an error (a bad spec, a memory budget no split fits)."""
+
+_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float64": "float64",
+    "double": "float64",
+    "int64": "int64",
+    "long": "int64",
+    "int32": "int32",
+    "int": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+_INPUT = re.compile(
+    r"^(?P<name>[A-Za-z_]\w*)=(?P<dtype>\w+)\[(?P<shape>[\d,\s]*)\]"
+    r"(?::(?:(?P<label>[A-Za-z_]\w*)=)?(?P<high>\d+))?$"
+)
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose balanced pipeline stage boundaries for a model and print them",
+        description=(
+            "Split CLASS's forward into --pp balanced pipeline stages: the slowest stage as "
+            "fast as possible, each within --memory. Prints the stages (first/last module, "
+            "parameters, FLOPs, measured time, memory, bytes sent on) and the boundaries to "
+            "give @stage(split=[...]) or annot rewrite --split."
+        ),
+        epilog=_PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="FILE:CLASS", help="the model file and its @stage class")
+    p.add_argument("--pp", type=_degree, required=True, metavar="N", help="pipeline stages")
+    p.add_argument(
+        "--tp", type=_degree, default=1, metavar="T", help="tensor-parallel degree (default 1)"
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=DTYPE[SHAPE][:HIGH]",
+        help="a sample input for forward's argument NAME, e.g. idx=int64[8,256]:vocab=50304 "
+        "(repeatable; see below)",
+    )
+    p.add_argument("--init", metavar="EXPR", help="how to build the model (see below)")
+    p.add_argument(
+        "--config-json",
+        metavar="JSON",
+        help="keyword arguments as a JSON object, inline or a file path (see below)",
+    )
+    p.add_argument("--memory", metavar="SIZE", help="memory budget per device, e.g. 16GiB")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --memory: the fewest stages, at most --pp, that fit (memory-fit mode)",
+    )
+    p.add_argument(
+        "--cost",
+        choices=("time", "flops", "params"),
+        help="what to balance (default: time with --input, else params)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "adam", "sgd", "none"),
+        default="adamw",
+        help="optimizer state counted in memory (default adamw: 2 states per parameter)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_run_plan)
+
+
+def _import_file(path: str):
+    """FILE as a fresh module (its top-level code runs), registered in sys.modules."""
+    import hashlib
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise _Refusal(f"{path}: no such file")
+    real = os.path.realpath(path)
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(real))[0])
+    name = f"annot_plan_{stem}_{hashlib.sha256(real.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, real)
+    if spec is None or spec.loader is None:
+        raise _Refusal(f"{path}: cannot import it as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    folder = os.path.dirname(real)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise _Refusal(f"{path}: importing it raised {_describe(exc)}") from None
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+    return module
+
+
+def _describe(exc: BaseException) -> str:
+    """``TypeError: message (at model.py:12)``: the innermost frame of the
+    user's code (not of torch or annot); in a planned stage, its line."""
+    import traceback
+
+    import annot
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(annot.__file__)))
+    skip = [os.path.join(root, pkg) + os.sep for pkg in ("annot", "runtime", "rewriters")]
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and getattr(torch_mod, "__file__", None):
+        skip.append(os.path.dirname(os.path.abspath(torch_mod.__file__)) + os.sep)
+    frames = traceback.extract_tb(exc.__traceback__)
+    theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(tuple(skip))]
+    frame = (theirs or frames or [None])[-1]
+    if frame is None:
+        where = ""
+    elif frame.filename.startswith("<annot plan"):
+        where = f" (in forward, at `{(frame.line or '').strip()}`)"
+    else:
+        where = f" (at {frame.filename}:{frame.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _defined_names(module) -> set[str]:
+    """Classes and functions defined by top-level statements of the module's file
+    (and still bound to them): what --init may call."""
+    import ast
+
+    with open(module.__file__, "rb") as f:
+        tree = ast.parse(f.read(), module.__file__)
+    names = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    return {
+        n for n in names if getattr(getattr(module, n, None), "__module__", None) == module.__name__
+    }
+
+
+def _literal(node, text: str):
+    import ast
+
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise _Refusal(
+            f"--init {text!r}: {ast.unparse(node)!r} is not a literal; arguments may be "
+            "numbers, strings, True/False/None, tuples, lists, dicts, or calls of classes "
+            "defined in FILE"
+        ) from None
+
+
+def _init_value(node, module, allowed: set[str], text: str):
+    """Evaluate a checked --init node: calls of allowed names, literal arguments."""
+    import ast
+
+    if isinstance(node, ast.Call):
+        if not isinstance(node.func, ast.Name):
+            raise _Refusal(
+                f"--init {text!r}: refused {ast.unparse(node.func)!r}: --init may only call "
+                "classes and functions defined at the top level of FILE, by their plain name "
+                f"({', '.join(sorted(allowed)) or 'FILE defines none'})"
+            )
+        if node.func.id not in allowed:
+            raise _Refusal(
+                f"--init {text!r}: refused {node.func.id!r}: it is not a class or function "
+                f"defined in FILE; --init may call {', '.join(sorted(allowed)) or 'nothing'}"
+            )
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(
+            k.arg is None for k in node.keywords
+        ):
+            raise _Refusal(f"--init {text!r}: *args and **kwargs are not accepted")
+        args = [_init_value(a, module, allowed, text) for a in node.args]
+        kwargs = {k.arg: _init_value(k.value, module, allowed, text) for k in node.keywords}
+        return getattr(module, node.func.id)(*args, **kwargs)
+    return _literal(node, text)
+
+
+def _check_tree(root, allowed: set[str], text: str) -> None:
+    """Refuse, before anything is called, any call that is not of an allowed name."""
+    import ast
+
+    for node in ast.walk(root):
+        if isinstance(node, ast.Call) and not (
+            isinstance(node.func, ast.Name) and node.func.id in allowed
+        ):
+            raise _Refusal(
+                f"--init {text!r}: refused {ast.unparse(node.func)!r}: --init may only call "
+                "classes and functions defined at the top level of FILE "
+                f"({', '.join(sorted(allowed)) or 'FILE defines none'})"
+            )
+        if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Attribute, ast.Subscript)):
+            raise _Refusal(
+                f"--init {text!r}: {ast.unparse(node)!r} is not accepted; use calls of "
+                "classes defined in FILE with literal arguments"
+            )
+
+
+def _config_json(text: str) -> dict:
+    import json
+
+    raw = text
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise _Refusal(f"--config-json {text}: cannot read: {exc.strerror or exc}") from None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise _Refusal(f"--config-json: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _Refusal("--config-json: expected a JSON object of keyword arguments")
+    return value
+
+
+def _build_model(module, cls: type, init: Optional[str], config: Optional[str]):
+    import ast
+
+    kwargs = _config_json(config) if config is not None else None
+    allowed = _defined_names(module)
+    if init is None:
+        return cls(**(kwargs or {}))
+    try:
+        tree = ast.parse(init.strip(), mode="eval").body
+    except SyntaxError as exc:
+        raise _Refusal(f"--init {init!r}: not a Python expression: {exc.msg}") from None
+    _check_tree(tree, allowed, init)
+    if isinstance(tree, ast.Name):  # --init GPTConfig [--config-json ...]
+        if tree.id not in allowed:
+            raise _Refusal(
+                f"--init {init!r}: {tree.id!r} is not a class or function defined in FILE; "
+                f"--init may call {', '.join(sorted(allowed)) or 'nothing'}"
+            )
+        value = getattr(module, tree.id)(**(kwargs or {}))
+    elif isinstance(tree, ast.Call):
+        if kwargs is not None:
+            raise _Refusal(
+                "--init with a call and --config-json both give arguments; use --init NAME "
+                "--config-json JSON, or put the arguments in the --init call"
+            )
+        value = _init_value(tree, module, allowed, init)
+    else:
+        raise _Refusal(
+            f"--init {init!r}: expected a call such as 'Config(n_layer=8)' or a class name"
+        )
+    return value if isinstance(value, cls) else cls(value)
+
+
+def _sample(specs: Sequence[str], cls: type) -> Optional[dict]:
+    import inspect
+
+    import torch
+
+    if not specs:
+        return None
+    sig = inspect.signature(cls.forward)
+    params = list(sig.parameters.values())[1:]
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    open_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    sample: dict = {}
+    for spec in specs:
+        m = _INPUT.match(spec.strip())
+        if m is None:
+            raise _Refusal(
+                f"--input {spec!r}: expected NAME=DTYPE[D0,D1,...] with an optional :HIGH for "
+                "ints, e.g. x=float32[4,16] or idx=int64[8,256]:vocab=50304"
+            )
+        name, dtype = m["name"], _DTYPES.get(m["dtype"].lower())
+        if dtype is None:
+            raise _Refusal(
+                f"--input {spec!r}: unknown dtype {m['dtype']!r}; expected one of "
+                f"{', '.join(sorted(set(_DTYPES.values())))}"
+            )
+        if name not in named and not open_kw:
+            raise _Refusal(
+                f"--input {spec!r}: {cls.__name__}.forward has no argument {name!r}; its "
+                f"arguments: {', '.join(p.name for p in params) or 'none'}"
+            )
+        if name in sample:
+            raise _Refusal(f"--input {name}= is given twice")
+        shape = [int(d) for d in m["shape"].replace(" ", "").split(",") if d]
+        dt = getattr(torch, dtype)
+        high = int(m["high"]) if m["high"] else None
+        if dt.is_floating_point:
+            if high is not None:
+                raise _Refusal(f"--input {spec!r}: a range (:{high}) is for integer inputs")
+            sample[name] = torch.randn(shape, dtype=dt)
+        elif dt is torch.bool:
+            sample[name] = torch.randint(0, 2, shape).bool()
+        else:
+            if high is not None and high < 1:
+                raise _Refusal(f"--input {spec!r}: HIGH must be >= 1 (ints in [0, HIGH))")
+            sample[name] = torch.randint(0, high or 2, shape, dtype=dt)
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in sample
+    ]
+    if missing:
+        raise _Refusal(
+            f"{cls.__name__}.forward needs {', '.join(missing)}: add --input "
+            + " --input ".join(f"{n}=DTYPE[SHAPE]" for n in missing)
+        )
+    return sample
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    try:
+        path, sep, name = args.target.rpartition(":")
+        if not sep or not path or not name:
+            raise _Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
+        if args.fit and args.memory is None:
+            raise _Refusal("--fit needs --memory (the budget the stages must fit)")
+        memory = None
+        if args.memory is not None:
+            from annot.hints import parse_bytes
+
+            memory = parse_bytes(args.memory, "--memory")
+        module = _import_file(path)
+        cls = module
+        for part in name.split("."):
+            cls = getattr(cls, part, None)
+        import torch.nn as nn
+
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise _Refusal(f"{path}: defines no nn.Module class {name!r}")
+        import torch
+
+        torch.manual_seed(0)
+        try:
+            model = _build_model(module, cls, args.init, args.config_json)
+        except (_Refusal, AnnotError):
+            raise
+        except Exception as exc:
+            raise _Refusal(f"building {name} raised {_describe(exc)}") from None
+        if not isinstance(model, cls):
+            raise _Refusal(f"--init built a {type(model).__name__}, not a {name}")
+        sample = _sample(args.input, cls)
+        from annot.planner import fit_stages, plan_stages
+
+        common = dict(
+            sample=sample,
+            cost=args.cost,
+            optimizer=args.optimizer,
+            source_path=module.__file__,
+            progress=True,
+            tp=args.tp,
+        )
+        try:
+            if args.fit:
+                plan = fit_stages(model, cls, memory=memory, max_stages=args.pp, **common)
+            else:
+                plan = plan_stages(model, cls, args.pp, memory=memory, **common)
+        except AnnotError:
+            raise
+        except Exception as exc:
+            raise _Refusal(f"running {name} on the sample raised {_describe(exc)}") from None
+    except (_Refusal, AnnotError, OSError) as exc:
+        print(f"annot plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        import json
+
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(plan.table())
+    return 0
 
 
 if __name__ == "__main__":

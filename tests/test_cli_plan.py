@@ -1,0 +1,227 @@
+"""``annot plan FILE:CLASS``: the table, --json, memory errors, --init's guard.
+
+The command runs in-process (``annot.cli.main``) on a model file written to
+a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from annot.cli import main
+
+NET = textwrap.dedent(
+    '''
+    """A small model file, as a user would write it."""
+    from os import system  # imported, not defined here: --init may not call it
+
+    import torch
+    import torch.nn as nn
+
+
+    class Config:
+        def __init__(self, width=16, depth=4):
+            self.width, self.depth = width, depth
+
+
+    class Net(nn.Module):
+        def __init__(self, cfg=None):
+            super().__init__()
+            cfg = cfg or Config()
+            self.inp = nn.Linear(16, cfg.width)
+            self.blocks = nn.ModuleList(nn.Linear(cfg.width, cfg.width) for _ in range(cfg.depth))
+            self.out = nn.Linear(cfg.width, 1)
+
+        def forward(self, x, scale=1.0):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return self.out(h) * scale
+
+
+    class Tokens(nn.Module):
+        def __init__(self, vocab=50, width=8):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, width)
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            return self.proj(h)
+    '''
+)
+
+
+@pytest.fixture
+def net(tmp_path):
+    path = tmp_path / "net.py"
+    path.write_text(NET)
+    return path
+
+
+def plan(capsys, *argv):
+    rc = main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_table_with_two_stages_and_the_imbalance(net, capsys):
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("annot plan: Net in 2 stages over 6 segments; balanced cost: ")
+    assert "measured time" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    assert lines[header].split() == [
+        "stage", "first", "last", "params", "FLOPs", "time", "memory", "sends"
+    ]  # fmt: skip
+    rows = [line.split()[0] for line in lines[header + 2 :] if line[:1].isdigit()]
+    assert rows == ["0", "1"]
+    assert re.search(r"^imbalance \(max/mean stage cost\): \d+\.\d\d$", out, re.M)
+    assert re.search(r"^boundaries: (blocks\.[0-3]|out)$", out, re.M)
+
+
+def test_json_has_the_boundaries(net, capsys):
+    rc, out, err = plan(
+        capsys, f"{net}:Net", "--pp", 3, "--input", "x=float32[4,16]", "--cost", "flops", "--json"
+    )
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["n_stages"] == 3 and data["cost"] == "flops"
+    assert len(data["boundaries"]) == 2
+    names = [s["name"] for s in data["segments"]]
+    assert names == ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
+    assert set(data["boundaries"]) <= set(names[1:])
+    assert [s["stage"] for s in data["stages"]] == [0, 1, 2]
+    assert data["imbalance"] >= 1.0
+
+
+def test_without_input_parameters_are_balanced(net, capsys):
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2)
+    assert rc == 0, err
+    assert "balanced cost: parameter bytes" in out and "no sample input" in out
+
+
+def test_infeasible_memory_exits_2_with_the_numbers(net, capsys):
+    rc, out, err = plan(
+        capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--memory", "1KiB"
+    )
+    assert rc == 2 and out == ""
+    assert re.search(
+        r"annot plan: segment \d+ alone needs \d+ bytes .* > memory budget 1024 bytes", err
+    )
+
+
+def test_fit_finds_the_stage_count(net, capsys):
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 5, "--memory", "5KiB", "--fit", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert 2 <= data["n_stages"] <= 5
+    assert all(s["memory"] <= 5 * 1024 for s in data["stages"])
+
+
+@pytest.mark.parametrize(
+    "expr, refused",
+    [
+        ("os.system('touch {marker}')", "os.system"),
+        ("system('touch {marker}')", "system"),
+        ("__import__('os').system('touch {marker}')", "__import__('os').system"),
+        ("Net(Config(width=open('{marker}', 'w')))", "open"),
+        ("Config(width=(lambda: 8)())", "lambda: 8"),
+    ],
+)
+def test_bad_init_is_refused_never_evaluated(net, capsys, tmp_path, expr, refused):
+    marker = tmp_path / "PWNED"
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--init", expr.format(marker=marker))
+    assert rc == 2 and out == ""
+    assert f"refused {refused!r}" in err
+    assert not marker.exists()
+
+
+def test_init_calls_classes_of_the_file_with_literals(net, capsys):
+    for init in ("Net(Config(width=8, depth=3))", "Config(width=8, depth=3)"):
+        rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--init", init, "--json")
+        assert rc == 0, err
+        data = json.loads(out)
+        assert [s["name"] for s in data["segments"]][1:] == [
+            "blocks.0",
+            "blocks.1",
+            "blocks.2",
+            "out",
+        ]
+        assert data["segments"][1]["params"] == 8 * 8 + 8
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--init", "Config(width=x)")
+    assert rc == 2 and "'x' is not a literal" in err
+
+
+def test_config_json(net, capsys, tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"width": 4, "depth": 2}')
+    rc, out, err = plan(
+        capsys, f"{net}:Net", "--pp", 2, "--init", "Config", "--config-json", cfg, "--json"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["segments"][1]["params"] == 4 * 4 + 4
+    rc, out, err = plan(
+        capsys, f"{net}:Tokens", "--pp", 2, "--config-json", '{"vocab": 20}', "--json"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["segments"][0]["params"] == 20 * 8
+
+
+def test_int_inputs_take_a_range(net, capsys):
+    args = [f"{net}:Tokens", "--pp", 2, "--input", "idx=int64[2,5]:vocab=50"]
+    rc, out, err = plan(capsys, *args)
+    assert rc == 0, err
+    rc, out, err = plan(capsys, *args[:-1], "idx=int64[2,5]")  # ints in [0, 2)
+    assert rc == 0, err
+    rc, out, err = plan(capsys, *args[:-1], "idx=int64[2,5]:100000")  # past the vocab
+    assert rc == 2 and "running Tokens on the sample raised IndexError" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--input", "x=float32(4,16)"], "expected NAME=DTYPE[D0,D1,...]"),
+        (["--input", "x=complex7[4]"], "unknown dtype 'complex7'"),
+        (["--input", "y=float32[4,16]"], "Net.forward has no argument 'y'"),
+        (["--input", "x=float32[4,16]:9"], "a range (:9) is for integer inputs"),
+        (["--memory", "lots"], "--memory: memory='lots'"),
+        (["--fit"], "--fit needs --memory"),
+        (["--cost", "time"], "cost='time' is measured on a sample input"),
+    ],
+)
+def test_bad_specs_exit_2(net, capsys, argv, message):
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, *argv)
+    assert rc == 2 and out == ""
+    assert message in err
+
+
+def test_bad_targets_exit_2(net, capsys, tmp_path):
+    assert plan(capsys, f"{net}:Nope", "--pp", 2)[:2] == (2, "")
+    assert plan(capsys, str(net), "--pp", 2)[0] == 2
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('top level ran')\n")
+    rc, _, err = plan(capsys, f"{broken}:Net", "--pp", 2)
+    assert rc == 2 and "importing it raised RuntimeError: top level ran" in err
+    rc, _, err = plan(capsys, f"{net}:Net", "--pp", 9)
+    assert rc == 2 and "fewer than the 9 stages" in err
+
+
+def test_tp_is_noted(net, capsys):
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--tp", 2)
+    assert rc == 0, err
+    assert "tp=2: parameters and FLOPs of @shard-ed layers divided by 2" in out
+
+
+def test_help_says_the_file_runs(capsys):
+    with pytest.raises(SystemExit):
+        from annot.cli import build_parser
+
+        build_parser().parse_args(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "top-level code runs" in out and "--init is read, not evaluated" in out
