@@ -23,15 +23,32 @@
    reads become ``C // 2``. Parentheses are added only where precedence needs
    them. Method *parameters* with a listed name are left alone: a caller in
    the class already passes the divided value.
-4. ``F.cross_entropy(logits...)`` inside a hinted class, whose input provably
-   comes from a non-gathered ``Col()`` submodule of the same class (directly, or
-   through simple assignments and ``.view/.reshape/.float/.contiguous/.flatten/
-   .to`` and slicing), becomes ``vocab_parallel_cross_entropy(...)`` with the
-   same arguments.
+4. Vocab-parallel loss. A *sharded value* is the output of a non-gathered
+   ``Col()`` (each rank holds its 1/tp slice of the last dim), followed
+   through simple and tuple-unpacking assignments, ``.view/.reshape/.float/
+   .contiguous/.flatten/.to``, slicing and tuple indexing. Across the classes
+   of the file: a class whose ``forward`` returns a sharded value (as is or as
+   a tuple element, on every return) has a *sharded output*, computed to a
+   fixpoint, so in any class, hinted or not, ``self.cls(...)`` (also
+   ``self.cls.predictions(...)``) with ``self.cls = Head(...)`` in ``__init__``
+   gives a sharded value: Hugging Face's layout, the ``Col()`` in a head and
+   the loss in the parent. Then, in any class of the file:
 
-   Any other use of a non-gathered ``Col()`` output is left as it is: that
-   value is the *sharded output* (Megatron's ``parallel_output``), each rank
-   holding its slice of the last dim. nanoGPT's inference branch
+   - ``F.cross_entropy(x, ...)`` (any alias) on a sharded ``x`` becomes
+     ``vocab_parallel_cross_entropy(x, ...)`` with the same arguments;
+   - a call of an ``nn.CrossEntropyLoss(...)`` instance (built inline, in a
+     local variable or as ``self.loss_fct`` in ``__init__``) on a sharded
+     input becomes ``vocab_parallel_cross_entropy(x, y, <its constructor
+     arguments as keywords>)``; arguments built away from the call must be
+     literals (``ignore_index=-1``, ``reduction="sum"``);
+   - refused: a sharded value passed to any other callee named like a loss
+     (``self.loss_function(...)``, ``F.nll_loss``, ``nn.NLLLoss()(...)``), to
+     ``softmax / log_softmax / argmax / argmin / topk`` (function or method),
+     or reshaped on its way to a loss without provably keeping its last dim
+     (``x.view(-1, config.vocab_size)``: write ``x.view(-1, x.size(-1))``).
+
+   Any other use is left as it is: returning sharded logits from ``forward``
+   is allowed, as Megatron's ``parallel_output``. nanoGPT's inference branch
    ``logits = self.lm_head(x[:, [-1], :])`` therefore returns per-rank vocab
    slices; gather them (or use ``Col(gather=True)``) where full logits are
    needed.
@@ -49,9 +66,12 @@ at ``file:line:col`` (nothing partial is returned): a spec'd name that
 ``__init__`` never assigns, a spec on a constructor it does not know, a spec
 that does not fit the layer (``Vocab()`` on a Linear), an attribute assigned
 with different calls, and a ``local=`` name written by ``+=`` or declared
-``global``/``nonlocal`` in a method. Not seen: sizes read through
-``getattr(self, "n_head")`` and ``Col()`` outputs that reach the loss through a
-helper function.
+``global``/``nonlocal`` in a method, and the sharded-value uses of item 4.
+Not seen: sizes read through ``getattr(self, "n_head")``; sharded values that
+pass through a helper function, arithmetic (``logits / temperature``), a call
+of ``self(...)``, a name also assigned something else anywhere in the method
+(names are followed without regard to order), a returned dict or dataclass, or
+a class in another file.
 
 The result keeps the user's line numbers except for the added import lines
 (after the existing imports) and multi-line ``@shard(...)`` decorators, which
@@ -61,6 +81,7 @@ collapse to one comment line.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import libcst as cst
@@ -68,6 +89,8 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext, ContextAwareTransformer
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import (
+    Assignment,
+    CodeRange,
     ExpressionContext,
     ExpressionContextProvider,
     MetadataWrapper,
@@ -76,7 +99,7 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from annot.errors import HintError, MeshError
+from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
 from annot.specs import Col, P, Replicate, Row, Vocab
 from rewriters.diagnostics import Locator, node_source, parse_source
@@ -92,6 +115,18 @@ EMBEDDING = frozenset({"torch.nn.Embedding", "torch.nn.modules.sparse.Embedding"
 PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
 MODULE_DICT = frozenset({"torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"})
 CROSS_ENTROPY = frozenset({"torch.nn.functional.cross_entropy"})
+CROSS_ENTROPY_LOSS = frozenset(
+    {"torch.nn.CrossEntropyLoss", "torch.nn.modules.loss.CrossEntropyLoss"}
+)
+# nn.CrossEntropyLoss's constructor parameters, in order: also F.cross_entropy's keywords
+_LOSS_PARAMS = ("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+# Functions over a row of logits that are wrong on one rank's slice of it.
+_NEEDS_FULL_ROW = frozenset(
+    f"{mod}.{fn}"
+    for mod in ("torch", "torch.nn.functional", "torch.special")
+    for fn in ("softmax", "log_softmax", "argmax", "argmin", "topk")
+)
+_NEEDS_FULL_ROW_METHODS = frozenset({"softmax", "log_softmax", "argmax", "argmin", "topk"})
 # Tensor methods that keep "this is a vocab-sharded logits tensor" true.
 _KEEPS_SHARDING = frozenset(
     {"view", "reshape", "float", "double", "half", "bfloat16", "contiguous", "flatten", "to"}
@@ -270,11 +305,13 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     # ---- traversal ---------------------------------------------------------
 
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        target = self.targets.get(id(node))
-        if target is not None:
-            _, spec, decorator = target
-            self._plan_class(node, spec, decorator)
+    def visit_Module(self, node: cst.Module) -> None:
+        # Everything is planned up front: the hinted classes (in source order),
+        # then the losses of every class, which need the whole file's sharded outputs.
+        cols: dict[int, dict[tuple[str, ...], _Sharded]] = {}
+        for cls, spec, decorator in self.targets.values():
+            cols[id(cls)] = self._plan_class(cls, spec, decorator)
+        self._plan_losses(node, cols)
 
     def on_leave(self, original_node, updated_node):
         updated = super().on_leave(original_node, updated_node)
@@ -292,7 +329,9 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     def _plan_class(
         self, cls: cst.ClassDef, spec: ShardSpec, decorator: Optional[cst.Decorator]
-    ) -> None:
+    ) -> dict[tuple[str, ...], _Sharded]:
+        """Plan the constructor swaps and local sizes of one hinted class;
+        return its non-gathered Col() submodules by path."""
         methods = _methods(cls)
         init = next((f for f in methods if f.name.value == "__init__"), None)
         col_paths: set[tuple[str, ...]] = set()
@@ -308,12 +347,12 @@ class TensorParallelTransformer(ContextAwareTransformer):
         for fn in methods:
             if fn is not init:
                 self._plan_locals(cls, fn, spec.local)
-            if col_paths:
-                self._plan_loss(fn, col_paths)
         index = None
         if decorator is not None:
             index = next(i for i, d in enumerate(cls.decorators) if d is decorator)
         self._edit(cls, lambda n: self._mark_class(n, spec, index))
+        name = cls.name.value
+        return {p: _Sharded(name, p[-1], ".".join((name, *p))) for p in sorted(col_paths)}
 
     def _mark_class(self, cls: cst.CSTNode, spec: ShardSpec, index: Optional[int]) -> cst.CSTNode:
         """Drop the ``@shard`` decorator (at ``index``) and leave a comment in its place."""
@@ -693,66 +732,532 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     # ---- vocab-parallel loss -------------------------------------------------------
 
-    def _plan_loss(self, fn: cst.FunctionDef, col_paths: set[tuple[str, ...]]) -> None:
-        first = _first_param(fn)
-        if first is None:
-            return
-        self_name = first.name.value
-        for call in m.findall(fn.body, m.Call()):
-            assert isinstance(call, cst.Call)
-            if not self._qualified(call.func, CROSS_ENTROPY):
-                continue
-            inp = next(
-                (
-                    a
-                    for a in call.args
-                    if (a.keyword is None and not a.star)
-                    or (a.keyword is not None and a.keyword.value == "input")
-                ),
-                None,
+    def _plan_losses(
+        self, module: cst.Module, cols: dict[int, dict[tuple[str, ...], _Sharded]]
+    ) -> None:
+        """Find the sharded values of every class of the file and plan the
+        loss rewrites and refusals of every method.
+
+        A class has a *sharded output* when its ``forward`` returns (as is, or
+        as a tuple element) a value derived from a sharded source; computed to
+        a fixpoint so heads nested in heads count too.
+        """
+        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
+        names = [c.name.value for c in classes]
+        by_name = {n: c for n, c in zip(names, classes) if names.count(n) == 1}
+        infos = [self._class_info(c, cols.get(id(c), {}), by_name) for c in classes]
+        unique = {i.name: i for i in infos if i.name in by_name}
+        outputs: dict[str, _Shard] = {}
+        for _ in range(len(infos) + 1):
+            changed = False
+            for info in unique.values():
+                out = self._forward_output(info, unique, outputs)
+                if out != outputs.get(info.name):
+                    outputs[info.name] = out
+                    changed = True
+            if not changed:
+                break
+        for info in infos:
+            sources = self._sources(info, unique, outputs)
+            for fn in info.methods:
+                self_name = self._self_name(fn)
+                if self_name is None:
+                    continue
+                env = _Env(self_name, sources, info.loss_attrs)
+                for call in _calls(fn.body):
+                    self._plan_call(call, env)
+
+    def _self_name(self, fn: cst.FunctionDef) -> Optional[str]:
+        static = any(
+            self._qualified(
+                d.decorator, frozenset({"builtins.staticmethod", "builtins.classmethod"})
             )
-            if inp is None or not self._sharded(inp.value, self_name, col_paths, set()):
-                continue
-            self.needed_imports.add((VOCAB_LOSS, "vocab_parallel_cross_entropy"))
-            self._edit(
+            for d in fn.decorators
+        )
+        first = None if static else _first_param(fn)
+        return first.name.value if first is not None else None
+
+    def _class_info(
+        self,
+        cls: cst.ClassDef,
+        cols: dict[tuple[str, ...], _Sharded],
+        by_name: dict[str, cst.ClassDef],
+    ) -> _ClassInfo:
+        """What ``__init__`` builds: submodules that are classes of this file
+        (``self.cls = Head(...)``, also ModuleDict entries) and
+        ``nn.CrossEntropyLoss`` instances (``self.loss_fct = CrossEntropyLoss()``)."""
+        methods = _methods(cls)
+        info = _ClassInfo(cls.name.value, methods, cols)
+        init = next((f for f in methods if f.name.value == "__init__"), None)
+        self_name = self._self_name(init) if init is not None else None
+        if init is None or self_name is None:
+            return info
+        values: dict[tuple[str, ...], list[Optional[cst.BaseExpression]]] = {}
+        for stmt in _assignments(init.body):
+            targets = (
+                [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
+            )
+            for target in targets:
+                for el in _unpack(target):
+                    path = _self_path(el, self_name)
+                    if path is not None and len(path) == 1:
+                        clean = el is target and len(targets) == 1
+                        values.setdefault(path, []).append(stmt.value if clean else None)
+                path = _self_path(target, self_name)
+                if path is not None and len(path) == 1 and stmt.value is not None:
+                    for key, entry in self._module_dict_entries(stmt.value):
+                        values.setdefault((path[0], key), []).append(entry)
+        for path, vals in values.items():
+            built = {
+                v.func.value
+                if isinstance(v, cst.Call)
+                and isinstance(v.func, cst.Name)
+                and v.func.value in by_name
+                else None
+                for v in vals
+            }
+            if len(built) == 1 and None not in built:
+                info.children[path] = built.pop()
+            v = vals[0]
+            if len(path) == 1 and len(vals) == 1 and isinstance(v, cst.Call):
+                if self._qualified(v.func, CROSS_ENTROPY_LOSS):
+                    info.loss_attrs[path[0]] = v
+        return info
+
+    def _sources(
+        self,
+        info: _ClassInfo,
+        infos: dict[str, _ClassInfo],
+        outputs: dict[str, _Shard],
+        depth: int = 0,
+    ) -> dict[tuple[str, ...], _Shard]:
+        """``self.<path>(...)`` calls of ``info``'s class that give sharded values:
+        its own non-gathered Col() submodules and submodules with a sharded output
+        (also reached through them: ``self.cls.predictions(...)``)."""
+        sources: dict[tuple[str, ...], _Shard] = dict(info.cols)
+        for path, child in info.children.items():
+            if outputs.get(child) is not None:
+                sources[path] = outputs[child]
+            if depth < 8:
+                inner = self._sources(infos[child], infos, outputs, depth + 1)
+                for sub, s in inner.items():
+                    sources.setdefault(path + sub, s)
+        return sources
+
+    def _forward_output(
+        self, info: _ClassInfo, infos: dict[str, _ClassInfo], outputs: dict[str, _Shard]
+    ) -> _Shard:
+        """The sharding of what ``forward`` returns (None unless every return agrees)."""
+        fn = next((f for f in info.methods if f.name.value == "forward"), None)
+        self_name = self._self_name(fn) if fn is not None else None
+        if fn is None or self_name is None:
+            return None
+        env = _Env(self_name, self._sources(info, infos, outputs), info.loss_attrs)
+        out: _Shard = _CYCLE
+        for ret in _returns(fn.body):
+            value = self._eval(ret.value, env, set()) if ret.value is not None else None
+            out = _meet(out, value)
+        return _settle(out)
+
+    def _plan_call(self, call: cst.Call, env: _Env) -> None:
+        """Rewrite ``call`` to the vocab-parallel loss, refuse it, or leave it."""
+        func = call.func
+        if self._qualified(func, CROSS_ENTROPY):
+            s = self._input_sharding(call, env)
+            if s is not None:
+                self._check_view(s)
+                self.needed_imports.add((VOCAB_LOSS, "vocab_parallel_cross_entropy"))
+                self._edit(
+                    call, lambda n: n.with_changes(func=cst.Name("vocab_parallel_cross_entropy"))
+                )
+            return
+        ctor = self._loss_module(func, env)
+        if ctor is not None:
+            s = self._input_sharding(call, env)
+            if s is not None:
+                self._check_view(s)
+                self._plan_loss_module(call, ctor, s)
+            return
+        name = _terminal_name(func)
+        if name is not None and "loss" in name.lower():
+            for arg in call.args:
+                s = _contained(self._eval(arg.value, env, set()))
+                if s is not None:
+                    raise self._refusal(
+                        call,
+                        s,
+                        node_source(arg.value),
+                        f"annot cannot tell what {node_source(func)}(...) computes, so it "
+                        "cannot make it correct on a sharded value",
+                    )
+            return
+        if self._qualified(func, _NEEDS_FULL_ROW):
+            arg = _input_arg(call)
+            value = arg.value if arg is not None else None
+            shown = node_source(func)
+        elif isinstance(func, cst.Attribute) and func.attr.value in _NEEDS_FULL_ROW_METHODS:
+            value, shown = func.value, f".{func.attr.value}"
+        else:
+            return
+        s = self._eval(value, env, set()) if value is not None else None
+        if isinstance(s, _Sharded):
+            raise self._refusal(
                 call,
-                lambda n: n.with_changes(func=cst.Name("vocab_parallel_cross_entropy")),
+                s,
+                node_source(value),
+                f"{shown}(...) over its last dim would see only this rank's slice",
             )
 
-    def _sharded(
-        self,
-        expr: cst.BaseExpression,
-        self_name: str,
-        col_paths: set[tuple[str, ...]],
-        seen: set[int],
-    ) -> bool:
-        """Is ``expr`` provably the (reshaped) output of a non-gathered Col()?"""
+    def _input_sharding(self, call: cst.Call, env: _Env) -> Optional[_Sharded]:
+        arg = _input_arg(call)
+        if arg is None:
+            return None
+        s = self._eval(arg.value, env, set())
+        return s if isinstance(s, _Sharded) else None
+
+    def _refusal(self, call: cst.Call, s: _Sharded, what: str, why: str) -> RewriteError:
+        return self.locate.error(
+            call,
+            f"{what} is vocab-sharded (Col() without gather on {s.origin}: each rank holds "
+            f"1/{self.tp} of its last dim), and {why}; compute the loss with F.cross_entropy "
+            "on it (annot makes that vocab_parallel_cross_entropy), or hint "
+            f"{s.hint}=Col(gather=True) on {s.cls} so that every rank has the full logits",
+        )
+
+    def _check_view(self, s: _Sharded) -> None:
+        """Refuse a loss input reshaped so its last dim is no longer the per-rank slice."""
+        if s.view is None:
+            return
+        view = s.view
+        assert isinstance(view.func, cst.Attribute)
+        recv = node_source(view.func.value)
+        if view.func.attr.value == "flatten":
+            fix = f"flatten only the leading dims ({recv}.flatten(0, -2))"
+        else:
+            fix = (
+                f"write the last dim as {recv}.size(-1) "
+                f"({recv}.{view.func.attr.value}(-1, {recv}.size(-1)))"
+            )
+        raise self.locate.error(
+            view,
+            f"{node_source(view)} feeds a loss, but {recv} is vocab-sharded (Col() without "
+            f"gather on {s.origin}: each rank holds 1/{self.tp} of its last dim), and annot "
+            f"cannot prove the result keeps that per-rank last dim; {fix}, or hint "
+            f"{s.hint}=Col(gather=True) on {s.cls} so that every rank has the full logits",
+        )
+
+    def _loss_module(self, func: cst.BaseExpression, env: _Env) -> Optional[cst.Call]:
+        """The ``nn.CrossEntropyLoss(...)`` call that built the module ``func``
+        calls: inline (``nn.CrossEntropyLoss()(x, y)``), a local variable assigned
+        once, or an attribute ``__init__`` assigns once."""
+        if isinstance(func, cst.Call) and self._qualified(func.func, CROSS_ENTROPY_LOSS):
+            return func
+        path = _self_path(func, env.self_name)
+        if path is not None:
+            return env.loss_attrs.get(path[0]) if len(path) == 1 else None
+        if not isinstance(func, cst.Name):
+            return None
+        refs = self._reaching(func)
+        if refs is None or len(refs) != 1:
+            return None
+        value = self._assigned_value(refs[0].node)
+        if isinstance(value, cst.Call) and self._qualified(value.func, CROSS_ENTROPY_LOSS):
+            return value
+        return None
+
+    def _plan_loss_module(self, call: cst.Call, ctor: cst.Call, s: _Sharded) -> None:
+        """``loss_fct(x, y)`` with ``loss_fct = nn.CrossEntropyLoss(ignore_index=0)``
+        -> ``vocab_parallel_cross_entropy(x, y, ignore_index=0)``."""
+        inline = call.func is ctor
+        shown = node_source(ctor)
+        subject = (
+            f"the input of {shown}(...)"
+            if inline
+            else f"{node_source(call.func)} is {shown} and its input"
+        ) + f" is vocab-sharded (Col() without gather on {s.origin})"
+        positional = [a for a in call.args if a.keyword is None]
+        if (
+            any(a.star for a in call.args)
+            or len(positional) > 2
+            or any(
+                a.keyword is not None and a.keyword.value not in ("input", "target")
+                for a in call.args
+            )
+        ):
+            raise self.locate.error(
+                call,
+                f"{subject}; annot rewrites the call to vocab_parallel_cross_entropy(input, "
+                "target, ...) but cannot map its arguments; call it as loss(input, target), or "
+                "call F.cross_entropy(input, target) directly (annot makes that vocab-parallel)",
+            )
+        keywords: list[str] = []
+        for i, a in enumerate(ctor.args):
+            key = a.keyword.value if a.keyword is not None else None
+            if key is None and not a.star and i < len(_LOSS_PARAMS):
+                key = _LOSS_PARAMS[i]
+            why = None
+            if a.star or key not in _LOSS_PARAMS:
+                why = (
+                    f"its argument {node_source(a).strip().rstrip(',')} does not map to a parameter"
+                )
+            elif not inline and not _literal(a.value):
+                why = (
+                    f"its argument {key}={node_source(a.value)} is not a literal, so annot "
+                    "cannot move it to the call"
+                )
+            if why is not None:
+                fix = f"input, target, {key}=..." if key in _LOSS_PARAMS else "input, target"
+                raise self.locate.error(
+                    call,
+                    f"{subject}; annot rewrites the call to vocab_parallel_cross_entropy(input, "
+                    f"target, <the constructor's arguments>) but {why}; call "
+                    f"F.cross_entropy({fix}) directly (annot makes that vocab-parallel), or "
+                    f"hint {s.hint}=Col(gather=True) on {s.cls}",
+                )
+            keywords.append(key)  # type: ignore[arg-type]
+        self.needed_imports.add((VOCAB_LOSS, "vocab_parallel_cross_entropy"))
+        literal_args = [a.value for a in ctor.args]
+
+        def rewrite(n: cst.CSTNode) -> cst.CSTNode:
+            assert isinstance(n, cst.Call)
+            values = [a.value for a in n.func.args] if inline else literal_args  # type: ignore[union-attr]
+            func = cst.Name("vocab_parallel_cross_entropy")
+            if not keywords:
+                return n.with_changes(func=func)
+            extra = [_kwarg_node(k, v) for k, v in zip(keywords, values)]
+            return _with_args(n, func, extra)
+
+        self._edit(call, rewrite)
+
+    # ---- which values are sharded ----------------------------------------------------
+
+    def _eval(self, expr: cst.BaseExpression, env: _Env, stack: set[int]) -> _Shard:
+        """The sharding of ``expr``: a :class:`_Sharded` tensor, a tuple of
+        shardings (a tuple value), None (not provably sharded) or ``_CYCLE``.
+
+        Followed: ``self.<source>(...)``, simple and tuple-unpacking assignments,
+        ``.view/.reshape/.float/.contiguous/.flatten/.to`` and slicing, tuple
+        building, indexing and ``+``. ``stack`` holds the assignments being
+        followed (``x = x.float()`` is a cycle, decided by x's other definitions).
+        """
         if isinstance(expr, cst.Call):
-            path = _self_path(expr.func, self_name)
-            if path is not None:
-                return path in col_paths
             func = expr.func
+            path = _self_path(func, env.self_name)
+            if path is not None:
+                return env.sources.get(path)
             if isinstance(func, cst.Attribute) and func.attr.value in _KEEPS_SHARDING:
-                return self._sharded(func.value, self_name, col_paths, seen)
-            return False
+                inner = self._eval(func.value, env, stack)
+                if isinstance(inner, _Sharded):
+                    if inner.view is None and not self._keeps_last_dim(expr, env, stack):
+                        return _Sharded(inner.cls, inner.hint, inner.origin, expr)
+                    return inner
+                return _CYCLE if inner is _CYCLE else None
+            return None
         if isinstance(expr, cst.Subscript):
-            return self._sharded(expr.value, self_name, col_paths, seen)
-        if not isinstance(expr, cst.Name):
-            return False
-        scope = self.get_metadata(ScopeProvider, expr, None)
+            inner = self._eval(expr.value, env, stack)
+            if isinstance(inner, tuple):
+                return _index(inner, expr)
+            return inner if isinstance(inner, _Sharded) or inner is _CYCLE else None
+        if isinstance(expr, cst.Tuple):
+            items: list[_Shard] = []
+            for el in expr.elements:
+                v = self._eval(el.value, env, stack)
+                if isinstance(el, cst.StarredElement):
+                    if not isinstance(v, tuple):
+                        return None
+                    items.extend(v)
+                else:
+                    items.append(v)
+            return tuple(items)
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
+            left = self._eval(expr.left, env, stack)
+            right = self._eval(expr.right, env, stack)
+            if isinstance(left, tuple) and isinstance(right, tuple):
+                return left + right
+            return None
+        if isinstance(expr, cst.IfExp):
+            return _meet(self._eval(expr.body, env, stack), self._eval(expr.orelse, env, stack))
+        if isinstance(expr, cst.Name):
+            return self._eval_name(expr, env, stack)
+        return None
+
+    def _eval_name(self, expr: cst.Name, env: _Env, stack: set[int]) -> _Shard:
+        """A name is sharded when every assignment that may reach it is."""
+        refs = self._reaching(expr)
+        if not refs:
+            return None
+        out: _Shard = _CYCLE
+        for ref in refs:
+            if id(ref.node) in stack:
+                continue
+            stack.add(id(ref.node))
+            try:
+                value = self._eval_target(ref.node, env, stack)
+            finally:
+                stack.discard(id(ref.node))
+            out = _meet(out, value)
+            if out is None:
+                return None
+        return out
+
+    def _reaching(self, name: cst.Name) -> Optional[list[Assignment]]:
+        """The assignments that may give ``name`` (a read) its value; None when
+        one of them is not a plain assignment (a builtin, an import, ...).
+
+        libcst's scopes know every assignment of a name in its scope, not which
+        reach a read. This keeps the ones that can: those that end before the
+        read, from the last one on the straight-line path to it (an earlier
+        statement of an enclosing block: ``h = self.transform(h); h =
+        self.decoder(h); return h`` reads the second), plus those later in a
+        loop around the read that does not hold that last one. A read from a
+        nested scope (a closure) keeps them all.
+        """
+        scope = self.get_metadata(ScopeProvider, name, None)
         if scope is None:
+            return None
+        refs = [r for access in scope.accesses[name] for r in access.referents]
+        if not all(isinstance(r, Assignment) for r in refs):
+            return None
+        here = self.locate.position(name)
+        if here is None or any(r.scope is not scope for r in refs):
+            return refs
+        # libcst leaves out assignments after the read: a loop can bring them back
+        refs = list(scope.assignments[name.value])
+        if not all(isinstance(r, Assignment) for r in refs):
+            return None
+        refs.sort(key=lambda r: _start(self.locate.position(r.node)))
+        at = (here.start.line, here.start.column)
+        # the straight-line statements before the read: block id -> index of its ancestor
+        blocks: dict[int, int] = {}
+        loops: list[cst.CSTNode] = []
+        node: cst.CSTNode = name
+        while not isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef, cst.Module)):
+            parent = self.get_metadata(ParentNodeProvider, node, None)
+            if parent is None:
+                break
+            if isinstance(parent, (cst.IndentedBlock, cst.Module)):
+                blocks[id(parent)] = next(i for i, b in enumerate(parent.body) if b is node)
+            if isinstance(parent, (cst.For, cst.While)) and node is parent.body:
+                loops.append(parent)
+            node = parent
+        before: list[tuple[tuple[int, int], Assignment]] = []
+        later: list[Assignment] = []
+        last = None
+        for ref in refs:
+            stmt, line = self._statement(ref.node)
+            pos = self.locate.position(stmt) if stmt is not None else None
+            if pos is None:
+                return refs
+            if (pos.end.line, pos.end.column) <= at:
+                start = (pos.start.line, pos.start.column)
+                before.append((start, ref))
+                block = self.get_metadata(ParentNodeProvider, line, None) if line else None
+                if block is not None and id(block) in blocks:
+                    index = next(i for i, b in enumerate(block.body) if b is line)  # type: ignore[attr-defined]
+                    if index < blocks[id(block)] and (last is None or start > last[0]):
+                        last = (start, ref)
+            else:
+                later.append(ref)
+        out = [r for start, r in before if last is None or start >= last[0]]
+        for ref in later:
+            for loop in loops:
+                inside = self._inside(ref.node, loop)
+                if inside and (last is None or not self._inside(last[1].node, loop)):
+                    out.append(ref)
+                    break
+        return out
+
+    def _statement(
+        self, node: cst.CSTNode
+    ) -> tuple[Optional[cst.CSTNode], Optional[cst.SimpleStatementLine]]:
+        """The statement holding an assignment target, and its line when that
+        statement is a simple one (``x = ...``) that can dominate a later read."""
+        cur: Optional[cst.CSTNode] = node
+        while cur is not None and not isinstance(
+            cur, (cst.BaseSmallStatement, cst.BaseCompoundStatement)
+        ):
+            cur = self.get_metadata(ParentNodeProvider, cur, None)
+        if isinstance(cur, (cst.Assign, cst.AnnAssign)):
+            line = self.get_metadata(ParentNodeProvider, cur, None)
+            if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1:
+                return cur, line
+        return cur, None
+
+    def _inside(self, node: cst.CSTNode, ancestor: cst.CSTNode) -> bool:
+        cur: Optional[cst.CSTNode] = node
+        while cur is not None:
+            if cur is ancestor:
+                return True
+            cur = self.get_metadata(ParentNodeProvider, cur, None)
+        return False
+
+    def _eval_target(self, node: cst.CSTNode, env: _Env, stack: set[int]) -> _Shard:
+        """The sharding assigned to the name ``node`` (``x = v``, ``a, x = v``)."""
+        value = self._assigned_value(node)
+        if value is not None:
+            return self._eval(value, env, stack)
+        positions: list[tuple[int, int]] = []  # (index, length), innermost first
+        cur = node
+        while True:
+            parent = self.get_metadata(ParentNodeProvider, cur, None)
+            if not (isinstance(parent, cst.Element) and parent.value is cur):
+                break
+            seq = self.get_metadata(ParentNodeProvider, parent, None)
+            if not isinstance(seq, (cst.Tuple, cst.List)) or any(
+                isinstance(e, cst.StarredElement) for e in seq.elements
+            ):
+                return None
+            index = next(i for i, e in enumerate(seq.elements) if e is parent)
+            positions.append((index, len(seq.elements)))
+            cur = seq
+        if not positions:
+            return None
+        value = self._assigned_value(cur)
+        if value is None:
+            return None
+        out = self._eval(value, env, stack)
+        for index, length in reversed(positions):
+            if out is _CYCLE:
+                return _CYCLE
+            if not isinstance(out, tuple) or len(out) != length:
+                return None
+            out = out[index]
+        return out
+
+    def _keeps_last_dim(self, call: cst.Call, env: _Env, stack: set[int]) -> bool:
+        """Does ``x.view(...)`` / ``x.reshape(...)`` / ``x.flatten(...)`` provably keep
+        x's last dim? (``view(-1, x.size(-1))``, ``view(B, T, -1)``, ``flatten(0, 1)``;
+        other methods of ``_KEEPS_SHARDING`` do not reshape.)"""
+        assert isinstance(call.func, cst.Attribute)
+        method = call.func.attr.value
+        args = list(call.args)
+        if any(a.star for a in args):
             return False
-        referents = [r for access in scope.accesses[expr] for r in access.referents]
-        if not referents:
-            return False
-        for ref in referents:
-            if id(ref.node) in seen:
-                continue  # a cycle (x = x.float()): the other definitions decide
-            seen.add(id(ref.node))
-            value = self._assigned_value(ref.node)
-            if value is None or not self._sharded(value, self_name, col_paths, seen):
+        if method == "flatten":
+            end = next((a.value for a in args if a.keyword and a.keyword.value == "end_dim"), None)
+            positional = [a.value for a in args if a.keyword is None]
+            if end is None and len(positional) >= 2:
+                end = positional[1]
+            end_dim = _int_literal(end) if end is not None else -1
+            return end_dim is not None and end_dim != -1
+        if method not in ("view", "reshape"):
+            return True
+        dims = [a.value for a in args]
+        if len(dims) == 1 and isinstance(dims[0], (cst.Tuple, cst.List)):
+            elements = dims[0].elements
+            if any(isinstance(e, cst.StarredElement) for e in elements):
                 return False
-        return True
+            dims = [e.value for e in elements]
+        if len(dims) < 2:
+            return False
+        last = dims[-1]
+        if _int_literal(last) == -1:
+            return True
+        receiver = _last_dim_of(last)
+        if receiver is None:
+            return False
+        r = self._eval(receiver, env, stack)
+        return isinstance(r, _Sharded) or r is _CYCLE
 
     def _assigned_value(self, node: cst.CSTNode) -> Optional[cst.BaseExpression]:
         """The value of ``node = value`` when ``node`` is the only target."""
@@ -764,6 +1269,200 @@ class TensorParallelTransformer(ContextAwareTransformer):
         if isinstance(parent, cst.AnnAssign) and parent.target is node:
             return parent.value
         return None
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """A tensor split over the tp ranks along its last dim: the output of the
+    non-gathered Col() ``hint`` of class ``cls`` (at ``origin``, "Head.decoder").
+    ``view`` is a reshape on the way that may not keep that last dim."""
+
+    cls: str
+    hint: str
+    origin: str
+    view: Optional[cst.Call] = field(default=None, compare=False)
+
+
+class _Cycle:
+    """A name defined only in terms of itself (so far): no information."""
+
+    def __repr__(self) -> str:
+        return "_CYCLE"
+
+
+_CYCLE = _Cycle()
+# None: not provably sharded; a tuple: a tuple value, per element
+_Shard = Union[None, _Sharded, _Cycle, tuple]
+
+
+@dataclass
+class _ClassInfo:
+    name: str
+    methods: list[cst.FunctionDef]
+    cols: dict[tuple[str, ...], _Sharded]
+    children: dict[tuple[str, ...], str] = field(default_factory=dict)  # path -> class name
+    loss_attrs: dict[str, cst.Call] = field(default_factory=dict)  # attr -> CrossEntropyLoss(...)
+
+
+@dataclass
+class _Env:
+    self_name: str
+    sources: dict[tuple[str, ...], _Shard]
+    loss_attrs: dict[str, cst.Call]
+
+
+def _meet(a: _Shard, b: _Shard) -> _Shard:
+    """What holds on both paths."""
+    if a is _CYCLE:
+        return b
+    if b is _CYCLE:
+        return a
+    if isinstance(a, _Sharded) and isinstance(b, _Sharded):
+        return a
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(_meet(x, y) for x, y in zip(a, b))
+    return None
+
+
+def _settle(s: _Shard) -> _Shard:
+    if isinstance(s, tuple):
+        return tuple(_settle(x) for x in s)
+    return None if s is _CYCLE else s
+
+
+def _contained(s: _Shard) -> Optional[_Sharded]:
+    """The first sharded tensor in ``s`` (itself or a tuple element)."""
+    if isinstance(s, _Sharded):
+        return s
+    if isinstance(s, tuple):
+        return next((x for x in map(_contained, s) if x is not None), None)
+    return None
+
+
+def _index(items: tuple, sub: cst.Subscript) -> _Shard:
+    """``t[1]`` / ``t[1:]`` of a tuple value with literal bounds."""
+    if len(sub.slice) != 1:
+        return None
+    sl = sub.slice[0].slice
+    if isinstance(sl, cst.Index):
+        i = _int_literal(sl.value)
+        if i is None or not -len(items) <= i < len(items):
+            return None
+        return items[i]
+    if isinstance(sl, cst.Slice) and sl.step is None:
+        bounds = [None if b is None else _int_literal(b) for b in (sl.lower, sl.upper)]
+        if any(b is None and e is not None for b, e in zip(bounds, (sl.lower, sl.upper))):
+            return None
+        return items[bounds[0] : bounds[1]]
+    return None
+
+
+def _start(pos: Optional[CodeRange]) -> tuple[int, int]:
+    return (pos.start.line, pos.start.column) if pos is not None else (0, 0)
+
+
+def _int_literal(expr: cst.BaseExpression) -> Optional[int]:
+    if isinstance(expr, cst.Integer):
+        return int(expr.evaluated_value)
+    if (
+        isinstance(expr, cst.UnaryOperation)
+        and isinstance(expr.operator, cst.Minus)
+        and isinstance(expr.expression, cst.Integer)
+    ):
+        return -int(expr.expression.evaluated_value)
+    return None
+
+
+def _literal(expr: cst.BaseExpression) -> bool:
+    """A constant that means the same anywhere it is moved to."""
+    if isinstance(expr, (cst.Integer, cst.Float, cst.SimpleString, cst.ConcatenatedString)):
+        return True
+    if isinstance(expr, cst.Name):
+        return expr.value in ("None", "True", "False")
+    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
+        return isinstance(expr.expression, (cst.Integer, cst.Float))
+    return False
+
+
+def _last_dim_of(expr: cst.BaseExpression) -> Optional[cst.BaseExpression]:
+    """``x`` for ``x.size(-1)``, ``x.size(dim=-1)``, ``x.shape[-1]``, ``x.size()[-1]``."""
+    if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
+        if expr.func.attr.value == "size" and len(expr.args) == 1:
+            arg = expr.args[0]
+            by_dim = arg.keyword is None or arg.keyword.value == "dim"
+            if not arg.star and by_dim and _int_literal(arg.value) == -1:
+                return expr.func.value
+        return None
+    if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
+        sl = expr.slice[0].slice
+        if not (isinstance(sl, cst.Index) and _int_literal(sl.value) == -1):
+            return None
+        v = expr.value
+        if isinstance(v, cst.Attribute) and v.attr.value == "shape":
+            return v.value
+        if (
+            isinstance(v, cst.Call)
+            and isinstance(v.func, cst.Attribute)
+            and v.func.attr.value == "size"
+            and not v.args
+        ):
+            return v.func.value
+    return None
+
+
+def _input_arg(call: cst.Call) -> Optional[cst.Arg]:
+    """The first positional argument, or ``input=``."""
+    return next(
+        (
+            a
+            for a in call.args
+            if (a.keyword is None and not a.star)
+            or (a.keyword is not None and a.keyword.value == "input")
+        ),
+        None,
+    )
+
+
+def _terminal_name(func: cst.BaseExpression) -> Optional[str]:
+    """``loss_fct`` / ``self.loss_function`` / ``nn.NLLLoss()`` -> the last name."""
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    if isinstance(func, cst.Call):
+        return _terminal_name(func.func)
+    return None
+
+
+def _kwarg_node(name: str, value: cst.BaseExpression) -> cst.Arg:
+    return cst.Arg(
+        keyword=cst.Name(name),
+        value=value,
+        equal=cst.AssignEqual(
+            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+        ),
+    )
+
+
+def _calls(node: cst.CSTNode) -> Iterable[cst.Call]:
+    """The calls under ``node``, outer first, not descending into nested classes."""
+    for child in node.children:
+        if isinstance(child, cst.ClassDef):
+            continue
+        if isinstance(child, cst.Call):
+            yield child
+        yield from _calls(child)
+
+
+def _returns(node: cst.CSTNode) -> Iterable[cst.Return]:
+    """The return statements of one function body (not of nested functions)."""
+    for child in node.children:
+        if isinstance(child, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            continue
+        if isinstance(child, cst.Return):
+            yield child
+        else:
+            yield from _returns(child)
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
