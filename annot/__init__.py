@@ -35,7 +35,10 @@ __all__ = [
     "Vocab",
     "boundary",
     "jit",
+    "load",
+    "load_full",
     "parallelize",
+    "save",
     "shard",
     "stage",
 ]
@@ -47,6 +50,9 @@ _LAZY = {
     "parallelize": "annot.build",
     "ParallelModel": "annot.parallel_model",
     "StepOutput": "annot.microbatch",
+    "save": "annot.checkpoint",
+    "load": "annot.checkpoint",
+    "load_full": "annot.checkpoint",
 }
 
 

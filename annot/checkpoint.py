@@ -448,9 +448,9 @@ class _View:
 
 
 def _view(target: _Target) -> _View:
-    from runtime.state_dict import _layouts
+    from runtime.state_dict import shard_layouts
 
-    by_id = _layouts(target.module)
+    by_id = shard_layouts(target.module)
     tie = {n: t.names[0] for t in getattr(target.plan, "ties", ()) for n in t.names}
     groups: dict[int, list[str]] = {}
     local: dict[int, torch.Tensor] = {}

@@ -34,8 +34,21 @@ from annot.errors import AnnotError, RewriteError
 
 __all__ = ["CompiledModule", "cache_dir", "compile_classes"]
 
-# Bump when the rewriters change what they emit: old cache entries are ignored.
-REWRITE_VERSION = "1"
+
+
+def _rewriter_fingerprint() -> str:
+    """A hash of the rewriters' own source: a cache entry written by another
+    version of the rewriters is never reused."""
+    import rewriters
+
+    h = hashlib.sha256()
+    for f in sorted(Path(rewriters.__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+REWRITE_VERSION = _rewriter_fingerprint()
 
 
 def cache_dir() -> Path:

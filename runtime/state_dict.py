@@ -26,12 +26,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from annot.errors import CheckpointError, MeshError
 from runtime.tp_comm import gather_full, split_local, tp_env
 
-__all__ = ["load_full_state_dict", "full_state_dict", "full_grads"]
+__all__ = ["load_full_state_dict", "full_state_dict", "full_grads", "shard_layouts"]
 
 Layout = tuple[int, int, int]  # (dim, chunks, tp)
 
 
-def _layouts(model: nn.Module) -> dict[int, Layout]:
+def shard_layouts(model: nn.Module) -> dict[int, Layout]:
     """``id(tensor) -> (dim, chunks, tp)`` for every sharded tensor of ``model``."""
     found: dict[int, tuple[Layout, str]] = {}
 
@@ -89,7 +89,7 @@ def load_full_state_dict(
     with ``strict=True`` any of either raises :class:`CheckpointError`.
     """
     local = model.state_dict(keep_vars=True)
-    layouts = _layouts(model)
+    layouts = shard_layouts(model)
     missing = [k for k in local if k not in full_sd]
     unexpected = [k for k in full_sd if k not in local]
     if strict and (missing or unexpected):
@@ -141,7 +141,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The single-device state dict of a tp model, on every rank: sharded
     tensors are all-gathered over tp, the rest returned as ``state_dict()``
     would (detached, sharing storage). Keys equal the reference model's."""
-    layouts = _layouts(model)
+    layouts = shard_layouts(model)
     gathered: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -159,7 +159,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{name: full .grad}`` over ``model.named_parameters()`` (tied parameters
     once, under their first name), gathered over tp on every rank. Parameters
     without a gradient are left out."""
-    layouts = _layouts(model)
+    layouts = shard_layouts(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is None:

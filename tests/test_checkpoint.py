@@ -64,10 +64,10 @@ def _train(model, opt, batches):
 def _full_optim(model, opt):
     """Optimizer state by parameter name, gathered over tp (independently of
     annot.checkpoint: runtime.tp_comm with the layers' layouts)."""
-    from runtime.state_dict import _layouts
+    from runtime.state_dict import shard_layouts
     from runtime.tp_comm import gather_full
 
-    layouts = _layouts(model.module)
+    layouts = shard_layouts(model.module)
     names = {id(p): n for n, p in model.module.named_parameters()}
     out = {}
     for group in opt.param_groups:
