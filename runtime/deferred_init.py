@@ -529,10 +529,14 @@ def shard_slicers(local: nn.Module) -> Wanted:
     and pruned to this rank's stages). Call inside ``runtime.mesh.use(ctx)``.
     """
     from annot.errors import MeshError
-    from runtime.state_dict import _layouts
+
+    try:
+        from runtime.state_dict import shard_layouts
+    except ImportError:  # its name before it was made public
+        from runtime.state_dict import _layouts as shard_layouts
     from runtime.tp_comm import split_local, tp_env
 
-    layouts = _layouts(local)
+    layouts = shard_layouts(local)
     _, size, rank = tp_env()
     table: dict[str, Slicer] = {}
     for name, t in _named_tensors(local).items():
