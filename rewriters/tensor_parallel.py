@@ -12,6 +12,12 @@
        self.c_proj = nn.Linear(d, d)       ->  RowParallelLinear(d, d, tp=2)
        self.wte = nn.Embedding(V, d)       ->  VocabParallelEmbedding(V, d, tp=2)
        self.w = nn.Parameter(t)            ->  shard_parameter(nn.Parameter(t), dim=0, tp=2)
+       self.c_attn = Conv1D(3 * d, d)      ->  ColumnParallelConv1D(3 * d, d, chunks=3, tp=2)
+
+   ``Conv1D`` is HF transformers' ``transformers.pytorch_utils.Conv1D``
+   (GPT-2), matched by qualified name; relative imports (``from
+   ...pytorch_utils import Conv1D``) are resolved against the package the
+   file lives in (its parent directories with an ``__init__.py``).
 
    ``Replicate()`` leaves the attribute alone. A spec'd name may also be a key
    of an ``nn.ModuleDict(dict(wte=...))`` / ``nn.ModuleDict({"wte": ...})``
@@ -112,6 +118,8 @@ VOCAB_LOSS = "runtime.vocab_loss"
 
 LINEAR = frozenset({"torch.nn.Linear", "torch.nn.modules.linear.Linear"})
 EMBEDDING = frozenset({"torch.nn.Embedding", "torch.nn.modules.sparse.Embedding"})
+# HF transformers' GPT-2 projection: a Linear with weight (in, out), built as Conv1D(nf=out, nx=in).
+CONV1D = frozenset({"transformers.pytorch_utils.Conv1D", "transformers.Conv1D"})
 PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
 MODULE_DICT = frozenset({"torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"})
 CROSS_ENTROPY = frozenset({"torch.nn.functional.cross_entropy"})
@@ -133,11 +141,22 @@ _KEEPS_SHARDING = frozenset(
 )
 _MARKER = "# annot: @shard("
 
-_KIND_NAMES = {"linear": "nn.Linear", "embedding": "nn.Embedding", "parameter": "nn.Parameter"}
+_KIND_NAMES = {
+    "linear": "nn.Linear",
+    "conv1d": "transformers Conv1D",
+    "embedding": "nn.Embedding",
+    "parameter": "nn.Parameter",
+}
+# (HF transformers' Conv1D is accepted wherever nn.Linear is; the message keeps to torch's layers)
 _SUPPORTED = (
     "annot shards nn.Linear (Col(), Row()), nn.Embedding (Vocab()) and nn.Parameter "
     "(P(...)); Replicate() keeps any attribute whole"
 )
+# (Col / Row layer) for each linear-like kind
+_LAYERS = {
+    "linear": ("ColumnParallelLinear", "RowParallelLinear"),
+    "conv1d": ("ColumnParallelConv1D", "RowParallelConv1D"),
+}
 
 Source = Union[str, bytes]
 Edit = Callable[[cst.CSTNode], cst.CSTNode]
@@ -175,7 +194,7 @@ def rewrite_tensor_parallel(
     if not targets:
         return source
     context = CodemodContext(filename=path)
-    transformer = TensorParallelTransformer(context, tp, targets, locate)
+    transformer = TensorParallelTransformer(context, tp, targets, locate, package=_package_of(path))
     module = wrapper.visit(transformer)
     for mod, name in sorted(transformer.needed_imports):
         AddImportsVisitor.add_needed_import(context, mod, name)
@@ -196,6 +215,40 @@ def _check_extra_hints(extra_hints: object) -> dict[str, ShardSpec]:
             '{"MLP": ShardSpec({"c_fc": Col(), "c_proj": Row()})}'
         )
     return extra_hints
+
+
+def _package_of(path: str) -> Optional[str]:
+    """The dotted package a source file belongs to (``.../transformers/models/gpt2/
+    modeling_gpt2.py`` -> ``transformers.models.gpt2``): its parent directories
+    that hold an ``__init__.py``. None for a file outside any package."""
+    import os
+
+    if not path or path.startswith("<"):
+        return None
+    parts: list[str] = []
+    d = os.path.dirname(os.path.abspath(path))
+    while os.path.isfile(os.path.join(d, "__init__.py")):
+        parts.append(os.path.basename(d))
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return ".".join(reversed(parts)) or None
+
+
+def _absolute(name: str, package: Optional[str]) -> str:
+    """``...pytorch_utils.Conv1D`` in package ``transformers.models.gpt2`` ->
+    ``transformers.pytorch_utils.Conv1D`` (a name from a relative import, as
+    ``QualifiedNameProvider`` reports it). Other names are returned as they are."""
+    if not name.startswith(".") or package is None:
+        return name
+    rest = name.lstrip(".")
+    up = len(name) - len(rest)
+    base = package.split(".")
+    if up - 1 >= len(base):
+        return name  # beyond the top-level package: leave it unresolved
+    base = base[: len(base) - (up - 1)]
+    return ".".join(base + ([rest] if rest else []))
 
 
 def _has_marker(cls: cst.ClassDef) -> bool:
@@ -294,10 +347,16 @@ class TensorParallelTransformer(ContextAwareTransformer):
     )
 
     def __init__(
-        self, context: CodemodContext, tp: int, targets: Iterable[Target], locate: Locator
+        self,
+        context: CodemodContext,
+        tp: int,
+        targets: Iterable[Target],
+        locate: Locator,
+        package: Optional[str] = None,
     ) -> None:
         super().__init__(context)
         self.tp = tp
+        self.package = package  # resolves names from relative imports
         self.targets = {id(cls): (cls, spec, dec) for cls, spec, dec in targets}
         self.locate = locate
         self.needed_imports: set[tuple[str, str]] = set()
@@ -323,7 +382,12 @@ class TensorParallelTransformer(ContextAwareTransformer):
         self._edits[id(node)] = edit if prev is None else (lambda n: edit(prev(n)))
 
     def _qualified(self, node: cst.CSTNode, names: frozenset[str]) -> bool:
-        return has_qualified_name(self.get_metadata(QualifiedNameProvider, node, set()), names)
+        qnames = self.get_metadata(QualifiedNameProvider, node, set())
+        if has_qualified_name(qnames, names):
+            return True
+        return any(
+            q.name.startswith(".") and _absolute(q.name, self.package) in names for q in qnames
+        )
 
     # ---- one class -----------------------------------------------------------
 
@@ -416,7 +480,7 @@ class TensorParallelTransformer(ContextAwareTransformer):
             for path, value, kind, label in ctors:
                 self._check_fits(name, s, value, kind, label)
                 assert isinstance(value, cst.Call)
-                self._plan_constructor(s, value)
+                self._plan_constructor(s, value, kind)
                 if isinstance(s, Col) and not s.gather:
                     col_paths.add(path)
         return col_paths
@@ -495,12 +559,17 @@ class TensorParallelTransformer(ContextAwareTransformer):
         return None
 
     def _constructor(self, value: cst.BaseExpression) -> tuple[Optional[str], str]:
-        """(kind, label): kind is "linear" / "embedding" / "parameter" or None
-        for a call annot does not know; label is the callee as written."""
+        """(kind, label): kind is "linear" / "conv1d" / "embedding" / "parameter"
+        or None for a call annot does not know; label is the callee as written."""
         if not isinstance(value, cst.Call):
             return None, node_source(value)
         label = node_source(value.func)
-        for kind, names in (("linear", LINEAR), ("embedding", EMBEDDING), ("parameter", PARAMETER)):
+        for kind, names in (
+            ("linear", LINEAR),
+            ("conv1d", CONV1D),
+            ("embedding", EMBEDDING),
+            ("parameter", PARAMETER),
+        ):
             if self._qualified(value.func, names):
                 return kind, label
         return None, label
@@ -509,7 +578,7 @@ class TensorParallelTransformer(ContextAwareTransformer):
         self, name: str, s: object, value: cst.BaseExpression, kind: Optional[str], label: str
     ) -> None:
         want = {Col: "linear", Row: "linear", Vocab: "embedding", P: "parameter"}[type(s)]
-        if kind == want:
+        if kind == want or (want == "linear" and kind == "conv1d"):
             return
         head = f"{name}={s!r}: "
         if kind is None:
@@ -524,12 +593,12 @@ class TensorParallelTransformer(ContextAwareTransformer):
                 f"{_KIND_NAMES[kind]}; "
                 + (
                     "use Col() (its output feeds vocab_parallel_cross_entropy) or Row()"
-                    if kind == "linear"
+                    if kind in _LAYERS
                     else 'give the parameter a partition spec such as P("tp", None)'
                 )
             )
         elif isinstance(s, P):
-            use = "Col() or Row()" if kind == "linear" else "Vocab()"
+            use = "Col() or Row()" if kind in _LAYERS else "Vocab()"
             reason = (
                 f"P(...) splits a raw nn.Parameter, but self.{name} is an "
                 f"{_KIND_NAMES[kind]}; use {use}"
@@ -546,7 +615,7 @@ class TensorParallelTransformer(ContextAwareTransformer):
             )
         raise self.locate.error(value, head + reason)
 
-    def _plan_constructor(self, s: object, call: cst.Call) -> None:
+    def _plan_constructor(self, s: object, call: cst.Call, kind: Optional[str] = None) -> None:
         tp = _kwarg("tp", str(self.tp))
         if isinstance(s, P):
             dim = s.split_dim
@@ -568,14 +637,15 @@ class TensorParallelTransformer(ContextAwareTransformer):
             )
             return
         extra = []
+        col, row = _LAYERS["conv1d" if kind == "conv1d" else "linear"]
         if isinstance(s, Col):
-            layer = "ColumnParallelLinear"
+            layer = col
             if s.chunks != 1:
                 extra.append(_kwarg("chunks", str(s.chunks)))
             if s.gather:
                 extra.append(_kwarg("gather", "True"))
         elif isinstance(s, Row):
-            layer = "RowParallelLinear"
+            layer = row
         else:
             layer = "VocabParallelEmbedding"
         extra.append(tp)
