@@ -1,4 +1,4 @@
-"""The decorators: ``@shard``, ``@stage``, ``boundary()``.
+"""The decorators: ``@shard``, ``@stage``, ``@checkpoint``, ``boundary()``.
 
 They only *record* a validated spec on the class and return it unchanged, so
 an annotated model still runs single-device with plain PyTorch. Checking the
@@ -23,13 +23,16 @@ __all__ = [
     "shard",
     "stage",
     "boundary",
+    "checkpoint",
     "get_shard_spec",
     "get_stage_spec",
+    "get_checkpoint",
     "resolve_external_hints",
 ]
 
 SHARD_ATTR = "__annot_shard__"
 STAGE_ATTR = "__annot_stage__"
+CHECKPOINT_ATTR = "__annot_checkpoint__"
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,31 @@ def stage(
     return decorate
 
 
+def checkpoint(cls=None):
+    """Recompute this module's activations during backward instead of keeping
+    them (activation checkpointing), wherever an instance runs::
+
+        @checkpoint
+        class Block(nn.Module): ...
+
+    Records ``__annot_checkpoint__ = True`` on the class and returns it
+    unchanged (``@checkpoint()`` works too). ``@stage(checkpoint=True)``
+    checkpoints every pipeline stage instead.
+    """
+    if cls is None:
+        return checkpoint
+    if not _is_module_class(cls):
+        name = getattr(cls, "__name__", repr(cls))
+        raise HintError(
+            f"@checkpoint on {name}: expected an nn.Module subclass, got {type(cls).__name__}; "
+            "put it on the class of the blocks to recompute, e.g.\n"
+            "    @checkpoint\n"
+            "    class Block(nn.Module): ..."
+        )
+    setattr(cls, CHECKPOINT_ATTR, True)
+    return cls
+
+
 def boundary() -> None:
     """Mark a pipeline-stage boundary inside ``forward``. Single-device it does
     nothing; the stage-split rewriter starts a new stage here."""
@@ -210,6 +238,11 @@ def get_shard_spec(cls: type) -> Optional[ShardSpec]:
 def get_stage_spec(cls: type) -> Optional[StageSpec]:
     """The ``@stage`` spec declared on exactly this class (not inherited)."""
     return cls.__dict__.get(STAGE_ATTR)
+
+
+def get_checkpoint(cls: type) -> bool:
+    """Whether ``@checkpoint`` is declared on exactly this class (not inherited)."""
+    return bool(cls.__dict__.get(CHECKPOINT_ATTR, False))
 
 
 def _match(pattern: str, path: str) -> bool:
