@@ -94,6 +94,23 @@ _OVERWRITE = frozenset(
 )
 # Ops whose values are uninitialised (replayed as zeros).
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# Ops that read only the shape of their tensor input: a replay does not rebuild its values.
+_SHAPE_ONLY = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    }
+)
 # In-place ops that change only a tensor's view of its storage, never values.
 _METADATA_INPLACE = frozenset(
     {"t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_", "detach_"}
@@ -130,6 +147,7 @@ class _Op:
     creates: tuple[tuple[int, int, Geometry, int], ...]  # (sid, output index, geometry, numel)
     random: bool
     empty: bool
+    shape_only: bool
     rng: Optional[torch.Tensor] = None  # CPU generator state before the op (random ops)
     gen_state: Optional[torch.Tensor] = None  # same for an explicit generator= argument
 
@@ -322,6 +340,7 @@ class _Recorder(TorchDispatchMode):
             creates=(),
             random=_is_random(func.overloadpacket),
             empty=name in _EMPTY,
+            shape_only=name in _SHAPE_ONLY,
         )
         sizes = {sid: self.by_sid[sid].meta.nbytes() for sid in writes}
         meta_args, meta_kwargs = _on_device(func, *tree_map(to_meta, (args, kwargs)), _META)
@@ -382,10 +401,13 @@ class _Recorder(TorchDispatchMode):
     def execute(self, op: _Op, memo: dict, first: bool = False) -> Any:
         """Run ``op`` for real; put the versions it makes into ``memo``."""
         buffers: dict[int, torch.Tensor] = {}
+        used: set[int] = set()  # storages of the inputs, so no output aliases one
 
         def to_real(x):
             if not isinstance(x, _Ref):
                 return x
+            if op.shape_only and x.sid not in op.writes:
+                return torch.empty_strided(x.geom[0], x.geom[1], dtype=self.by_sid[x.sid].dtype)
             if x.sid in op.writes:
                 buf = buffers.get(x.sid)
                 if buf is None:
@@ -396,8 +418,11 @@ class _Recorder(TorchDispatchMode):
                         buf = self.value(x.sid, x.ver, memo)
                         memo.pop((x.sid, x.ver), None)
                     buffers[x.sid] = buf
+                    used.add(buf.untyped_storage().data_ptr())
                 return buf.as_strided(*x.geom)
-            return self.value(x.sid, x.ver, memo).as_strided(*x.geom)
+            flat = self.value(x.sid, x.ver, memo)
+            used.add(flat.untyped_storage().data_ptr())
+            return flat.as_strided(*x.geom)
 
         args, kwargs = _on_device(op.func, *tree_map(to_real, (op.args, op.kwargs)), _CPU)
         if op.empty:  # uninitialised eagerly: zeros here
@@ -411,7 +436,10 @@ class _Recorder(TorchDispatchMode):
                 real_out = op.func(*args, **kwargs)
             flat_out = _tensors(real_out)
             for sid, i, geom, numel in op.creates:
-                memo[(sid, 0)] = _adopt(flat_out[i], geom, numel)
+                r = flat_out[i]
+                if r.untyped_storage().data_ptr() in used:
+                    r = r.clone()
+                memo[(sid, 0)] = _adopt(r, geom, numel)
         for sid, ver in op.writes.items():
             memo[(sid, ver + 1)] = buffers[sid]
         return real_out

@@ -72,6 +72,15 @@ def test_checkpointed_gpt_equals_plain(dropout):
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpointed_gpt_equals_plain_on_cuda_with_dropout():
+    plain, ckpt = _pair(0.2)
+    plain, ckpt = plain.cuda(), ckpt.cuda()
+    apply_activation_checkpointing(ckpt, {Block})
+    x, y = (t.cuda() for t in _batch())
+    _assert_same(_loss_and_grads(plain, x, y, 1), _loss_and_grads(ckpt, x, y, 1), "cuda dropout")
+
+
 def test_dropout_test_would_see_different_masks():
     """The dropout parity above can fail: without restoring the generator the
     recomputation draws other masks and the gradients differ."""

@@ -63,6 +63,25 @@ class Odd(nn.Module):
         self.d = nn.Parameter(torch.rand(4, 2).double())
 
 
+class Zoo(nn.Module):
+    """torch's own layers and init functions (buffers, flat RNN weights, MHA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)  # running stats and an int64 counter
+        self.lstm = nn.LSTM(8, 16, num_layers=2)
+        self.enc = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32)
+        self.bag = nn.EmbeddingBag(10, 4)
+        self.sp = nn.Parameter(torch.empty(6, 4))
+        nn.init.sparse_(self.sp, 0.5)  # randperm per column, index_put_
+        self.di = nn.Parameter(torch.empty(4, 4, 3))
+        nn.init.dirac_(self.di)
+        self.perm = nn.Parameter(torch.randperm(10).float())
+        self.bern = nn.Parameter(torch.bernoulli(torch.full((5, 5), 0.3)))
+        self.mn = nn.Parameter(torch.multinomial(torch.rand(3, 6), 2).float())
+
+
 class DataDependent(nn.Module):
     """__init__ reads a random value to pick a size (``.item()``)."""
 
@@ -106,6 +125,27 @@ def test_gpt_bit_exact(wanted):
 @pytest.mark.parametrize("wanted", [whole, first_half], ids=["whole", "half"])
 def test_every_kind_of_init_bit_exact(wanted):
     check_same(Odd, wanted, seed=5)
+
+
+def _half_or_scalar(name):
+    return lambda t: t.narrow(0, 0, max(1, t.shape[0] // 2)) if t.dim() else t
+
+
+@pytest.mark.parametrize("wanted", [whole, _half_or_scalar], ids=["whole", "half"])
+def test_torch_layers_bit_exact(wanted):
+    check_same(Zoo, wanted, seed=9)
+
+
+def test_materialized_torch_layers_run_like_eager():
+    torch.manual_seed(9)
+    ref = Zoo().eval()
+    torch.manual_seed(9)
+    meta, values = deferred_reference(Zoo, whole)
+    model = materialize_(meta, values).eval()
+    x = torch.randn(5, 2, 8)
+    assert torch.equal(model.lstm(x)[0], ref.lstm(x)[0])  # flat weights follow the swap
+    src = torch.randn(5, 2, 16)
+    assert torch.equal(model.enc(src), ref.enc(src))
 
 
 def test_value_read_inside_init():
@@ -169,6 +209,17 @@ def test_materialize_copies_values_and_keeps_ties():
     x = torch.randint(0, CFG.vocab_size, (2, 8))
     meta.eval(), ref.eval()
     assert torch.equal(meta(x, x)[1], ref(x, x)[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_materialize_onto_cuda():
+    torch.manual_seed(0)
+    meta, values = deferred_reference(lambda: GPT(CFG), whole)
+    model = materialize_(meta, values, "cuda")
+    assert model.wte.weight is model.lm_head.weight
+    assert all(t.is_cuda for t in model.state_dict().values())
+    for name, t in model.state_dict().items():
+        assert torch.equal(t.cpu(), values[name]), name
 
 
 def test_materialize_names_what_is_missing():
