@@ -11,7 +11,7 @@ from annot.errors import (
     RankFailure,
     RewriteError,
 )
-from annot.hints import boundary, shard, stage
+from annot.hints import boundary, checkpoint, shard, stage
 from annot.mesh import Mesh
 from annot.specs import Col, Local, P, Replicate, Row, Vocab
 
@@ -34,6 +34,7 @@ __all__ = [
     "StepOutput",
     "Vocab",
     "boundary",
+    "checkpoint",
     "jit",
     "load",
     "load_full",
@@ -50,9 +51,9 @@ _LAZY = {
     "parallelize": "annot.build",
     "ParallelModel": "annot.parallel_model",
     "StepOutput": "annot.microbatch",
-    "save": "annot.checkpoint",
-    "load": "annot.checkpoint",
-    "load_full": "annot.checkpoint",
+    "save": "annot.dcp",
+    "load": "annot.dcp",
+    "load_full": "annot.dcp",
 }
 
 

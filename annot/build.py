@@ -3,14 +3,15 @@
 Steps (each logged at debug level):
 
 1. join the mesh (torchrun's environment; gloo on CPU, NCCL on CUDA);
-2. build the single-device reference from the same seed (its weights are the
-   truth every shard is cut from);
+2. build the single-device reference on the meta device (structure only: the
+   truth every shard is cut from, without its memory);
 3. collect hints (``@shard`` on classes, external ``hints=`` by module path)
    and verify them against the reference (names, types, divisibility);
 4. rewrite the model's source just in time (cached on disk) and build the
    rewritten classes: each rank constructs only its tp shard;
-5. load the reference weights into the shards; check every rank built the
-   same weights.
+5. give each shard its part of the reference weights, computed tensor by
+   tensor (deferred initialization: no rank ever holds the full model); wrap
+   ``@checkpoint`` classes for activation checkpointing.
 """
 
 from __future__ import annotations
@@ -56,23 +57,24 @@ def _external_for_module(specs: dict[type, ShardSpec], module) -> dict[str, Shar
     }
 
 
-def _check_same_weights(ctx, state: dict[str, torch.Tensor]) -> None:
+def _check_same_rng(ctx, rng_state: torch.Tensor) -> None:
+    """Without ``seed=`` every rank must start from the same RNG state, or the
+    ranks would cut their shards from different initial weights."""
+    import hashlib
+
     import torch.distributed as dist
 
     if not ctx.distributed:
         return
-    fp = torch.zeros(2, dtype=torch.float64)
-    for i, t in enumerate(state.values()):
-        if t.is_floating_point():
-            fp[0] += t.double().sum().item()
-            fp[1] += (t.double().flatten()[:64] * (i + 1)).sum().item()
-    fps = [torch.zeros_like(fp) for _ in range(ctx.world_size)]
-    dist.all_gather(fps, fp.to(ctx.device) if ctx.device.type == "cuda" else fp)
-    bad = [r for r, f in enumerate(fps) if not torch.equal(f.cpu(), fps[0].cpu())]
+    digest = hashlib.sha256(rng_state.numpy().tobytes()).hexdigest()
+    states: list = [None] * ctx.world_size
+    dist.all_gather_object(states, digest)
+    bad = [r for r, d in enumerate(states) if d != states[0]]
     if bad:
         raise HintError(
-            f"ranks {bad} built different initial weights than rank 0: pass seed= to "
-            "annot.parallelize (or seed every rank the same before building the model)"
+            f"ranks {bad} would build different initial weights than rank 0 (their random "
+            "state differs): pass seed= to annot.parallelize (or seed every rank the same "
+            "before building the model)"
         )
 
 
@@ -105,7 +107,6 @@ def parallelize(
     from annot.compiler import compile_classes
     from annot.verify import verify_shard_hints
     from runtime import mesh as rmesh
-    from runtime.state_dict import load_full_state_dict
 
     mesh = mesh or Mesh()
     if not isinstance(mesh, Mesh):
@@ -118,13 +119,12 @@ def parallelize(
     ctx = rmesh.init(mesh)
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
 
-    with torch.random.fork_rng():
-        if seed is not None:
-            torch.manual_seed(seed)
+    rng = torch.random.get_rng_state()
+    with torch.device("meta"):  # structure only: no rank builds the full model
         ref = model(*args, **kwargs)
-    full_state = ref.state_dict()
-    _check_same_weights(ctx, full_state)
-    log.debug("annot: step 2: built the reference %s", model.__name__)
+    if seed is None:
+        _check_same_rng(ctx, rng)
+    log.debug("annot: step 2: built the reference %s on the meta device", model.__name__)
 
     specs = _class_specs(ref, hints)
     verify_shard_hints(ref, specs, mesh.tp)
@@ -160,9 +160,9 @@ def parallelize(
     classes = list({type(m) for m in ref.modules()})
     mapping = compile_classes(classes, key=key, transform=transform)
     new_cls = mapping.get(model, model)
-    with rmesh.use(ctx), torch.random.fork_rng():
+    with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
         local = new_cls(*args, **kwargs)
-    log.debug("annot: step 4: built %s for tp=%d", new_cls.__qualname__, mesh.tp)
+    log.debug("annot: step 4: built %s for tp=%d (meta)", new_cls.__qualname__, mesh.tp)
 
     plan = None
     if n_stages > 1:
@@ -170,19 +170,65 @@ def parallelize(
 
         split = splits.get("split") or _resplit(model, boundaries)
         plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries)
-        keep = set(plan.local_keys)
-        full_state = {k: v for k, v in full_state.items() if k in keep}
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
-    with rmesh.use(ctx):
-        load_full_state_dict(local, full_state, strict=plan is None)
-    local.to(ctx.device)
-    del ref, full_state
-    log.debug("annot: step 5: loaded reference weights into the shards")
+    _materialize(local, model, args, kwargs, seed, ctx, plan)
+    del ref
+    log.debug("annot: step 5: materialized this rank's shard of the reference weights")
+
+    from runtime.checkpointing import apply_activation_checkpointing, checkpointed_classes
+
+    apply_activation_checkpointing(local, checkpointed_classes(local))
 
     return ParallelModel(
         local, ctx, pipeline=plan, info={"compiled": list(compile_classes.last), "specs": specs}
     )
+
+
+def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
+    """Give ``local`` (built on meta) this rank's part of the reference weights:
+    the values of ``torch.manual_seed(seed); model(*args)``, computed tensor by
+    tensor without ever holding the full model (runtime.deferred_init). A model
+    whose construction deferred init cannot replay is built in full instead,
+    with a warning saying why."""
+    from runtime import mesh as rmesh
+    from runtime.deferred_init import (
+        DeferredInitError,
+        deferred_reference,
+        materialize_,
+        shard_slicers,
+    )
+
+    with rmesh.use(ctx):
+        wanted = shard_slicers(local)
+    with torch.random.fork_rng():
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            _, values = deferred_reference(lambda: model(*args, **kwargs), wanted)
+        except DeferredInitError as err:
+            import warnings
+
+            warnings.warn(
+                f"annot: building the full {model.__name__} on each rank (deferred "
+                f"initialization cannot replay it: {err})",
+                stacklevel=3,
+            )
+            values = None
+    if values is not None:
+        materialize_(local, values, ctx.device)
+        return
+    from runtime.state_dict import load_full_state_dict
+
+    with torch.random.fork_rng():
+        if seed is not None:
+            torch.manual_seed(seed)
+        full = model(*args, **kwargs).state_dict()
+    local.to_empty(device=ctx.device)
+    if plan is not None:
+        full = {k: v for k, v in full.items() if k in set(plan.local_keys)}
+    with rmesh.use(ctx):
+        load_full_state_dict(local, full, strict=plan is None)
 
 
 def _resplit(cls: type, boundaries: tuple[str, ...]):

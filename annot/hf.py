@@ -307,7 +307,8 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
     head's ``_pp_plan``), in the root's order, first one excluded; without a pp
     plan, the root's direct submodules. For ``LlamaForCausalLM`` and
     ``GPT2LMHeadModel`` that is ``["lm_head"]``: stage 0 runs the base model,
-    stage 1 the head and the loss.
+    stage 1 the head and the loss. For a base model whose own forward loops
+    over the blocks (``GPT2Model``: ``h``), the blocks split evenly (``["h.1"]``).
 
     Raises :class:`HintError` when there are fewer such boundaries than
     ``n_stages - 1``: the blocks are looped over in the base model's forward,
@@ -315,13 +316,23 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
     """
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise HintError(f"stages_from_hf_config: n_stages={n_stages!r}; expected an int >= 1")
+    if n_stages == 1:
+        return []
+    blocks = _nested_blocks(model)
+    if blocks is not None and _nested_owner(model, blocks + ".0") is None:
+        # a base model (GPT2Model): its own forward loops over the blocks; balance them
+        n = len(model.get_submodule(blocks))
+        if n < n_stages:
+            raise HintError(
+                f"{type(model).__name__}: {blocks} has {n} blocks, fewer than the "
+                f"{n_stages} pipeline stages asked for"
+            )
+        return [f"{blocks}.{(k * n) // n_stages}" for k in range(1, n_stages)]
     plan = _pp_plan_of(model)
     roots = {p.split(".")[0] for p in plan}
     children = [n for n, _ in model.named_children()]
     usable = [n for n in children if not plan or n in roots]
     candidates = usable[1:]
-    if n_stages == 1:
-        return []
     if n_stages - 1 > len(candidates):
         raise HintError(_nested_message(model, n_stages, usable))
     # the last boundaries: the head and the loss take the fewest stages of their own
@@ -351,25 +362,43 @@ def _nested_message(model: nn.Module, n_stages: int, usable: list[str]) -> str:
     return text
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _nested_owner(model: nn.Module, path: str) -> Optional[str]:
+    """The first module on ``path`` (above its last component) whose own forward
+    would have to be split, e.g. ``transformer`` for ``transformer.h.1``; None
+    when the root's forward reaches ``path`` directly (through containers)."""
+    parts = path.split(".")
+    obj: Any = model
+    for i, part in enumerate(parts[:-1]):
+        obj = obj._modules.get(part) if isinstance(obj, nn.Module) else None
+        if obj is None:
+            return None  # not a module path: stage_split explains that
+        if not isinstance(obj, _CONTAINERS) and type(obj).forward is not nn.Module.forward:
+            return ".".join(parts[: i + 1])
+    return None
+
+
 def check_hf_split(model: nn.Module, boundaries: Any) -> None:
-    """Refuse boundaries inside a nested forward (``transformer.h.1`` of
-    GPT2LMHeadModel) with what the user can do instead. Boundaries at the
-    root's direct submodules pass."""
-    children = dict(model.named_children())
+    """Refuse pipeline boundaries inside a nested forward (``transformer.h.1`` of
+    ``GPT2LMHeadModel``: the blocks are looped over in ``GPT2Model.forward``)
+    with what the user can do instead. Boundaries the root's forward reaches
+    itself pass (``lm_head``; ``h.1`` of ``GPT2Model``)."""
     for b in boundaries or ():
         if not isinstance(b, str):
             continue
-        head, _, rest = b.partition(".")
-        if not rest or head not in children:
+        owner = _nested_owner(model, b)
+        if owner is None:
             continue
         cls = type(model).__name__
-        inner = type(children[head]).__name__
-        top = [n for n in children]
+        inner = type(model.get_submodule(owner)).__name__
+        top = [n for n, _ in model.named_children()]
         raise HintError(
-            f"{cls}: pipeline boundary {b!r} is inside self.{head} ({inner}); annot splits "
+            f"{cls}: pipeline boundary {b!r} is inside self.{owner} ({inner}); annot splits "
             f"only {cls}.forward, before its top-level calls of direct submodules "
             f"({', '.join(top)}), and does not split a nested forward ({inner}.forward) yet. "
-            f"Split at a direct submodule (split={top[1:]!r}: stage 0 runs {head}, the next "
+            f"Split at a direct submodule (split={top[1:]!r}: stage 0 runs {top[0]}, the next "
             "the rest), or use tensor parallelism for the blocks"
         )
 

@@ -59,7 +59,7 @@ import torch.nn as nn
 
 from annot.errors import PartitionError, RewriteError
 
-__all__ = ["StagePlanResult", "fit_stages", "plan_stages", "split_points"]
+__all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
 
 _STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # optimizer states per element
 _COSTS = ("time", "flops", "params")
@@ -807,8 +807,11 @@ def _measure(
     progress: bool,
     cache_dir: Any,
     tp: int,
+    repeats: int = 1,
+    rounds: int = 5,
+    points: Optional[Sequence[str]] = None,
 ) -> _Measured:
-    from runtime.cost import Segment, profile_segments
+    from runtime.cost import Segment
 
     if not isinstance(model, cls):
         raise PartitionError(
@@ -828,10 +831,21 @@ def _measure(
         raise PartitionError(f"optimizer={optimizer!r}; expected one of {sorted(_STATES)}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise PartitionError(f"tp={tp!r}; expected an int >= 1")
+    for what, n in (("repeats", repeats), ("rounds", rounds)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PartitionError(f"{what}={n!r}; expected an int >= 1")
 
     source, path = _read(cls, source_path)
     qualname = cls.__qualname__
-    points, split = _points_and_split(source, qualname, model, path)
+    if points is None:
+        points, split = _points_and_split(source, qualname, model, path)
+    else:
+        points = list(points)
+        try:
+            split = _split(source, qualname, points, path)
+        except RewriteError as exc:
+            raise PartitionError(f"cannot split {qualname}.forward at {points}: {exc}") from None
+        _no_markers(qualname, split)
     new_cls = _compile_class(split.source, qualname, cls, qualname)
     bound = copy.copy(model)  # same parameters and submodules, the rewritten methods
     if type(model) is cls:
@@ -860,16 +874,46 @@ def _measure(
             Segment(_stage_fn(m, i == 0, kwargs), tuple(mods), names[i])
             for i, (m, mods) in enumerate(zip(methods, modules))
         ]
-        measured = profile_segments(
-            segs,
-            inputs,
-            optimizer=optimizer,
-            cost=cost,
-            progress=progress,
-            cache_dir=cache_dir,
-        )
+        measured = _profile(segs, inputs, optimizer, progress, cache_dir, repeats, rounds)
     costs = _costs(model, names, modules, measured, optimizer=optimizer, cost=cost, tp=tp)
     return _Measured(cls.__name__, names, costs, cost, sample is not None)
+
+
+def _profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: int) -> list:
+    """runtime.cost.profile_segments, ``rounds`` times over all the segments;
+    each segment keeps its fastest round (the median of ``repeats`` runs).
+    A burst of load elsewhere on the machine slows a few consecutive segments
+    of one round; across rounds it lands on different ones. Cached as JSON
+    in ``cache_dir`` under runtime.cost.cache_key (plus the round count)."""
+    import json
+    import os
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from runtime.cost import SegmentCost, cache_key, profile_segments
+
+    path = None
+    if cache_dir is not None:
+        key = cache_key(segs, inputs, optimizer=optimizer, repeats=repeats)
+        path = Path(cache_dir) / f"{key}-r{rounds}.json"
+        try:
+            data = json.loads(path.read_text())
+            hit = [SegmentCost(**item) for item in data]
+            if len(hit) == len(segs):
+                return hit
+        except (OSError, ValueError, TypeError):
+            pass  # missing or unreadable: profile again
+    runs = [
+        profile_segments(segs, inputs, optimizer=optimizer, progress=progress, repeats=repeats)
+        for _ in range(rounds)
+    ]
+    out = [min(column, key=lambda c: c.time) for column in zip(*runs)]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([asdict(c) for c in out]))
+        os.replace(tmp, path)
+    return out
 
 
 def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePlanResult:
@@ -923,6 +967,8 @@ def plan_stages(
     cache_dir: Any = None,
     tp: int = 1,
     bandwidth: Optional[float] = None,
+    repeats: int = 1,
+    rounds: int = 5,
 ) -> StagePlanResult:
     """The best split of ``cls.forward`` (``model`` is a built ``cls``) into
     ``n_stages`` pipeline stages::
@@ -936,7 +982,10 @@ def plan_stages(
     sample), "flops" or "params" (default without). ``memory``: bytes per
     device; :class:`PartitionError` (with the numbers) when no split fits.
     ``bandwidth`` (bytes per unit of cost) charges the bytes crossing each cut.
-    ``tp``: see the module docstring. Profiles are cached in ``cache_dir``.
+    ``tp``: see the module docstring. Each segment's time is its fastest of
+    ``rounds`` rounds over all the segments, a round timing the median of
+    ``repeats`` runs of each: on a busy machine a run is often preempted, and
+    the fastest is the closest to its cost. Profiles are cached in ``cache_dir``.
     """
     from runtime.cost import partition_args
     from runtime.partition import partition
@@ -951,6 +1000,8 @@ def plan_stages(
         progress=progress,
         cache_dir=cache_dir,
         tp=tp,
+        repeats=repeats,
+        rounds=rounds,
     )
     _check_count(m, n_stages, "n_stages")
     args = partition_args(m.costs, bandwidth=bandwidth)
@@ -972,6 +1023,8 @@ def fit_stages(
     cache_dir: Any = None,
     tp: int = 1,
     bandwidth: Optional[float] = None,
+    repeats: int = 1,
+    rounds: int = 5,
 ) -> StagePlanResult:
     """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
     default one per segment) whose every stage fits ``memory`` bytes, split
@@ -989,9 +1042,46 @@ def fit_stages(
         progress=progress,
         cache_dir=cache_dir,
         tp=tp,
+        repeats=repeats,
+        rounds=rounds,
     )
     cap = len(m.segments) if max_stages is None else max_stages
     _check_count(m, cap, "max_stages")
     args = partition_args(m.costs, bandwidth=bandwidth)
     part = fit(memory_budget=memory, max_stages=cap, **args)
     return _result(m, part, memory, tp)
+
+
+def measure_split(
+    model: nn.Module,
+    cls: type,
+    boundaries: Sequence[str],
+    *,
+    sample: Union[tuple, dict, torch.Tensor],
+    optimizer: str = "adamw",
+    repeats: int = 1,
+    rounds: int = 5,
+    source_path: Optional[str] = None,
+    tp: int = 1,
+) -> list[Any]:
+    """Profile the stages of a given split (``boundaries`` as for
+    ``split_stages``, e.g. a hand-written ``@stage(split=...)`` or another
+    tool's choice): one :class:`runtime.cost.SegmentCost` per stage, each
+    stage run whole on the sample, the output of the stage before it."""
+    if sample is None:
+        raise PartitionError("measure_split runs the stages: pass sample=(x, ...)")
+    m = _measure(
+        model,
+        cls,
+        sample=sample,
+        cost="time",
+        optimizer=optimizer,
+        source_path=source_path,
+        progress=False,
+        cache_dir=None,
+        tp=tp,
+        repeats=repeats,
+        rounds=rounds,
+        points=boundaries,
+    )
+    return list(m.costs)

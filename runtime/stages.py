@@ -152,10 +152,21 @@ class PipelinePlan:
         return [self.pp_rank + c * self.pp for c in range(self.chunks)]
 
     def local_stages(self, module: nn.Module) -> list:
+        """The executor's view of this rank's stages; with ``@stage(checkpoint=True)``
+        each stage's activations are recomputed in backward."""
+        from annot.hints import get_stage_spec
+        from runtime.checkpointing import checkpoint_stage
         from runtime.pipeline import LocalStage
 
+        spec = next(
+            (get_stage_spec(c) for c in type(module).__mro__ if get_stage_spec(c) is not None),
+            None,
+        )
+        wrap = checkpoint_stage if spec is not None and spec.checkpoint else (lambda f: f)
         return [
-            LocalStage(index=s, fn=getattr(module, self.split.stages[s].method), module=module)
+            LocalStage(
+                index=s, fn=wrap(getattr(module, self.split.stages[s].method)), module=module
+            )
             for s in self.local_stage_ids
         ]
 

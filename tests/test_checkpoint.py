@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from annot import checkpoint as ck
+from annot import dcp as ck
 from annot.errors import CheckpointError
 from annot.testing import RanksFailed, run_ranks
 
