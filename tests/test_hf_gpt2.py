@@ -136,6 +136,39 @@ def _probe_conv1d_verify(verify_fn) -> bool:
 # ---- tp=2: GPT-2 with hints, Llama from its plan -------------------------------------
 
 
+def _conv1d_gathered(ctx) -> None:
+    """ColumnParallelConv1D(chunks=3, gather=True) and RowParallelConv1D vs Conv1D."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    from runtime.mesh import use
+    from runtime.state_dict import full_grads, load_full_state_dict
+    from runtime.tp_layers import ColumnParallelConv1D, RowParallelConv1D
+    from tests.parity import assert_close
+
+    torch.manual_seed(7)
+    ref_col, ref_row = Conv1D(12, 4), Conv1D(4, 12)
+    torch.nn.init.normal_(ref_col.bias)
+    torch.nn.init.normal_(ref_row.bias)
+    x, h = torch.randn(2, 3, 4), torch.randn(2, 3, 12)
+    with use(ctx):
+        col = ColumnParallelConv1D(12, 4, chunks=3, gather=True, tp=2)
+        row = RowParallelConv1D(4, 12, tp=2)
+        load_full_state_dict(col, ref_col.state_dict())
+        load_full_state_dict(row, ref_row.state_dict())
+        y = col(x.clone().requires_grad_())  # full q|k|v on every rank
+        z = row(h.narrow(-1, 6 * ctx.tp_rank, 6))  # this rank's input columns
+        (y.pow(2).sum() + z.pow(2).sum()).backward()
+        grads = {**full_grads(col), **{"row." + k: v for k, v in full_grads(row).items()}}
+    ry, rz = ref_col(x), ref_row(h)
+    (ry.pow(2).sum() + rz.pow(2).sum()).backward()
+    assert_close(y, ry, "ColumnParallelConv1D(chunks=3, gather=True) output")
+    assert_close(z, rz, "RowParallelConv1D output")
+    refs = [*ref_col.named_parameters(), *(("row." + n, q) for n, q in ref_row.named_parameters())]
+    for name, p in refs:
+        assert_close(grads[name], p.grad, f"Conv1D grad {name}")
+
+
 def _tp_parity(cache: str) -> dict:
     _quiet(cache)
     _accept_conv1d_in_verify()
@@ -188,6 +221,7 @@ def _tp_parity(cache: str) -> dict:
         "tied": local.lm_head.weight is local.transformer.wte.weight,
     }
     counts = train(model, ref, "GPT-2 tp=2", count=True)
+    _conv1d_gathered(model.ctx)
 
     lcfg = LlamaConfig(**LLAMA_KW)
     torch.manual_seed(0)
@@ -409,6 +443,9 @@ def test_pipeline_layouts_and_call_checks():
     gpt2 = GPT2LMHeadModel(GPT2Config(**GPT2_KW))
     assert stages_from_hf_config(gpt2, 2) == ["lm_head"]
     check_hf_split(gpt2, ["lm_head"])
+    # a base model loops over its blocks in its own forward: they split there
+    assert stages_from_hf_config(gpt2.transformer, 2) == ["h.1"]
+    check_hf_split(gpt2.transformer, ["h.1"])
     with pytest.raises(HintError) as err:
         check_hf_split(gpt2, ["transformer.h.1"])
     assert str(err.value) == (
@@ -448,8 +485,12 @@ def test_rewrite_gpt2_source_uses_conv1d_layers():
     assert "self.c_proj = RowParallelConv1D(self.embed_dim, self.embed_dim, tp=2)" in out
     assert "self.c_fc = ColumnParallelConv1D(intermediate_size, embed_dim, tp=2)" in out
     assert ".split(self.split_size // 2, dim=2)" in out
-    # without the package, the relative import cannot be resolved: Conv1D is unknown
+    # outside a package a relative import cannot be resolved: Conv1D is then unknown
     from annot.errors import RewriteError
 
-    with pytest.raises(RewriteError, match=r"self.c_attn is Conv1D\(...\), which annot does not"):
-        rewrite_tensor_parallel(text, 2, path="<string>", extra_hints=hints)
+    snippet = (
+        "from torch import nn\nfrom ...pytorch_utils import Conv1D\n\n\n"
+        "class MLP(nn.Module):\n    def __init__(self):\n        self.c_fc = Conv1D(8, 4)\n"
+    )
+    with pytest.raises(RewriteError, match=r"self.c_fc is Conv1D\(...\), which annot does not"):
+        rewrite_tensor_parallel(snippet, 2, extra_hints={"MLP": hints["GPT2MLP"]})
