@@ -126,6 +126,10 @@ def parallelize(
         _check_same_rng(ctx, rng)
     log.debug("annot: step 2: built the reference %s on the meta device", model.__name__)
 
+    if hints is None and mesh.tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
+        from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
+
+        hints = hints_from_hf_config(ref, tp=mesh.tp) or None
     specs = _class_specs(ref, hints)
     verify_shard_hints(ref, specs, mesh.tp)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
@@ -273,6 +277,12 @@ def _choose_boundaries(
         if isinstance(split, str) or not all(isinstance(b, str) for b in split):
             raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
         spec = StageSpec(split=tuple(split))
+    from annot.hf import check_hf_split, is_hf_model, stages_from_hf_config
+
+    if is_hf_model(ref):
+        if spec is None or not spec.split:
+            return tuple(stages_from_hf_config(ref, n_stages))
+        check_hf_split(ref, spec.split)
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

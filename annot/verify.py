@@ -19,6 +19,17 @@ __all__ = ["verify_shard_hints"]
 _LINEAR_TYPES = (nn.Linear,)
 
 
+def _linear_features(sub: nn.Module):
+    """(in_features, out_features) of an nn.Linear, or of HF transformers'
+    ``Conv1D`` (GPT-2; weight stored (in, out)); None for any other module."""
+    if isinstance(sub, _LINEAR_TYPES):
+        return sub.in_features, sub.out_features
+    if type(sub).__name__ == "Conv1D" and type(sub).__module__ == "transformers.pytorch_utils":
+        nx, nf = sub.weight.shape
+        return nx, nf
+    return None
+
+
 def _fmt_names(names) -> str:
     return ", ".join(sorted(names)) or "(none)"
 
@@ -29,6 +40,7 @@ def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp:
     ``class_specs`` maps each hinted class to its spec (decorator or external).
     Every instance of a hinted class inside ``model`` is checked.
     """
+    fused: dict[tuple[type, str], tuple[int, str]] = {}  # (class, name) -> (out, first path)
     for path, mod in model.named_modules():
         spec = class_specs.get(type(mod))
         if spec is None:
@@ -76,7 +88,8 @@ def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp:
                 )
             kind = type(sub).__name__
             if isinstance(s, (Col, Row)):
-                if not isinstance(sub, _LINEAR_TYPES):
+                features = _linear_features(sub)
+                if features is None:
                     raise HintError(
                         f"@shard on {where}: argument {name}={s!r} applies to nn.Linear, but "
                         f"{cls}.{name} is a {kind}"
@@ -86,16 +99,28 @@ def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp:
                             else ""
                         )
                     )
+                in_features, out_features = features
+                if isinstance(s, Col) and s.chunks > 1:
+                    seen = fused.setdefault((type(mod), name), (out_features, path or "<root>"))
+                    if seen[0] != out_features:
+                        raise HintError(
+                            f"@shard on {where}: argument {name}={s!r}: {cls}.{name} has "
+                            f"out_features={out_features} here but {seen[0]} at {seen[1]}; "
+                            f"chunks={s.chunks} fits one fused layout only and annot hints are "
+                            "per class (GPT-2's cross-attention c_attn fuses k|v, its "
+                            "self-attention c_attn q|k|v): build one layout, or hint the "
+                            "class by hand without chunks for both"
+                        )
                 if isinstance(s, Col):
                     div = tp * s.chunks
-                    if sub.out_features % div:
+                    if out_features % div:
                         raise HintError(
                             f"@shard on {where}: argument {name}={s!r}: out_features="
-                            f"{sub.out_features} is not divisible by tp({tp}) * chunks({s.chunks}) = {div}"
+                            f"{out_features} is not divisible by tp({tp}) * chunks({s.chunks}) = {div}"
                         )
-                elif sub.in_features % tp:
+                elif in_features % tp:
                     raise HintError(
-                        f"@shard on {where}: argument {name}={s!r}: in_features={sub.in_features} "
+                        f"@shard on {where}: argument {name}={s!r}: in_features={in_features} "
                         f"is not divisible by tp ({tp})"
                     )
             elif isinstance(s, Vocab):
