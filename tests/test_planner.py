@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from annot import Col, Row, shard
 from annot.errors import PartitionError
-from annot.planner import fit_stages, plan_stages, split_points
+from annot.planner import fit_stages, measure_split, plan_stages, split_points
 from rewriters.stage_split import split_stages
 from runtime.partition import partition
 
@@ -306,3 +306,16 @@ def test_profiles_are_cached(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1
     again = plan_stages(m, Uneven, 2, sample=sample(), cache_dir=tmp_path)
     assert [c.time for c in again.costs] == [c.time for c in first.costs]
+
+
+def test_measure_split_profiles_the_stages_of_a_given_split():
+    m = model()
+    costs = measure_split(m, Uneven, ["blocks.3", "norm"], sample=sample(), rounds=2)
+    assert [c.name for c in costs] == ["emb", "blocks.3", "norm"]
+    assert all(c.time > 0 and c.cost == c.time for c in costs)
+    counts = segment_params()  # emb, blocks.0..7, norm, head
+    assert [c.n_params for c in costs] == [sum(counts[:4]), sum(counts[4:9]), sum(counts[9:])]
+    with pytest.raises(PartitionError, match=r"cannot split Uneven.forward at \['nope'\]"):
+        measure_split(m, Uneven, ["nope"], sample=sample())
+    with pytest.raises(PartitionError, match="rounds=0"):
+        plan_stages(m, Uneven, 2, sample=sample(), rounds=0)
