@@ -23,6 +23,12 @@ every stage fits in memory?" in four steps:
    bytes are counted from the segments' modules; a parameter several segments
    use (an embedding tied to the LM head) becomes a shared group, charged once
    per stage that holds it. Without a sample only parameters are counted.
+   A segment's time is its fastest of ``rounds`` passes over all segments
+   (a busy machine preempts some runs; the fastest is closest to the cost).
+   Segments timed on their own run with their weights in cache, so on a CPU
+   a stage holding a large layer (an LM head) can run somewhat slower whole
+   than its segments add up to: :func:`measure_split` times the stages of a
+   given split whole, to check a plan or compare it with a hand split.
 4. **Partition.** :func:`runtime.partition.partition` (exact min-bottleneck,
    per-device ``memory`` budget), or :func:`runtime.partition.fit` for the
    fewest stages that fit (:func:`fit_stages`, RaNNC's memory-fit mode).

@@ -319,3 +319,18 @@ def test_measure_split_profiles_the_stages_of_a_given_split():
         measure_split(m, Uneven, ["nope"], sample=sample())
     with pytest.raises(PartitionError, match="rounds=0"):
         plan_stages(m, Uneven, 2, sample=sample(), rounds=0)
+
+
+def test_plans_a_meta_model_by_params_and_flops():
+    """parallelize builds its reference on the meta device: no weights, shapes only."""
+    with torch.device("meta"):
+        meta = Uneven()
+    real = model()
+    assert plan_stages(meta, Uneven, 4).boundaries == plan_stages(real, Uneven, 4).boundaries
+    idx, targets = sample()
+    by_flops = plan_stages(
+        meta, Uneven, 3, sample=(idx.to("meta"), targets.to("meta")), cost="flops"
+    )
+    real_flops = plan_stages(real, Uneven, 3, sample=(idx, targets), cost="flops")
+    assert [c.flops for c in by_flops.costs] == [c.flops for c in real_flops.costs]
+    assert by_flops.boundaries == real_flops.boundaries
