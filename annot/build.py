@@ -86,6 +86,7 @@ def parallelize(
     seed: Optional[int] = None,
     chunks: int = 1,
     split: Optional[list[str]] = None,
+    sample: Any = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -101,7 +102,9 @@ def parallelize(
     into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule)
     at ``split=[...]`` (module paths where stages begin; overrides the class's
     ``@stage(split=[...])``), at ``annot.boundary()`` markers, or balanced
-    automatically.
+    automatically by the planner (``@stage(auto=True, cost=..., memory=...)``;
+    ``sample=`` one microbatch of forward's arguments, a tuple or a dict, lets
+    it count FLOPs or measure time instead of parameters).
     Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
@@ -139,7 +142,17 @@ def parallelize(
     n_stages = mesh.pp * chunks
     boundaries: tuple[str, ...] = ()
     if n_stages > 1:
-        boundaries = _choose_boundaries(ref, model, n_stages, split)
+        boundaries = _choose_boundaries(
+            ref,
+            model,
+            n_stages,
+            split,
+            sample=sample,
+            tp=mesh.tp,
+            ctx=ctx,
+            seed=seed,
+            build=lambda: model(*args, **kwargs),
+        )
         log.debug("annot: stage boundaries %s", boundaries)
     splits: dict = {}
 
@@ -249,17 +262,26 @@ def _resplit(cls: type, boundaries: tuple[str, ...]):
 
 
 def _choose_boundaries(
-    ref: nn.Module, cls: type, n_stages: int, split: Optional[list[str]] = None
+    ref: nn.Module,
+    cls: type,
+    n_stages: int,
+    split: Optional[list[str]] = None,
+    *,
+    sample: Any = None,
+    tp: int = 1,
+    ctx=None,
+    seed: Optional[int] = None,
+    build=None,
 ) -> tuple[str, ...]:
-    """Where stages begin: ``@stage(split=[...])`` as given, else balanced over
-    the blocks of the model's largest ``nn.ModuleList`` (parameter counts as the
-    cost; the embedding counted with the first block, the head with the last)."""
+    """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
+    ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
+    planner's optimal balanced partition over every place forward can be cut
+    (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``)."""
     import inspect
 
     from annot.compiler import _read_source
-    from annot.hints import get_stage_spec
+    from annot.hints import StageSpec, get_stage_spec
     from rewriters.stage_split import split_stages
-    from runtime.partition import partition
 
     path = inspect.getfile(cls)
     markers = len(split_stages(_read_source(path), cls.__qualname__, [], path=path).stages) - 1
@@ -272,8 +294,6 @@ def _choose_boundaries(
         return ()
     spec = get_stage_spec(cls)
     if split is not None:
-        from annot.hints import StageSpec
-
         if isinstance(split, str) or not all(isinstance(b, str) for b in split):
             raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
         spec = StageSpec(split=tuple(split))
@@ -291,28 +311,36 @@ def _choose_boundaries(
                 "or use @stage(auto=True)"
             )
         return tuple(spec.split)
-    lists = [
-        (sum(p.numel() for p in m.parameters()), path, m)
-        for path, m in ref.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and path and len(m) > 1
-    ]
-    if not lists:
-        raise HintError(
-            f"{cls.__name__}: cannot place {n_stages} pipeline stages automatically: the model "
-            "has no nn.ModuleList / nn.Sequential of blocks; give boundaries with "
-            '@stage(split=["..."]) or annot.boundary() calls in forward'
+    from annot.errors import AnnotError
+    from annot.planner import plan_stages
+
+    auto = spec or StageSpec(auto=True)
+    cost = auto.cost or ("flops" if sample is not None else "params")
+    kw = dict(cost=cost, memory=auto.memory, source_path=path, tp=tp)
+    if (
+        cost == "time"
+    ):  # needs real weights and a clock: rank 0 measures, every rank gets its answer
+        out: list = [None]
+        if ctx.rank == 0:
+            try:
+                with torch.random.fork_rng():
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    out[0] = plan_stages(build(), cls, n_stages, sample=sample, **kw).boundaries
+            except AnnotError as exc:
+                out[0] = exc
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(out, src=0)
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return tuple(out[0])
+    meta = None
+    if sample is not None:
+        meta = torch.utils._pytree.tree_map(
+            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample
         )
-    _, path, blocks = max(lists, key=lambda t: t[0])
-    if len(blocks) < n_stages:
-        raise HintError(
-            f"{cls.__name__}: {path} has {len(blocks)} blocks, fewer than the "
-            f"{n_stages} pipeline stages asked for"
-        )
-    costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
-    in_blocks = {id(p) for p in blocks.parameters()}
-    rest = [p for n_, p in ref.named_parameters() if id(p) not in in_blocks]
-    extra = float(sum(p.numel() for p in rest))
-    costs[0] += extra / 2
-    costs[-1] += extra / 2
-    part = partition(costs, [0.0] * len(costs), n_stages)
-    return tuple(f"{path}.{b}" for b in part.boundaries)
+    plan = plan_stages(ref, cls, n_stages, sample=meta, **kw)  # ref is on meta: same on every rank
+    log.debug("annot: planned stages\n%s", plan.table())
+    return tuple(plan.boundaries)

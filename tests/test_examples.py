@@ -192,7 +192,8 @@ def test_pipeline_parallel_parity(example, tmp_path):
     assert losses0 == losses1  # the last stage's losses reach every rank
     assert len(losses0) == STEPS
     # auto placement cuts the encoder layers / the tower blocks
-    assert cuts == {"bert": ("layers.1",), "ncf": ("tower.1",)}[example]
+    # the planner balances parameters: NCF's four embedding tables fill stage 0 alone
+    assert cuts == {"bert": ("layers.1",), "ncf": ("tower.0",)}[example]
 
 
 # --------------------------------------------------------------------------- #
