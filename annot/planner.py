@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PartitionError, RewriteError
+from runtime.cost import format_bytes, format_count, format_seconds
 
 __all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
 
@@ -131,27 +132,12 @@ class _Use:
 
 
 def _has_break(body: cst.CSTNode) -> bool:
-    class _Find(cst.CSTVisitor):
-        found = False
+    """Whether a loop body has its own ``break`` (stage_split's rule)."""
+    from rewriters.stage_split import _Breaks
 
-        def visit_Break(self, n: cst.Break) -> None:
-            self.found = True
-
-        def visit_For(self, n: cst.For) -> bool:
-            return False
-
-        def visit_While(self, n: cst.While) -> bool:
-            return False
-
-        def visit_FunctionDef(self, n: cst.FunctionDef) -> bool:
-            return False
-
-        def visit_ClassDef(self, n: cst.ClassDef) -> bool:
-            return False
-
-    finder = _Find()
+    finder = _Breaks()
     body.visit(finder)
-    return finder.found
+    return bool(finder.breaks)
 
 
 def _enumerated(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str, Optional[int]]]:
@@ -628,28 +614,8 @@ def _costs(
 # ---- the result ----------------------------------------------------------------------------
 
 
-def _human(x: float, units: Sequence[str], base: float) -> str:
-    for unit in units[:-1]:
-        if abs(x) < base:
-            return f"{x:.0f} {unit}" if unit == units[0] else f"{x:.1f} {unit}"
-        x /= base
-    return f"{x:.1f} {units[-1]}"
-
-
-def _bytes(x: float) -> str:
-    return _human(x, ("B", "KiB", "MiB", "GiB", "TiB"), 1024)
-
-
-def _count(x: float) -> str:
-    return _human(x, ("", "K", "M", "G", "T"), 1000).strip()
-
-
-def _seconds(x: float) -> str:
-    if x < 1e-3:
-        return f"{x * 1e6:.0f} us"
-    if x < 1:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x:.2f} s"
+# Units, shared with runtime.cost's table.
+_bytes, _count, _seconds = format_bytes, format_count, format_seconds
 
 
 @dataclass(frozen=True)

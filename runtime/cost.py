@@ -512,15 +512,17 @@ def _human(x: float, units: Sequence[str], base: float) -> str:
     return f"{x:.1f} {units[-1]}"
 
 
-def _bytes(x: float) -> str:
+def format_bytes(x: float) -> str:
+    """``1536 -> '1.5 KiB'``"""
     return _human(x, ("B", "KiB", "MiB", "GiB", "TiB"), 1024)
 
 
-def _count(x: float) -> str:
+def format_count(x: float) -> str:
+    """``1500000 -> '1.5 M'``"""
     return _human(x, ("", "K", "M", "G", "T"), 1000).strip()
 
 
-def _seconds(x: float) -> str:
+def format_seconds(x: float) -> str:
     if x < 1e-3:
         return f"{x * 1e6:.0f} us"
     if x < 1:
@@ -552,11 +554,11 @@ def format_partition_table(
                 str(s),
                 names[a],
                 names[b - 1],
-                _count(n_params),
-                _count(sum(c.flops for c in seg)),
-                _seconds(sum(c.time for c in seg)),
-                _bytes(partition.stage_memory[s]),
-                "-" if last else _bytes(costs[b - 1].output_bytes),
+                format_count(n_params),
+                format_count(sum(c.flops for c in seg)),
+                format_seconds(sum(c.time for c in seg)),
+                format_bytes(partition.stage_memory[s]),
+                "-" if last else format_bytes(costs[b - 1].output_bytes),
             )
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
