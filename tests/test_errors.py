@@ -1,0 +1,155 @@
+"""Bad input gets a clear error before any rank does work: each names the
+numbers, the class, the argument or the module path, and says what was expected."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import annot
+from annot import Col, HintError, Local, MeshError, PipelineError, Row, Vocab
+from annot.hints import resolve_external_hints, shard, stage
+from annot.microbatch import split_microbatches
+from annot.testing import RanksFailed, run_ranks
+from annot.verify import verify_shard_hints
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.proj = nn.Linear(8, 8)
+        self.emb = nn.Embedding(10, 8)
+        self.scale = nn.Parameter(torch.ones(6, 8))
+        self.n_head = 3
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Attn() for _ in range(2)])
+
+
+def _verify(**specs):
+    local = specs.pop("local", ())
+    from annot.hints import ShardSpec
+
+    verify_shard_hints(Net(), {Attn: ShardSpec(specs, tuple(local))}, tp=2)
+
+
+def test_world_size_must_equal_the_mesh():
+    with pytest.raises(MeshError) as err:
+        annot.Mesh(dp=2, pp=2, tp=2).validate(4)
+    assert str(err.value).startswith("dp(2) * pp(2) * tp(2) = 8 != world size (4)")
+
+
+def test_mesh_degrees_are_positive_ints():
+    with pytest.raises(MeshError, match=r"Mesh\(tp=0\): tp must be an int >= 1"):
+        annot.Mesh(tp=0)
+
+
+def _wrong_mesh():
+    annot.parallelize(Net, mesh=annot.Mesh(tp=4))
+
+
+def test_parallelize_on_the_wrong_world_size_fails_on_every_rank():
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_wrong_mesh, 2, timeout=120)
+    assert set(err.value.failures) == {0, 1}
+    for text in err.value.failures.values():
+        assert "MeshError: dp(1) * pp(1) * tp(4) = 4 != world size (2)" in text
+
+
+def test_missing_submodule_names_what_exists():
+    with pytest.raises(HintError) as err:
+        _verify(qkvv=Col())
+    assert str(err.value) == (
+        "@shard on Attn (at blocks.0): argument qkvv=Col() names no submodule of Attn; "
+        "its submodules are: emb, proj, qkv"
+    )
+
+
+def test_spec_on_an_unsupported_module():
+    with pytest.raises(HintError) as err:
+        _verify(emb=Col())
+    assert str(err.value) == (
+        "@shard on Attn (at blocks.0): argument emb=Col() applies to nn.Linear, but Attn.emb "
+        "is a Embedding; use Vocab() for an nn.Embedding"
+    )
+    with pytest.raises(HintError, match=r"argument qkv=Vocab\(\) applies to nn.Embedding"):
+        _verify(qkv=Vocab())
+
+
+def test_sizes_tp_does_not_divide():
+    with pytest.raises(HintError) as err:
+        _verify(qkv=Col(chunks=8))
+    assert str(err.value) == (
+        "@shard on Attn (at blocks.0): argument qkv=Col(chunks=8): out_features=24 is not "
+        "divisible by tp(2) * chunks(8) = 16"
+    )
+    with pytest.raises(HintError, match=r"Attn.n_head=3 is not divisible by tp \(2\)"):
+        _verify(qkv=Col(), local=("n_head",))
+
+    class Odd(Attn):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(5, 8))
+
+    from annot.hints import ShardSpec
+
+    with pytest.raises(HintError, match=r"dim 0 of scale has size 5, not divisible by tp \(2\)"):
+        verify_shard_hints(Odd(), {Odd: ShardSpec({"scale": annot.P("tp", None)})}, tp=2)
+
+
+def test_bad_hint_arguments_name_class_and_argument():
+    with pytest.raises(HintError) as err:
+        shard(c_attn=3)(Attn)
+    assert str(err.value).startswith(
+        "@shard on Attn: argument c_attn=3 is a int; expected a spec: Col(), Row(), Vocab(), "
+        "Replicate() or P(...)"
+    )
+    with pytest.raises(HintError, match=r"Col\(chunks=0\): chunks must be an int >= 1"):
+        Col(chunks=0)
+    with pytest.raises(HintError, match=r"Col\(chunks='3'\): chunks must be an int >= 1, got str"):
+        Col(chunks="3")
+    with pytest.raises(HintError, match="give split=\\[...\\] or auto=True, not both"):
+        stage(split=["blocks.1"], auto=True)(Net)
+    with pytest.raises(HintError, match="expected an nn.Module subclass"):
+        shard(x=Col())(object)
+
+
+def test_external_hint_matching_nothing():
+    with pytest.raises(HintError) as err:
+        resolve_external_hints(Net(), {"blocks.*.attn.qkv": Col()})
+    assert "pattern 'blocks.*.attn.qkv' matches no submodule or parameter" in str(err.value)
+    with pytest.raises(HintError, match="instances of Attn get different hints"):
+        resolve_external_hints(Net(), {"blocks.0.qkv": Col(), "blocks.1.qkv": Row()})
+    specs = resolve_external_hints(
+        Net(), {"blocks.*.qkv": Col(chunks=3), "blocks.*": Local("n_head")}
+    )
+    assert specs[Attn].specs == {"qkv": Col(chunks=3)} and specs[Attn].local == ("n_head",)
+
+
+def _step(x, y):
+    return x
+
+
+def test_microbatch_errors():
+    x, y = torch.zeros(10, 3), torch.zeros(10)
+    with pytest.raises(PipelineError, match="a batch of 10 is not divisible into 4 microbatches"):
+        split_microbatches(_step, (x, y), {}, 4)
+    with pytest.raises(PipelineError, match=r"microbatches=0; expected an int >= 1"):
+        split_microbatches(_step, (x, y), {}, 0)
+    with pytest.raises(PipelineError, match="must share the batch size"):
+        split_microbatches(_step, (x, torch.zeros(8)), {}, 2)
+    parts = split_microbatches(_step, (x, torch.zeros(8)), {}, 2, non_split=("y",))
+    assert [a[0].shape[0] for a, _ in parts] == [5, 5] and parts[0][0][1].shape[0] == 8
+
+
+def test_jit_refuses_bad_settings():
+    model = annot.parallelize(Net, mesh=annot.Mesh())
+    with pytest.raises(PipelineError, match=r"microbatches=0; expected an int >= 1"):
+        annot.jit(model, microbatches=0)(_step)
+    with pytest.raises(PipelineError, match="schedule='zigzag'; expected one of gpipe, 1f1b"):
+        annot.jit(model, schedule="zigzag")(_step)
+    with pytest.raises(HintError, match="expected the result of annot.parallelize"):
+        annot.jit(Net(), microbatches=2)(_step)
