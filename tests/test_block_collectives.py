@@ -1,0 +1,44 @@
+"""Megatron's communication pattern on a whole transformer block, as annot
+rewrites it: exactly 2 all-reduces forward (after attention's and the MLP's
+row-parallel projections) and 2 backward (into the column-parallel QKV and
+MLP input projections), and the block equals the single-device block."""
+
+from annot.testing import run_ranks
+
+
+def _block_counts(cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import annot
+    from examples.gpt.model import Block, GPTConfig
+    from tests.parity import assert_close, compare_grads
+
+    cfg = GPTConfig(n_head=4, n_embd=16, dropout=0.0)
+    block = annot.parallelize(Block, cfg, mesh=annot.Mesh(tp=2), seed=0)
+    torch.manual_seed(0)
+    ref = Block(cfg)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    with CommDebugMode() as fwd:
+        y = block(x)
+    with CommDebugMode() as bwd:
+        block.backward(y.square().sum())
+    ref_y = ref(ref_x)
+    ref_y.square().sum().backward()
+    assert_close(y, ref_y, "block output")
+    assert_close(x.grad, ref_x.grad, "block input grad")
+    compare_grads(block, ref, "block")
+    all_reduce = torch.ops.c10d.allreduce_
+    return dict(fwd.get_comm_counts()).get(all_reduce, 0), dict(bwd.get_comm_counts()).get(
+        all_reduce, 0
+    ), sum(fwd.get_comm_counts().values()) + sum(bwd.get_comm_counts().values())
+
+
+def test_two_all_reduces_forward_and_two_backward_per_block(tmp_path):
+    for fwd, bwd, total in run_ranks(_block_counts, 2, str(tmp_path)):
+        assert (fwd, bwd) == (2, 2)
+        assert total == 4  # and no other collective
