@@ -114,18 +114,30 @@ def parallelize(
     mesh = mesh or Mesh()
     if not isinstance(mesh, Mesh):
         raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
-    if not (isinstance(model, type) and issubclass(model, nn.Module)):
+    instance = None
+    if isinstance(model, nn.Module):  # built already (e.g. by a library's loader)
+        if args or kwargs:
+            raise HintError(
+                "parallelize: got a built model and constructor arguments; pass either the "
+                "class and its arguments, or the model alone"
+            )
+        instance, model = model, type(model)
+    elif not (isinstance(model, type) and issubclass(model, nn.Module)):
         raise HintError(
-            f"parallelize: expected an nn.Module class (and its constructor arguments), got "
-            f"{type(model).__name__}; e.g. annot.parallelize(GPT, config, mesh=mesh)"
+            f"parallelize: expected an nn.Module class (and its constructor arguments) or a "
+            f"built nn.Module, got {type(model).__name__}; e.g. "
+            "annot.parallelize(GPT, config, mesh=mesh)"
         )
     ctx = rmesh.init(mesh)
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
 
     rng = torch.random.get_rng_state()
-    with torch.device("meta"):  # structure only: no rank builds the full model
-        ref = model(*args, **kwargs)
-    if seed is None:
+    if instance is not None:
+        ref = instance
+    else:
+        with torch.device("meta"):  # structure only: no rank builds the full model
+            ref = model(*args, **kwargs)
+    if seed is None and instance is None:
         _check_same_rng(ctx, rng)
     log.debug("annot: step 2: built the reference %s on the meta device", model.__name__)
 
@@ -177,8 +189,11 @@ def parallelize(
     classes = list({type(m) for m in ref.modules()})
     mapping = compile_classes(classes, key=key, transform=transform)
     new_cls = mapping.get(model, model)
-    with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
-        local = new_cls(*args, **kwargs)
+    if instance is not None:
+        local = _adopt(instance, mapping, specs, mesh.tp, ctx)
+    else:
+        with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
+            local = new_cls(*args, **kwargs)
     log.debug("annot: step 4: built %s for tp=%d (meta)", new_cls.__qualname__, mesh.tp)
 
     plan = None
@@ -189,7 +204,10 @@ def parallelize(
         plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
-    _materialize(local, model, args, kwargs, seed, ctx, plan)
+    if instance is not None:
+        _materialize_from(local, instance, ctx)
+    else:
+        _materialize(local, model, args, kwargs, seed, ctx, plan)
     del ref
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
@@ -200,6 +218,108 @@ def parallelize(
     return ParallelModel(
         local, ctx, pipeline=plan, info={"compiled": list(compile_classes.last), "specs": specs}
     )
+
+
+def _adopt(instance: nn.Module, mapping: dict, specs: dict, tp: int, ctx) -> nn.Module:
+    """A built model as if its rewritten classes had built it: a copy on the
+    meta device whose modules take their rewritten classes (forward reads the
+    per-rank sizes) and whose hinted submodules become the parallel layers the
+    rewritten ``__init__`` would have made. Ties are kept."""
+    import copy
+
+    from annot.specs import Col, P, Replicate, Row, Vocab
+    from runtime import mesh as rmesh
+    from runtime import tp_layers as L
+
+    memo: dict = {}
+    for t in list(instance.parameters()) + list(instance.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    local = copy.deepcopy(instance, memo)
+    ties: dict[int, list[str]] = {}
+    for name, p in instance.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(name)
+
+    def parallel(sub: nn.Module, spec, where: str) -> nn.Module:
+        conv1d = type(sub).__name__ == "Conv1D" and hasattr(sub, "nf")
+        if isinstance(spec, (Col, Row)) and (isinstance(sub, nn.Linear) or conv1d):
+            if conv1d:
+                nx, nf = sub.weight.shape
+                if isinstance(spec, Col):
+                    return L.ColumnParallelConv1D(
+                        nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp
+                    )
+                return L.RowParallelConv1D(nf, nx, tp=tp)
+            bias = sub.bias is not None
+            if isinstance(spec, Col):
+                return L.ColumnParallelLinear(
+                    sub.in_features,
+                    sub.out_features,
+                    bias=bias,
+                    chunks=spec.chunks,
+                    gather=spec.gather,
+                    tp=tp,
+                )
+            return L.RowParallelLinear(sub.in_features, sub.out_features, bias=bias, tp=tp)
+        if isinstance(spec, Vocab) and isinstance(sub, nn.Embedding):
+            return L.VocabParallelEmbedding(
+                sub.num_embeddings, sub.embedding_dim, padding_idx=sub.padding_idx, tp=tp
+            )
+        raise HintError(f"{where}: {spec!r} does not apply to a {type(sub).__name__}")
+
+    with rmesh.use(ctx), torch.device("meta"):
+        for path, mod in list(local.named_modules()):
+            spec = specs.get(type(mod))
+            if type(mod) in mapping:
+                mod.__class__ = mapping[type(mod)]
+            if spec is None:
+                continue
+            for name, s in spec.specs.items():
+                if isinstance(s, Replicate):
+                    continue
+                if isinstance(s, P):
+                    setattr(
+                        mod, name, L.shard_parameter(getattr(mod, name), dim=s.split_dim, tp=tp)
+                    )
+                    continue
+                holder = (
+                    mod
+                    if name in mod._modules
+                    else next(
+                        c for c in mod.children() if isinstance(c, nn.ModuleDict) and name in c
+                    )
+                )
+                holder._modules[name] = parallel(holder._modules[name], s, f"{path}.{name}")
+        for names in ties.values():  # re-tie what the replacement split
+            if len(names) > 1:
+                first = local.get_parameter(names[0])
+                for n in names[1:]:
+                    owner, _, attr = n.rpartition(".")
+                    target = local.get_submodule(owner) if owner else local
+                    if target._parameters.get(attr) is not first:
+                        if target._parameters[attr].shape != first.shape:
+                            raise HintError(
+                                f"{names[0]} and {n} are one tied weight but their hints shard "
+                                "them differently; give both the same split (e.g. Vocab() and Col())"
+                            )
+                        target._parameters[attr] = first
+    return local
+
+
+def _materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
+    """Cut this rank's shards out of a built model's own weights."""
+    from runtime import mesh as rmesh
+    from runtime.deferred_init import _named_tensors, materialize_, shard_slicers
+
+    with rmesh.use(ctx):
+        wanted = shard_slicers(local)
+    have = _named_tensors(local)
+    values = {}
+    for name, t in _named_tensors(instance).items():
+        cut = wanted(name) if name in have else None
+        if cut is not None:
+            values[name] = cut(t.detach())
+    materialize_(local, values, ctx.device)
 
 
 def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
