@@ -153,6 +153,7 @@ def parallelize(
         raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
     n_stages = mesh.pp * chunks
     boundaries: tuple[str, ...] = ()
+    planned: dict = {}
     if n_stages > 1:
         boundaries = _choose_boundaries(
             ref,
@@ -164,6 +165,7 @@ def parallelize(
             ctx=ctx,
             seed=seed,
             build=lambda: model(*args, **kwargs),
+            report=planned,
         )
         log.debug("annot: stage boundaries %s", boundaries)
     splits: dict = {}
@@ -216,7 +218,10 @@ def parallelize(
     apply_activation_checkpointing(local, checkpointed_classes(local))
 
     return ParallelModel(
-        local, ctx, pipeline=plan, info={"compiled": list(compile_classes.last), "specs": specs}
+        local,
+        ctx,
+        pipeline=plan,
+        info={"compiled": list(compile_classes.last), "specs": specs, **planned},
     )
 
 
@@ -392,6 +397,7 @@ def _choose_boundaries(
     ctx=None,
     seed: Optional[int] = None,
     build=None,
+    report: Optional[dict] = None,
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
@@ -436,7 +442,12 @@ def _choose_boundaries(
 
     auto = spec or StageSpec(auto=True)
     cost = auto.cost or ("flops" if sample is not None else "params")
-    kw = dict(cost=cost, memory=auto.memory, source_path=path, tp=tp)
+    from annot.compiler import cache_dir
+
+    # profiles are cached next to the rewritten sources
+    kw = dict(
+        cost=cost, memory=auto.memory, source_path=path, tp=tp, cache_dir=cache_dir() / "profiles"
+    )
     if (
         cost == "time"
     ):  # needs real weights and a clock: rank 0 measures, every rank gets its answer
@@ -463,4 +474,6 @@ def _choose_boundaries(
         )
     plan = plan_stages(ref, cls, n_stages, sample=meta, **kw)  # ref is on meta: same on every rank
     log.debug("annot: planned stages\n%s", plan.table())
+    if report is not None:
+        report["plan_table"] = plan.table()
     return tuple(plan.boundaries)

@@ -66,6 +66,8 @@ def explain_step(step, args, kwargs) -> str:
             f"schedule {step.schedule}"
         )
         out.append(_table(rows, ["stage", "rank", "modules", "sends", "params (this rank)"]))
+        if "plan_table" in model.info:
+            out.append("boundaries chosen by the planner:\n" + model.info["plan_table"])
         for tie in plan.ties:
             out.append(
                 f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
