@@ -18,11 +18,13 @@ calls ``torch.autograd.backward(tensors_requiring_grad(outputs), grads)``
 
 Wire format: one message is one to three sends on the pair, in this order:
 
-1. preamble, ``uint8[4096]``: ``int64[4] = [MAGIC, VERSION, header bytes,
+1. preamble, ``uint8[size]``: ``int64[4] = [MAGIC, VERSION, header bytes,
    payload bytes]`` followed by the header itself when it fits in the rest
-   (the usual case), and by the payload too when that also fits (small
-   transfers are then one message). It is the only message the receiver posts
-   blind, so its size never varies;
+   (the usual case), and by the payload too when that also fits. It is the
+   only message the receiver posts blind. Its size is 4 KiB for a channel's
+   first transfer, then whatever the previous transfer on that channel needed
+   (rounded up to 4 KiB, at most 8 MiB): both ends compute it from the sizes of
+   the previous transfer, so with steady shapes a transfer is one message;
 2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
    UTF-8 JSON, never pickle (nothing received is ever executed or imported):
    the tree with its plain leaves, and each tensor's dtype, shape and
@@ -69,6 +71,28 @@ MAGIC = int.from_bytes(b"annotP2P", "big")
 VERSION = 2
 # Size of the first message of a transfer (preamble + header when it fits).
 FIRST_BYTES = 4096
+# The first message grows to fit what the channel carried last (both sides
+# compute the same size from the previous transfer), up to this bound.
+MAX_FIRST_BYTES = 8 << 20
+_CHANNELS: dict[tuple, int] = {}
+
+
+def _channel(direction: str, peer: int, group: Any) -> tuple:
+    return (direction, peer, id(group) if group is not None else 0)
+
+
+def _next_first(hlen: int, plen: int) -> int:
+    """The first-message size both ends use for the channel's next transfer:
+    enough for this one's header and payload (steady shapes: one message)."""
+    need = -(-(32 + hlen) // ALIGN) * ALIGN + plen
+    return min(MAX_FIRST_BYTES, max(FIRST_BYTES, -(-need // FIRST_BYTES) * FIRST_BYTES))
+
+
+def reset_channels() -> None:
+    """Forget the channel sizes (both ends must do it at the same point)."""
+    _CHANNELS.clear()
+
+
 ALIGN = 16
 MAX_HEADER_BYTES = 16 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
@@ -450,21 +474,24 @@ def send_pytree(
         )
     offsets, total = _layout(metas)
     payload = _pack(tensors, offsets, total, comm)
-    # The first message has a fixed size: 4 int64 words, then the header itself
-    # when it fits (the usual case: 2 messages a transfer), else on its own.
-    first = bytearray(FIRST_BYTES)
-    first[:32] = struct.pack("<4q", MAGIC, VERSION, len(raw), total)
-    inline = len(raw) <= FIRST_BYTES - 32
+    # The first message: 4 int64 words, the header when it fits, and the payload
+    # too when that also fits (steady shapes: one message a transfer). Its size
+    # is what both ends agreed from the channel's previous transfer.
+    key = _channel("send", dst, group)
+    size = _CHANNELS.get(key, FIRST_BYTES)
+    inline = len(raw) <= size - 32
+    prefix = struct.pack("<4q", MAGIC, VERSION, len(raw), total) + (raw if inline else b"")
+    pre = torch.empty(size, dtype=torch.uint8, device=comm)
+    pre[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
     head = None
     if inline:
-        first[32 : 32 + len(raw)] = raw
-        at = _inline_payload_at(len(raw), total)
-        if at is not None and payload is not None:  # small: one message in all
-            first[at : at + total] = payload.cpu().numpy().tobytes()
+        at = _inline_payload_at(len(raw), total, size)
+        if at is not None and payload is not None:
+            pre[at : at + total].copy_(payload)
             payload = None
     else:
         head = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm)
-    pre = torch.frombuffer(first, dtype=torch.uint8).to(comm)
+    _CHANNELS[key] = _next_first(len(raw), total)
     guard_kwargs = dict(
         op=_op("send", what),
         stage=stage,
@@ -520,8 +547,10 @@ def recv_pytree(
             " receives between them in the same order (from one thread)."
         )
 
-    first = receive(FIRST_BYTES, torch.uint8).cpu().numpy().tobytes()
-    magic, version, hlen, plen = struct.unpack("<4q", first[:32])
+    key = _channel("recv", src, group)
+    size = _CHANNELS.get(key, FIRST_BYTES)
+    first = receive(size, torch.uint8)
+    magic, version, hlen, plen = struct.unpack("<4q", first[:32].cpu().numpy().tobytes())
     if magic != MAGIC:
         raise reject(
             f"bad preamble: expected magic {MAGIC:#x}, received {magic & (2**64 - 1):#x}"
@@ -534,8 +563,8 @@ def recv_pytree(
     if not 0 <= plen <= MAX_PAYLOAD_BYTES:
         raise reject(f"payload length {plen} is outside 0..{MAX_PAYLOAD_BYTES} bytes")
 
-    if hlen <= FIRST_BYTES - 32:
-        raw = first[32 : 32 + hlen]
+    if hlen <= size - 32:
+        raw = first[32 : 32 + hlen].cpu().numpy().tobytes()
     else:
         raw = receive(hlen, torch.uint8).cpu().numpy().tobytes()
     try:
@@ -552,11 +581,12 @@ def recv_pytree(
             f"the header's tensors take {total} payload bytes but the preamble says {plen}"
         )
 
-    at = _inline_payload_at(hlen, plen)
+    at = _inline_payload_at(hlen, plen, size) if hlen <= size - 32 else None
     if plen and at is not None:
-        payload = torch.frombuffer(bytearray(first[at : at + plen]), dtype=torch.uint8).to(comm)
+        payload = first[at : at + plen]  # a view: no copy
     else:
         payload = receive(plen, torch.uint8) if plen else None
+    _CHANNELS[key] = _next_first(hlen, plen)
     tensors = []
     for (dtype_name, shape, requires_grad), off in zip(metas, offsets):
         dtype = _DTYPES[dtype_name]
@@ -565,7 +595,10 @@ def recv_pytree(
         else:
             # A fresh tensor on the buffer's storage: its own version counter.
             t = torch.empty(0, dtype=dtype, device=comm)
-            t.set_(payload.untyped_storage(), off // dtype.itemsize, shape)
+            base = (
+                payload.storage_offset() + off
+            )  # bytes (the payload may sit in the first message)
+            t.set_(payload.untyped_storage(), base // dtype.itemsize, shape)
             if target != comm:
                 t = t.to(target)
         tensors.append(t.requires_grad_(requires_grad))
@@ -575,11 +608,12 @@ def recv_pytree(
         raise reject(str(err)) from None
 
 
-def _inline_payload_at(hlen: int, plen: int) -> Optional[int]:
-    """Where a payload of ``plen`` bytes sits inside the first message after a
-    ``hlen``-byte header (16-byte aligned), or None when it does not fit."""
+def _inline_payload_at(hlen: int, plen: int, size: int) -> Optional[int]:
+    """Where a payload of ``plen`` bytes sits inside a first message of ``size``
+    bytes after a ``hlen``-byte header (16-byte aligned), or None when it does
+    not fit."""
     at = -(-(32 + hlen) // ALIGN) * ALIGN
-    return at if plen and at + plen <= FIRST_BYTES else None
+    return at if plen and at + plen <= size else None
 
 
 def _check_header(header: Any) -> list:

@@ -25,6 +25,7 @@ from runtime.p2p import (
     VERSION,
     flatten,
     recv_pytree,
+    reset_channels,
     send_pytree,
     tensors_requiring_grad,
     unflatten,
@@ -256,6 +257,7 @@ def _p2p_session(examples: list) -> Any:
         pairs = [(t, g) for t, g in zip(tensors_requiring_grad(out), grads) if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         # garbage: each fixed-size preamble is what a peer could send by mistake
+        reset_channels()  # both ends: the next first message is FIRST_BYTES again
         header = json.dumps(
             {"v": VERSION, "tree": {"k": "T", "i": 0}, "tensors": [["float32", [4], False]]}
         ).encode()
@@ -274,6 +276,7 @@ def _p2p_session(examples: list) -> Any:
     inp["aux"][1].add_(1)  # in place on a neighbour in the same payload buffer:
     loss.backward()  # autograd's saved h must not see a version bump
     send_pytree([t.grad for t in tensors_requiring_grad(inp)], 0, what="grads", **kw).wait()
+    reset_channels()
     errors = []
     for i in range(5):
         try:
