@@ -337,6 +337,7 @@ def _deferred_equals_parallelize(cache: str) -> int:
     return sum(p.numel() for p in local.parameters()) * 1000 // full
 
 
+@pytest.mark.slow
 def test_deferred_matches_parallelize_on_pp2_tp2(tmp_path):
     shares = run_ranks(_deferred_equals_parallelize, 4, str(tmp_path), timeout=400)
     assert all(s < 500 for s in shares), shares  # each rank holds well under half

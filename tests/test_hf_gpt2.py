@@ -320,6 +320,7 @@ def _pp(cache: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_pp2_gpt2_split_at_lm_head_and_refusals(tmp_path):
     res = run_ranks(_pp, 2, str(tmp_path), timeout=300)
     for rank, out in enumerate(res):

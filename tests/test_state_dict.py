@@ -133,6 +133,7 @@ def _round_trip_and_step(mesh):
     return True
 
 
+@pytest.mark.slow
 def test_round_trip_grads_and_sgd_steps_dp2_tp2():
     """dp=2 x tp=2 on 4 ranks: the tp collectives must use the tp group only."""
     assert run_ranks(_round_trip_and_step, 4, Mesh(dp=2, tp=2), timeout=240) == [True] * 4

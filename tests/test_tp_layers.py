@@ -317,6 +317,7 @@ def _mlp_and_embedding(tp):
     return True
 
 
+@pytest.mark.slow
 def test_mlp_block_counts_collectives_and_embedding_tp4():
     assert run_ranks(_mlp_and_embedding, 4, 4, timeout=240) == [True] * 4
 
