@@ -46,7 +46,7 @@ def test_exception_collected_and_others_killed():
     with pytest.raises(RanksFailed) as info:
         run_ranks(_raise_on_one, 2, timeout=60)
     assert "boom on rank one" in str(info.value)
-    assert 1 in info.value.failures
+    assert set(info.value.failures) >= {1}  # rank 1 raised
     assert time.monotonic() - t0 < 30
 
 
