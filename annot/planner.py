@@ -64,6 +64,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PartitionError, RewriteError
+from rewriters.stage_split import _chain, _loop_target
 from runtime.cost import format_bytes, format_count, format_seconds
 
 __all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
@@ -78,27 +79,6 @@ _COST_WORDS = {
 
 
 # ---- step 1: split points, from the source --------------------------------------------
-
-
-def _chain(node: cst.CSTNode, self_name: str) -> Optional[str]:
-    """``self.a.b`` -> ``"a.b"``, ``self.h[2]`` -> ``"h.2"`` (stage_split's rule)."""
-    parts: list[str] = []
-    while True:
-        if isinstance(node, cst.Attribute):
-            parts.append(node.attr.value)
-            node = node.value
-        elif (
-            isinstance(node, cst.Subscript)
-            and len(node.slice) == 1
-            and isinstance(node.slice[0].slice, cst.Index)
-            and isinstance(node.slice[0].slice.value, cst.Integer)
-        ):
-            parts.append(str(node.slice[0].slice.value.evaluated_value))
-            node = node.value
-        elif isinstance(node, cst.Name) and node.value == self_name and parts:
-            return ".".join(reversed(parts))
-        else:
-            return None
 
 
 def _self_paths(node: cst.CSTNode, self_name: str) -> list[str]:
@@ -140,29 +120,6 @@ def _has_break(body: cst.CSTNode) -> bool:
     return bool(finder.breaks)
 
 
-def _enumerated(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str, Optional[int]]]:
-    """``enumerate(self.h)`` -> ("h", 0), ``enumerate(self.h, 1)`` -> ("h", 1),
-    a start that is not an int literal -> ("h", None); anything else: None."""
-    if not (
-        isinstance(iter_, cst.Call)
-        and isinstance(iter_.func, cst.Name)
-        and iter_.func.value == "enumerate"
-        and 1 <= len(iter_.args) <= 2
-        and iter_.args[0].keyword is None
-        and not iter_.args[0].star
-    ):
-        return None
-    path = _chain(iter_.args[0].value, self_name)
-    if path is None:
-        return None
-    if len(iter_.args) == 1:
-        return path, 0
-    start = iter_.args[1]
-    if start.star or (start.keyword is not None and start.keyword.value != "start"):
-        return None
-    return path, int(start.value.evaluated_value) if isinstance(start.value, cst.Integer) else None
-
-
 class _Uses(cst.CSTVisitor):
     """The uses of one top-level statement, in the order stage_split sees them."""
 
@@ -183,11 +140,7 @@ class _Uses(cst.CSTVisitor):
 
     def _loop(self, iter_: cst.BaseExpression, body: Optional[cst.CSTNode]) -> None:
         breaks = body is not None and _has_break(body)
-        path = _chain(iter_, self.self_name)
-        if path is not None:
-            self._add("loop", path, breaks=breaks)
-            return
-        hit = _enumerated(iter_, self.self_name)
+        hit = _loop_target(iter_, self.self_name)  # self.h or enumerate(self.h, k)
         if hit is not None:
             self._add("loop", hit[0], start=hit[1], breaks=breaks)
             return
