@@ -82,6 +82,14 @@ a class in another file.
 The result keeps the user's line numbers except for the added import lines
 (after the existing imports) and multi-line ``@shard(...)`` decorators, which
 collapse to one comment line.
+
+Cost: one parse, a walk of the module's top level, of the hinted classes'
+constructors and of the methods where sizes are divided or losses looked for,
+and a transform that enters only the statements it changes; names are
+resolved by :mod:`rewriters.scopes` (libcst's scope rules, one method at a
+time) and positions are computed only for a refusal. On a large model file
+this is about the cost of libcst's own parse and codegen (``benchmarks/tp.py``
+row (c)).
 """
 
 from __future__ import annotations
@@ -92,24 +100,15 @@ from typing import Optional, Union
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.codemod import CodemodContext, ContextAwareTransformer
+from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import (
-    Assignment,
-    CodeRange,
-    ExpressionContext,
-    ExpressionContextProvider,
-    MetadataWrapper,
-    ParentNodeProvider,
-    QualifiedNameProvider,
-    ScopeProvider,
-)
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
 from annot.specs import Col, P, Replicate, Row, Vocab
-from rewriters.diagnostics import Locator, node_source, parse_source
-from rewriters.hint_reader import find_hints, format_hint, has_qualified_name
+from rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
+from rewriters.hint_reader import find_hints, format_hint
+from rewriters.scopes import LOAD, Assignment, ModuleScopes
 
 __all__ = ["TensorParallelTransformer", "rewrite_tensor_parallel"]
 
@@ -162,6 +161,8 @@ Source = Union[str, bytes]
 Edit = Callable[[cst.CSTNode], cst.CSTNode]
 # (class node, its hints, the @shard decorator or None when from extra_hints)
 Target = tuple[cst.ClassDef, ShardSpec, Optional[cst.Decorator]]
+# a class, and the method of it being planned (None: the class itself)
+_Where = tuple[cst.ClassDef, Optional[cst.FunctionDef]]
 
 
 def rewrite_tensor_parallel(
@@ -188,20 +189,64 @@ def rewrite_tensor_parallel(
     bom = ""
     if isinstance(source, str) and source.startswith("\ufeff"):
         bom = "\ufeff"  # libcst drops a BOM from text; put it back
-    wrapper = MetadataWrapper(parse_source(source, path), unsafe_skip_copy=True)
-    locate = Locator(wrapper, path)
-    targets = _targets(wrapper, locate, extra)
+    module = parse_source(source, path)
+    text = _text(source, module)
+    scopes = ModuleScopes(module, text)
+    locate = Locator(module, path)
+    targets = _targets(module, scopes, locate, extra)
     if not targets:
         return source
     context = CodemodContext(filename=path)
-    transformer = TensorParallelTransformer(context, tp, targets, locate, package=_package_of(path))
-    module = wrapper.visit(transformer)
-    for mod, name in sorted(transformer.needed_imports):
-        AddImportsVisitor.add_needed_import(context, mod, name)
-    module = AddImportsVisitor(context).transform_module(module)
+    transformer = TensorParallelTransformer(
+        context, tp, targets, locate, package=_package_of(path), scopes=scopes, text=text
+    )
+    module = module.visit(transformer)
+    if transformer.needed_imports:
+        for mod, name in sorted(transformer.needed_imports):
+            AddImportsVisitor.add_needed_import(context, mod, name)
+        module = _add_imports(module, context)
     if isinstance(source, bytes):
         return module.bytes
     return bom + module.code
+
+
+def _text(source: Source, module: cst.Module) -> Optional[str]:
+    """The source as text (None when bytes do not decode: then nothing is skipped)."""
+    if isinstance(source, str):
+        return source
+    try:
+        return source.decode(module.encoding)
+    except (LookupError, UnicodeDecodeError):
+        return None
+
+
+_IMPORT_LINE = m.SimpleStatementLine(body=[m.ImportFrom() | m.Import()])
+_DOCSTRING_OR_STRICT = m.SimpleStatementLine(
+    body=[m.Assign(targets=[m.AssignTarget(target=m.Name("__strict__"))])]
+) | m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString())])
+
+
+def _add_imports(module: cst.Module, context: CodemodContext) -> cst.Module:
+    """``AddImportsVisitor`` run on the statements it reads and edits only: the
+    docstring, the first block of imports and the statement after it (which may
+    get a blank line before it). A class or other compound statement there is
+    stood in for by a ``pass`` line with its leading lines: the visitor would
+    copy and walk all of it."""
+    body = list(module.body)
+    start = 1 if body and m.matches(body[0], _DOCSTRING_OR_STRICT) else 0
+    end = start
+    while end < len(body) and m.matches(body[end], _IMPORT_LINE):
+        end += 1
+    head = body[: end + 1]
+    after = body[end] if end < len(body) else None
+    if isinstance(after, cst.BaseCompoundStatement):
+        head[-1] = cst.SimpleStatementLine([cst.Pass()], leading_lines=after.leading_lines)
+    new_head = list(
+        AddImportsVisitor(context).transform_module(module.with_changes(body=head)).body
+    )
+    if isinstance(after, cst.BaseCompoundStatement):
+        new_head[-1] = after.with_changes(leading_lines=new_head[-1].leading_lines)
+    return module.with_changes(body=[*new_head, *body[end + 1 :]])
 
 
 def _check_extra_hints(extra_hints: object) -> dict[str, ShardSpec]:
@@ -259,12 +304,11 @@ def _has_marker(cls: cst.ClassDef) -> bool:
 
 
 def _targets(
-    wrapper: MetadataWrapper, locate: Locator, extra: dict[str, ShardSpec]
+    module: cst.Module, scopes: ModuleScopes, locate: Locator, extra: dict[str, ShardSpec]
 ) -> list[Target]:
-    found = {id(h.node): h for h in find_hints(wrapper, "shard", locate.path)}
+    found = {id(h.node): h for h in find_hints(module, "shard", locate.path, scopes=scopes)}
     targets: list[Target] = []
-    for cls in m.findall(wrapper.module, m.ClassDef()):
-        assert isinstance(cls, cst.ClassDef)
+    for cls in scopes.classes:
         name = cls.name.value
         hint = found.get(id(cls))
         if hint is not None:
@@ -330,21 +374,20 @@ def _kwarg(name: str, value: str) -> cst.Arg:
     )
 
 
-class TensorParallelTransformer(ContextAwareTransformer):
+class TensorParallelTransformer(cst.CSTTransformer):
     """Applies tensor-parallel hints to the classes in ``targets``.
 
-    Each hinted class is planned when it is visited (all checks happen then,
+    Everything is planned when the module is visited (all checks happen then,
     so a refusal comes before any output) into edits keyed by the original
-    node; ``on_leave`` applies them to the updated nodes. The imports the
-    result needs are left in :attr:`needed_imports` for ``AddImportsVisitor``.
-    """
+    node; the transform then enters only the nodes that hold an edit, and
+    ``on_leave`` applies the edits to the updated nodes. The imports the
+    result needs are left in :attr:`needed_imports` for ``AddImportsVisitor``
+    (``context`` is where the caller gathers them).
 
-    METADATA_DEPENDENCIES = (
-        QualifiedNameProvider,
-        ScopeProvider,
-        ParentNodeProvider,
-        ExpressionContextProvider,
-    )
+    ``scopes`` is the module's :class:`~rewriters.scopes.ModuleScopes` (built
+    from the visited module when not given); ``text`` its source, used to skip
+    what cannot apply (no ``CrossEntropyLoss`` in the file: no loss module).
+    """
 
     def __init__(
         self,
@@ -353,24 +396,45 @@ class TensorParallelTransformer(ContextAwareTransformer):
         targets: Iterable[Target],
         locate: Locator,
         package: Optional[str] = None,
+        *,
+        scopes: Optional[ModuleScopes] = None,
+        text: Optional[str] = None,
     ) -> None:
-        super().__init__(context)
+        super().__init__()
+        self.context = context
         self.tp = tp
         self.package = package  # resolves names from relative imports
         self.targets = {id(cls): (cls, spec, dec) for cls, spec, dec in targets}
         self.locate = locate
+        self.scopes = scopes
         self.needed_imports: set[tuple[str, str]] = set()
+        self._loss_modules = text is None or "CrossEntropyLoss" in text
         self._edits: dict[int, Edit] = {}
+        # the class and method being planned; those edited, to enter them
+        self._at: Optional[_Where] = None
+        self._edited: dict[int, tuple[_Where, list[cst.CSTNode]]] = {}
+        self._enter: set[int] = set()
+        self._reached: dict[int, Optional[list[Assignment]]] = {}
+        self._returns: dict[int, list[cst.Return]] = {}  # forward's, read at every round
 
     # ---- traversal ---------------------------------------------------------
 
-    def visit_Module(self, node: cst.Module) -> None:
+    def visit_Module(self, node: cst.Module) -> bool:
         # Everything is planned up front: the hinted classes (in source order),
         # then the losses of every class, which need the whole file's sharded outputs.
+        if self.scopes is None or self.scopes.module is not node:
+            self.scopes = ModuleScopes(node)
         cols: dict[int, dict[tuple[str, ...], _Sharded]] = {}
         for cls, spec, decorator in self.targets.values():
             cols[id(cls)] = self._plan_class(cls, spec, decorator)
-        self._plan_losses(node, cols)
+        self._plan_losses(cols)
+        self._enter = self._holding_edits(node)
+        return True
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.Module):
+            return self.visit_Module(node)
+        return id(node) in self._enter  # leave alone what holds no edit
 
     def on_leave(self, original_node, updated_node):
         updated = super().on_leave(original_node, updated_node)
@@ -380,14 +444,52 @@ class TensorParallelTransformer(ContextAwareTransformer):
     def _edit(self, node: cst.CSTNode, edit: Edit) -> None:
         prev = self._edits.get(id(node))
         self._edits[id(node)] = edit if prev is None else (lambda n: edit(prev(n)))
+        assert self._at is not None
+        cls, fn = self._at
+        self._edited.setdefault(id(fn if fn is not None else cls), (self._at, []))[1].append(node)
+
+    def _holding_edits(self, module: cst.Module) -> set[int]:
+        """The nodes the transform must enter: those with an edited node below."""
+        assert self.scopes is not None
+        enter = {id(module)}
+        for (cls, fn), nodes in self._edited.values():
+            enter.update(id(n) for n in self.scopes.ancestors(cls))
+            if fn is not None:
+                enter.update((id(cls), id(cls.body)))
+                if not self._climb(fn, nodes, enter):
+                    self._mark(fn, enter)
+        return enter
+
+    def _climb(self, fn: cst.FunctionDef, nodes: list[cst.CSTNode], enter: set[int]) -> bool:
+        """Enter the ancestors of ``nodes`` up to ``fn``, by the parents an
+        analysed method knows; False when it was not analysed."""
+        assert self.scopes is not None
+        found: list[int] = []
+        for node in nodes:
+            cur = self.scopes.parent(node)
+            while cur is not None and cur is not fn:
+                found.append(id(cur))
+                cur = self.scopes.parent(cur)
+            if cur is None:
+                return False
+        enter.update(found)
+        enter.add(id(fn))
+        return True
+
+    def _mark(self, node: cst.CSTNode, enter: set[int]) -> bool:
+        below = False
+        for child in children(node):
+            below = self._mark(child, enter) or below
+        if below:
+            enter.add(id(node))
+        return below or id(node) in self._edits
 
     def _qualified(self, node: cst.CSTNode, names: frozenset[str]) -> bool:
-        qnames = self.get_metadata(QualifiedNameProvider, node, set())
-        if has_qualified_name(qnames, names):
+        assert self.scopes is not None
+        qnames = self.scopes.qualified_names(node)
+        if not qnames.isdisjoint(names):
             return True
-        return any(
-            q.name.startswith(".") and _absolute(q.name, self.package) in names for q in qnames
-        )
+        return any(q.startswith(".") and _absolute(q, self.package) in names for q in qnames)
 
     # ---- one class -----------------------------------------------------------
 
@@ -407,13 +509,16 @@ class TensorParallelTransformer(ContextAwareTransformer):
                     "__init__(self, ...) that assigns them; annot rewrites the constructors "
                     "called in __init__",
                 )
+            self._at = (cls, init)
             col_paths = self._plan_init(cls, init, spec, decorator)
         for fn in methods:
             if fn is not init:
+                self._at = (cls, fn)
                 self._plan_locals(cls, fn, spec.local)
         index = None
         if decorator is not None:
             index = next(i for i, d in enumerate(cls.decorators) if d is decorator)
+        self._at = (cls, None)
         self._edit(cls, lambda n: self._mark_class(n, spec, index))
         name = cls.name.value
         return {p: _Sharded(name, p[-1], ".".join((name, *p))) for p in sorted(col_paths)}
@@ -695,12 +800,14 @@ class TensorParallelTransformer(ContextAwareTransformer):
                             "method only, so keep it a plain local variable or an attribute "
                             "of self",
                         )
-        scope = self.get_metadata(ScopeProvider, fn.body, None)
+        assert self.scopes is not None
+        self.scopes.prepare(cls, fn)
+        scope = self.scopes.scope(fn.body)
         if scope is None:
             return
         reads: list[cst.CSTNode] = []
         for name in sorted(names):
-            assignments = [a for a in scope.assignments[name] if a.scope is scope]
+            assignments = scope.own(name)
             params = [a for a in assignments if isinstance(a.node, cst.Param)]
             if params and len(params) != len(assignments):
                 raise self.locate.error(
@@ -717,11 +824,11 @@ class TensorParallelTransformer(ContextAwareTransformer):
                     if isinstance(access.node, cst.Name) and self._is_load(access.node):
                         reads.append(access.node)
         if self_name is not None:
-            for a in scope.assignments[self_name]:
-                if a.scope is not scope or not isinstance(a.node, cst.Param):
+            for a in scope.own(self_name):
+                if not isinstance(a.node, cst.Param):
                     continue
                 for access in a.references:
-                    parent = self.get_metadata(ParentNodeProvider, access.node, None)
+                    parent = self.scopes.parent(access.node)
                     if (
                         isinstance(parent, cst.Attribute)
                         and parent.value is access.node
@@ -737,7 +844,8 @@ class TensorParallelTransformer(ContextAwareTransformer):
             self._edit(node, self._divider(self._needs_parens(node)))
 
     def _is_load(self, node: cst.CSTNode) -> bool:
-        return self.get_metadata(ExpressionContextProvider, node, None) == ExpressionContext.LOAD
+        assert self.scopes is not None
+        return self.scopes.context(node) == LOAD
 
     def _divider(self, parens: bool) -> Edit:
         tp = self.tp
@@ -753,7 +861,8 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     def _needs_parens(self, node: cst.CSTNode) -> bool:
         """Does ``node // tp`` need parentheses where ``node`` stands?"""
-        parent = self.get_metadata(ParentNodeProvider, node, None)
+        assert self.scopes is not None
+        parent = self.scopes.parent(node)
         if isinstance(parent, cst.Arg):
             return parent.star != ""
         if isinstance(parent, cst.BinaryOperation):
@@ -802,19 +911,21 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     # ---- vocab-parallel loss -------------------------------------------------------
 
-    def _plan_losses(
-        self, module: cst.Module, cols: dict[int, dict[tuple[str, ...], _Sharded]]
-    ) -> None:
+    def _plan_losses(self, cols: dict[int, dict[tuple[str, ...], _Sharded]]) -> None:
         """Find the sharded values of every class of the file and plan the
         loss rewrites and refusals of every method.
 
         A class has a *sharded output* when its ``forward`` returns (as is, or
         as a tuple element) a value derived from a sharded source; computed to
-        a fixpoint so heads nested in heads count too.
+        a fixpoint so heads nested in heads count too. A class none of whose
+        sources holds a sharded tensor has nothing to rewrite or refuse.
         """
-        classes = [c for c in m.findall(module, m.ClassDef()) if isinstance(c, cst.ClassDef)]
-        names = [c.name.value for c in classes]
-        by_name = {n: c for n, c in zip(names, classes) if names.count(n) == 1}
+        assert self.scopes is not None
+        classes = self.scopes.classes
+        counts: dict[str, int] = {}
+        for c in classes:
+            counts[c.name.value] = counts.get(c.name.value, 0) + 1
+        by_name = {c.name.value: c for c in classes if counts[c.name.value] == 1}
         infos = [self._class_info(c, cols.get(id(c), {}), by_name) for c in classes]
         unique = {i.name: i for i in infos if i.name in by_name}
         outputs: dict[str, _Shard] = {}
@@ -829,11 +940,14 @@ class TensorParallelTransformer(ContextAwareTransformer):
                 break
         for info in infos:
             sources = self._sources(info, unique, outputs)
+            if all(_contained(s) is None for s in sources.values()):
+                continue  # no value of this class can be sharded
             for fn in info.methods:
                 self_name = self._self_name(fn)
                 if self_name is None:
                     continue
                 env = _Env(self_name, sources, info.loss_attrs)
+                self._at = (info.node, fn)
                 for call in _calls(fn.body):
                     self._plan_call(call, env)
 
@@ -857,7 +971,7 @@ class TensorParallelTransformer(ContextAwareTransformer):
         (``self.cls = Head(...)``, also ModuleDict entries) and
         ``nn.CrossEntropyLoss`` instances (``self.loss_fct = CrossEntropyLoss()``)."""
         methods = _methods(cls)
-        info = _ClassInfo(cls.name.value, methods, cols)
+        info = _ClassInfo(cls, cls.name.value, methods, cols)
         init = next((f for f in methods if f.name.value == "__init__"), None)
         self_name = self._self_name(init) if init is not None else None
         if init is None or self_name is None:
@@ -923,8 +1037,11 @@ class TensorParallelTransformer(ContextAwareTransformer):
         if fn is None or self_name is None:
             return None
         env = _Env(self_name, self._sources(info, infos, outputs), info.loss_attrs)
+        self._at = (info.node, fn)
         out: _Shard = _CYCLE
-        for ret in _returns(fn.body):
+        if id(fn) not in self._returns:
+            self._returns[id(fn)] = list(_returns(fn.body))
+        for ret in self._returns[id(fn)]:
             value = self._eval(ret.value, env, set()) if ret.value is not None else None
             out = _meet(out, value)
         return _settle(out)
@@ -1025,7 +1142,7 @@ class TensorParallelTransformer(ContextAwareTransformer):
         path = _self_path(func, env.self_name)
         if path is not None:
             return env.loss_attrs.get(path[0]) if len(path) == 1 else None
-        if not isinstance(func, cst.Name):
+        if not isinstance(func, cst.Name) or not self._loss_modules:
             return None
         refs = self._reaching(func)
         if refs is None or len(refs) != 1:
@@ -1181,28 +1298,37 @@ class TensorParallelTransformer(ContextAwareTransformer):
         self.decoder(h); return h`` reads the second), plus those later in a
         loop around the read that does not hold that last one. A read from a
         nested scope (a closure) keeps them all.
+
+        Scopes come from :mod:`rewriters.scopes` (the method being planned is
+        analysed on the first call); "before" compares the numbers it gives
+        the nodes of one function, in source order.
         """
-        scope = self.get_metadata(ScopeProvider, name, None)
+        if id(name) not in self._reached:
+            self._reached[id(name)] = self._reaching_uncached(name)
+        return self._reached[id(name)]
+
+    def _reaching_uncached(self, name: cst.Name) -> Optional[list[Assignment]]:
+        assert self.scopes is not None and self._at is not None
+        self.scopes.prepare(*self._at)
+        scope = self.scopes.scope(name)
         if scope is None:
             return None
-        refs = [r for access in scope.accesses[name] for r in access.referents]
-        if not all(isinstance(r, Assignment) for r in refs):
+        refs = [r for access in scope.accesses_of(name) for r in access.referents]
+        if any(r.builtin for r in refs):
             return None
-        here = self.locate.position(name)
+        here = self.scopes.span(name)
         if here is None or any(r.scope is not scope for r in refs):
             return refs
         # libcst leaves out assignments after the read: a loop can bring them back
-        refs = list(scope.assignments[name.value])
-        if not all(isinstance(r, Assignment) for r in refs):
-            return None
-        refs.sort(key=lambda r: _start(self.locate.position(r.node)))
-        at = (here.start.line, here.start.column)
+        refs = list(scope.own(name.value))
+        refs.sort(key=lambda r: _start(self.scopes.span(r.node)))  # type: ignore[union-attr]
+        at = here[0]
         # the straight-line statements before the read: block id -> index of its ancestor
         blocks: dict[int, int] = {}
         loops: list[cst.CSTNode] = []
         node: cst.CSTNode = name
         while not isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef, cst.Module)):
-            parent = self.get_metadata(ParentNodeProvider, node, None)
+            parent = self.scopes.parent(node)
             if parent is None:
                 break
             if isinstance(parent, (cst.IndentedBlock, cst.Module)):
@@ -1215,13 +1341,13 @@ class TensorParallelTransformer(ContextAwareTransformer):
         last = None
         for ref in refs:
             stmt, line = self._statement(ref.node)
-            pos = self.locate.position(stmt) if stmt is not None else None
+            pos = self.scopes.span(stmt) if stmt is not None else None
             if pos is None:
                 return refs
-            if (pos.end.line, pos.end.column) <= at:
-                start = (pos.start.line, pos.start.column)
+            if pos[1] <= at:
+                start = pos[0]
                 before.append((start, ref))
-                block = self.get_metadata(ParentNodeProvider, line, None) if line else None
+                block = self.scopes.parent(line) if line else None
                 if block is not None and id(block) in blocks:
                     index = next(i for i, b in enumerate(block.body) if b is line)  # type: ignore[attr-defined]
                     if index < blocks[id(block)] and (last is None or start > last[0]):
@@ -1242,23 +1368,25 @@ class TensorParallelTransformer(ContextAwareTransformer):
     ) -> tuple[Optional[cst.CSTNode], Optional[cst.SimpleStatementLine]]:
         """The statement holding an assignment target, and its line when that
         statement is a simple one (``x = ...``) that can dominate a later read."""
+        assert self.scopes is not None
         cur: Optional[cst.CSTNode] = node
         while cur is not None and not isinstance(
             cur, (cst.BaseSmallStatement, cst.BaseCompoundStatement)
         ):
-            cur = self.get_metadata(ParentNodeProvider, cur, None)
+            cur = self.scopes.parent(cur)
         if isinstance(cur, (cst.Assign, cst.AnnAssign)):
-            line = self.get_metadata(ParentNodeProvider, cur, None)
+            line = self.scopes.parent(cur)
             if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1:
                 return cur, line
         return cur, None
 
     def _inside(self, node: cst.CSTNode, ancestor: cst.CSTNode) -> bool:
+        assert self.scopes is not None
         cur: Optional[cst.CSTNode] = node
         while cur is not None:
             if cur is ancestor:
                 return True
-            cur = self.get_metadata(ParentNodeProvider, cur, None)
+            cur = self.scopes.parent(cur)
         return False
 
     def _eval_target(self, node: cst.CSTNode, env: _Env, stack: set[int]) -> _Shard:
@@ -1266,13 +1394,14 @@ class TensorParallelTransformer(ContextAwareTransformer):
         value = self._assigned_value(node)
         if value is not None:
             return self._eval(value, env, stack)
+        assert self.scopes is not None
         positions: list[tuple[int, int]] = []  # (index, length), innermost first
         cur = node
         while True:
-            parent = self.get_metadata(ParentNodeProvider, cur, None)
+            parent = self.scopes.parent(cur)
             if not (isinstance(parent, cst.Element) and parent.value is cur):
                 break
-            seq = self.get_metadata(ParentNodeProvider, parent, None)
+            seq = self.scopes.parent(parent)
             if not isinstance(seq, (cst.Tuple, cst.List)) or any(
                 isinstance(e, cst.StarredElement) for e in seq.elements
             ):
@@ -1331,9 +1460,10 @@ class TensorParallelTransformer(ContextAwareTransformer):
 
     def _assigned_value(self, node: cst.CSTNode) -> Optional[cst.BaseExpression]:
         """The value of ``node = value`` when ``node`` is the only target."""
-        parent = self.get_metadata(ParentNodeProvider, node, None)
+        assert self.scopes is not None
+        parent = self.scopes.parent(node)
         if isinstance(parent, cst.AssignTarget) and parent.target is node:
-            stmt = self.get_metadata(ParentNodeProvider, parent, None)
+            stmt = self.scopes.parent(parent)
             if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
                 return stmt.value
         if isinstance(parent, cst.AnnAssign) and parent.target is node:
@@ -1367,6 +1497,7 @@ _Shard = Union[None, _Sharded, _Cycle, tuple]
 
 @dataclass
 class _ClassInfo:
+    node: cst.ClassDef
     name: str
     methods: list[cst.FunctionDef]
     cols: dict[tuple[str, ...], _Sharded]
@@ -1427,8 +1558,8 @@ def _index(items: tuple, sub: cst.Subscript) -> _Shard:
     return None
 
 
-def _start(pos: Optional[CodeRange]) -> tuple[int, int]:
-    return (pos.start.line, pos.start.column) if pos is not None else (0, 0)
+def _start(span: Optional[tuple[int, int]]) -> int:
+    return span[0] if span is not None else 0
 
 
 def _int_literal(expr: cst.BaseExpression) -> Optional[int]:
@@ -1514,44 +1645,74 @@ def _kwarg_node(name: str, value: cst.BaseExpression) -> cst.Arg:
     )
 
 
+def _descendants(node: cst.CSTNode, prune: tuple[type, ...] = ()) -> Iterable[cst.CSTNode]:
+    """The nodes under ``node`` in source order (preorder), leaving out
+    those of a type in ``prune`` and everything under them."""
+    stack = children(node)[::-1]
+    while stack:
+        child = stack.pop()
+        if type(child) in prune:
+            continue
+        yield child
+        stack.extend(children(child)[::-1])
+
+
 def _calls(node: cst.CSTNode) -> Iterable[cst.Call]:
     """The calls under ``node``, outer first, not descending into nested classes."""
-    for child in node.children:
-        if isinstance(child, cst.ClassDef):
-            continue
-        if isinstance(child, cst.Call):
+    return [n for n in _descendants(node, (cst.ClassDef,)) if type(n) is cst.Call]  # type: ignore[misc]
+
+
+_SUITES = (
+    cst.IndentedBlock,
+    cst.SimpleStatementLine,
+    cst.SimpleStatementSuite,
+    cst.Else,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+    cst.Finally,
+    cst.MatchCase,
+)
+
+
+_STATEMENT = (cst.BaseSmallStatement, cst.BaseCompoundStatement)
+_DEFINITION = (cst.FunctionDef, cst.ClassDef)
+_IN_BODIES = (*_SUITES, *_STATEMENT)
+
+
+def _statements(node: cst.CSTNode, nested: bool = False) -> Iterable[cst.CSTNode]:
+    """The statements under ``node`` (a function body), small ones too, in
+    source order; those of nested functions and classes only when ``nested``.
+    (Expressions hold no statement: they are not walked.)"""
+    stack = children(node)[::-1]
+    while stack:
+        child = stack.pop()
+        if is_a(child, _STATEMENT):
             yield child
-        yield from _calls(child)
+            if is_a(child, (cst.BaseSmallStatement,)) or (not nested and is_a(child, _DEFINITION)):
+                continue
+        elif not is_a(child, _SUITES):
+            continue
+        stack.extend(c for c in children(child)[::-1] if is_a(c, _IN_BODIES))
 
 
 def _returns(node: cst.CSTNode) -> Iterable[cst.Return]:
     """The return statements of one function body (not of nested functions)."""
-    for child in node.children:
-        if isinstance(child, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            continue
-        if isinstance(child, cst.Return):
-            yield child
-        else:
-            yield from _returns(child)
+    return [n for n in _statements(node) if type(n) is cst.Return]  # type: ignore[misc]
 
 
 def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
-    """Every descendant of ``node``, nested functions included."""
-    for child in node.children:
-        yield child
-        yield from _walk(child)
+    """Every statement under ``node``, nested functions included."""
+    return _statements(node, nested=True)
 
 
 def _assignments(node: cst.CSTNode) -> Iterable[Union[cst.Assign, cst.AnnAssign]]:
     """The assignments of one function body, in source order, not descending
-    into nested functions, classes or lambdas."""
-    for child in node.children:
-        if isinstance(child, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            continue
-        if isinstance(child, (cst.Assign, cst.AnnAssign)):
-            yield child
-        else:
-            yield from _assignments(child)
+    into nested functions or classes."""
+    return [
+        n  # type: ignore[misc]
+        for n in _statements(node)
+        if type(n) is cst.Assign or type(n) is cst.AnnAssign
+    ]
 
 
 def _unpack(target: cst.BaseExpression) -> list[cst.BaseExpression]:
