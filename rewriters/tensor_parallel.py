@@ -929,9 +929,12 @@ class TensorParallelTransformer(cst.CSTTransformer):
         infos = [self._class_info(c, cols.get(id(c), {}), by_name) for c in classes]
         unique = {i.name: i for i in infos if i.name in by_name}
         outputs: dict[str, _Shard] = {}
+        # only the outputs of classes built in some __init__ are read
+        children = {name for i in infos for name in i.children.values()}
+        built = [i for i in unique.values() if i.name in children]
         for _ in range(len(infos) + 1):
             changed = False
-            for info in unique.values():
+            for info in built:
                 out = self._forward_output(info, unique, outputs)
                 if out != outputs.get(info.name):
                     outputs[info.name] = out
