@@ -127,6 +127,45 @@ def _factory(device, dtype) -> dict:
 # --------------------------------------------------------------------------- #
 
 
+def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
+    """The checks every column-parallel layer makes on its arguments."""
+    _check_degree(name, tp)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
+    _check_divisible(name, arg, size, tp, chunks)
+    _mesh_for(name, tp)
+
+
+def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+    """Megatron's column block: replicated input (gradient all-reduced in
+    backward), this rank's slice of the output, gathered when asked."""
+    if layer.tp == 1:
+        return matmul(x, layer.weight, layer.bias)
+    ctx = _mesh_for(type(layer).__name__, layer.tp)
+    group = ctx.tp_group
+    if x.requires_grad:
+        # In place in backward: the gradient comes fresh from the matmul's backward.
+        x = _CopyToTP.apply(x, group, True)
+    y = matmul(x, layer.weight, layer.bias)
+    if layer.gather:
+        y = _GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
+    return y
+
+
+def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+    """Megatron's row block: sharded input, partial products all-reduced, the
+    bias added once after the reduction."""
+    if layer.tp == 1:
+        return matmul(x, layer.weight, layer.bias)
+    group = _mesh_for(type(layer).__name__, layer.tp).tp_group
+    y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
+    if y.requires_grad:
+        y = _ReduceFromTP.apply(y, group, True)
+        return y if layer.bias is None else y + layer.bias
+    all_reduce_(y, group)
+    return y if layer.bias is None else y.add_(layer.bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` split on out-features: weight ``(out/tp, in)``, bias ``(out/tp)``.
 
@@ -154,12 +193,7 @@ class ColumnParallelLinear(nn.Module):
         tp: int = 1,
     ) -> None:
         super().__init__()
-        name = type(self).__name__
-        _check_degree(name, tp)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
-        _check_divisible(name, "out_features", out_features, tp, chunks)
-        _mesh_for(name, tp)
+        _check_column(type(self).__name__, "out_features", out_features, tp, chunks)
         self.in_features = in_features
         self.out_features = out_features
         self.out_features_local = out_features // tp
@@ -184,17 +218,7 @@ class ColumnParallelLinear(nn.Module):
         return layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        ctx = _mesh_for(type(self).__name__, self.tp)
-        group = ctx.tp_group
-        if x.requires_grad:
-            # In place in backward: the gradient comes fresh from F.linear's backward.
-            x = _CopyToTP.apply(x, group, True)
-        y = F.linear(x, self.weight, self.bias)
-        if self.gather:
-            y = _GatherFromTP.apply(y, group, self.tp, ctx.tp_rank, -1, self.chunks)
-        return y
+        return _column_forward(self, x, F.linear)
 
     def extra_repr(self) -> str:
         parts = [
@@ -254,15 +278,7 @@ class RowParallelLinear(nn.Module):
         return {"weight": (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        group = _mesh_for(type(self).__name__, self.tp).tp_group
-        y = F.linear(x, self.weight)  # partial sum; a fresh tensor, reduced in place
-        if y.requires_grad:
-            y = _ReduceFromTP.apply(y, group, True)
-            return y if self.bias is None else y + self.bias
-        all_reduce_(y, group)
-        return y if self.bias is None else y.add_(self.bias)
+        return _row_forward(self, x, F.linear)
 
     def extra_repr(self) -> str:
         return (
@@ -302,12 +318,7 @@ class ColumnParallelConv1D(nn.Module):
         self, nf: int, nx: int, *, chunks: int = 1, gather: bool = False, tp: int = 1
     ) -> None:
         super().__init__()
-        name = type(self).__name__
-        _check_degree(name, tp)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
-        _check_divisible(name, "nf", nf, tp, chunks)
-        _mesh_for(name, tp)
+        _check_column(type(self).__name__, "nf", nf, tp, chunks)
         self.nf = nf
         self.nx = nx
         self.nf_local = nf // tp
@@ -323,16 +334,7 @@ class ColumnParallelConv1D(nn.Module):
         return {"weight": (1, self.chunks), "bias": (0, self.chunks)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return _conv1d(x, self.weight, self.bias)
-        ctx = _mesh_for(type(self).__name__, self.tp)
-        group = ctx.tp_group
-        if x.requires_grad:
-            x = _CopyToTP.apply(x, group, True)  # the gradient comes fresh from addmm's backward
-        y = _conv1d(x, self.weight, self.bias)
-        if self.gather:
-            y = _GatherFromTP.apply(y, group, self.tp, ctx.tp_rank, -1, self.chunks)
-        return y
+        return _column_forward(self, x, _conv1d)
 
     def extra_repr(self) -> str:
         parts = [f"nf={self.nf}", f"nx={self.nx}"]
@@ -371,13 +373,7 @@ class RowParallelConv1D(nn.Module):
         return {"weight": (0, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return _conv1d(x, self.weight, self.bias)
-        group = _mesh_for(type(self).__name__, self.tp).tp_group
-        y = _conv1d(x, self.weight, None)  # partial sum; a fresh tensor, reduced in place
-        if y.requires_grad:
-            return _ReduceFromTP.apply(y, group, True) + self.bias
-        return all_reduce_(y, group).add_(self.bias)
+        return _row_forward(self, x, _conv1d)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"
