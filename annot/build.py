@@ -168,6 +168,7 @@ def parallelize(
             report=planned,
         )
         log.debug("annot: stage boundaries %s", boundaries)
+    replay = n_stages > 1 and _needs_replay(ref, model, boundaries)
     splits: dict = {}
 
     def transform(source: str, path: str, module) -> str:
@@ -176,7 +177,7 @@ def parallelize(
         out = rewrite_tensor_parallel(
             source, mesh.tp, path=path, extra_hints=_external_for_module(specs, module)
         )
-        if n_stages > 1 and module.__name__ == model.__module__:
+        if n_stages > 1 and not replay and module.__name__ == model.__module__:
             from rewriters.stage_split import split_stages
 
             split = split_stages(out, model.__qualname__, list(boundaries), path=path)
@@ -185,7 +186,7 @@ def parallelize(
         return out
 
     key = (
-        f"tp={mesh.tp};stages={n_stages}:{boundaries};"
+        f"tp={mesh.tp};stages={n_stages}:{boundaries}:{'replay' if replay else 'split'};"
         f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
     )
     classes = list({type(m) for m in ref.modules()})
@@ -202,8 +203,9 @@ def parallelize(
     if n_stages > 1:
         from runtime.stages import build_plan
 
-        split = splits.get("split") or _resplit(model, boundaries)
-        plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries)
+        split = None if replay else splits.get("split") or _resplit(model, boundaries)
+        calls = _probe_calls(ref, boundaries, sample) if replay else None
+        plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries, calls=calls)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
     if instance is not None:
@@ -373,6 +375,51 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
         load_full_state_dict(local, full, strict=plan is None)
 
 
+def _probe_calls(ref: nn.Module, boundaries: tuple[str, ...], sample: Any) -> Optional[dict]:
+    """Which modules each replayed stage calls, from one meta forward of the
+    reference on ``sample`` (for a transformers model without one, a tiny
+    input made from its config). None when there is no sample or the meta
+    forward fails: stages then hold modules in registration order."""
+    from runtime.stages import probe_stage_calls
+
+    if sample is None:
+        from annot.hf import sample_inputs
+
+        sample = sample_inputs(ref)
+    if sample is None:
+        return None
+    try:
+        return probe_stage_calls(ref, boundaries, sample)
+    except Exception as exc:  # noqa: BLE001 - the order is a refinement, not required
+        log.debug("annot: the meta probe of %s failed (%s)", type(ref).__name__, exc)
+        return None
+
+
+def _needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool:
+    """Whether the stages are cut at run time (:mod:`runtime.replay`): a
+    boundary the stage-split rewriter cannot place in the root's ``forward``
+    (inside a nested forward, a helper method, a container called whole).
+    Boundaries that name no submodule are refused here, listing the options."""
+    from annot.errors import RewriteError
+
+    if not boundaries:
+        return False  # annot.boundary() markers: the rewriter places them
+    names = dict(ref.named_modules(remove_duplicate=False))
+    for b in boundaries:
+        if b not in names:
+            near = [n for n in names if n and b.rsplit(".", 1)[0] in n][:8]
+            raise HintError(
+                f"pipeline boundary {b!r} names no submodule of {type(ref).__name__}; a "
+                f"boundary is the path of the module whose call begins a stage"
+                + (f" (e.g. {', '.join(near)})" if near else "")
+            )
+    try:
+        _resplit(cls, boundaries)
+    except (RewriteError, OSError, TypeError):
+        return True
+    return False
+
+
 def _resplit(cls: type, boundaries: tuple[str, ...]):
     """On a cache hit the rewritten source already has the stage methods; the
     plan (what each stage uses, what crosses) is the same as for the original
@@ -423,12 +470,10 @@ def _choose_boundaries(
         if isinstance(split, str) or not all(isinstance(b, str) for b in split):
             raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
         spec = StageSpec(split=tuple(split))
-    from annot.hf import check_hf_split, is_hf_model, stages_from_hf_config
+    from annot.hf import is_hf_model, stages_from_hf_config
 
-    if is_hf_model(ref):
-        if spec is None or not spec.split:
-            return tuple(stages_from_hf_config(ref, n_stages))
-        check_hf_split(ref, spec.split)
+    if is_hf_model(ref) and (spec is None or not spec.split):
+        return tuple(stages_from_hf_config(ref, n_stages))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

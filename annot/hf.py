@@ -319,8 +319,8 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
     if n_stages == 1:
         return []
     blocks = _nested_blocks(model)
-    if blocks is not None and _nested_owner(model, blocks + ".0") is None:
-        # a base model (GPT2Model): its own forward loops over the blocks; balance them
+    if blocks is not None:
+        # balance the blocks, wherever they sit (runtime.replay cuts nested forwards)
         n = len(model.get_submodule(blocks))
         if n < n_stages:
             raise HintError(
@@ -378,6 +378,32 @@ def _nested_owner(model: nn.Module, path: str) -> Optional[str]:
         if not isinstance(obj, _CONTAINERS) and type(obj).forward is not nn.Module.forward:
             return ".".join(parts[: i + 1])
     return None
+
+
+def sample_inputs(model: nn.Module) -> Optional[dict]:
+    """A tiny microbatch for a transformers model, made from its config (token
+    ids, pixels, decoder ids): enough for a meta forward that shows the order
+    of module calls. None for other models."""
+    import torch
+
+    if not is_hf_model(model):
+        return None
+    config = model.config
+    name = getattr(model, "main_input_name", "input_ids")
+    params = _forward_params(model)
+    if name == "pixel_values":
+        size = getattr(config, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        out = {name: torch.zeros(1, getattr(config, "num_channels", 3), size, size)}
+    elif name == "input_ids":
+        out = {name: torch.zeros(1, 4, dtype=torch.long)}
+    else:
+        return None
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        out["decoder_input_ids"] = torch.zeros(1, 4, dtype=torch.long)
+    if "use_cache" in params:
+        out["use_cache"] = False
+    return out
 
 
 def check_hf_split(model: nn.Module, boundaries: Any) -> None:

@@ -53,6 +53,7 @@ import torch.nn as nn
 from annot.errors import PipelineError, RankFailure
 from runtime.faults import report_failure
 from runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
+from runtime.replay import ReplayStage, StageDone
 from runtime.schedules import (
     RECV_B,
     RECV_F,
@@ -295,7 +296,10 @@ class ModelCall:
 
     @property
     def is_last(self) -> bool:
-        """True where ``call(...)`` returns real outputs (the last stage's rank)."""
+        """True where ``call(...)`` returns real outputs (the last stage's rank;
+        with replayed stages, the last stage's own call)."""
+        if self._ex.replay:
+            return self.stage == self._ex.num_stages - 1
         return self._ex._owner(self._ex.num_stages - 1) == self._ex.pp_rank
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,10 +312,12 @@ class ModelCall:
         self.called = True
         ex, st, i = self._ex, self._step, self.microbatch
         last = ex.num_stages - 1
+        if ex.replay:
+            return ex._forward(st, self.stage, i, (args, kwargs))
         if self.stage == 0:
             out = ex._forward(st, 0, i, (args, kwargs))
             if not self.is_last:
-                return Pending(ex.output_arity)
+                raise StageDone()  # the rest of the body (the loss) runs on the last stage
             for s in range(1, ex.num_stages):  # pp == 1: every stage is here
                 out = ex._forward(st, s, i)
             st.outputs.pop((last, i), None)
@@ -390,6 +396,8 @@ class PipelineExecutor:
                 f"r, r + pp, ...), but was given stages {got}"
             )
         self.stages = {s.index: s for s in stages}
+        # Stages cut at run time (runtime.replay): the body runs for every stage.
+        self.replay = any(isinstance(s.fn, ReplayStage) for s in stages)
         get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
         self._peers = ctx.axis_ranks("pp") if ctx is not None else [0]
         self._group = ctx.pp_group if ctx is not None and self.pp > 1 else None
@@ -542,11 +550,14 @@ class PipelineExecutor:
         if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already
             return
         last = self.num_stages - 1
-        if s != 0 and s != last:
+        if s != 0 and s != last and not self.replay:
             self._forward(st, s, i)
             return
         call = ModelCall(self, st, i, s)
-        result = st.body(i, call)
+        try:
+            result = st.body(i, call)
+        except StageDone:
+            return  # this stage's part is done; the body's rest runs on the last stage
         if not call.called:
             raise PipelineError(
                 f"the step body did not call the model for microbatch {i}; with pipeline "
@@ -562,6 +573,16 @@ class PipelineExecutor:
 
     def _forward(self, st: _Step, s: int, i: int, first_args: Any = None) -> Any:
         stage = self.stages[s]
+        if self.replay:
+            args, kwargs = first_args
+            inputs = st.inputs.pop((s, i)) if s > 0 else None
+            try:
+                out = stage.fn(inputs, lambda: stage.module(*args, **kwargs))
+            except StageDone:
+                self._forwarded(st, s, i, inputs, stage.fn.outputs)
+                raise
+            self._forwarded(st, s, i, inputs, out)
+            return out
         if s == 0:
             args, kwargs = first_args
             inputs = None
@@ -569,6 +590,12 @@ class PipelineExecutor:
         else:
             inputs = st.inputs.pop((s, i))
             out = _call_stage(stage.fn, inputs)
+        self._forwarded(st, s, i, inputs, out)
+        return out
+
+    def _forwarded(self, st: _Step, s: int, i: int, inputs: Any, out: Any) -> None:
+        """Keep stage ``s``'s inputs (their ``.grad`` goes back in B) and outputs
+        (sent by SEND_F, or handed to the next stage on this rank)."""
         st.forwarded.add((s, i))
         if not st.forward_only and s > 0:
             st.inputs[(s, i)] = inputs  # its .grad is what B sends back
@@ -579,7 +606,6 @@ class PipelineExecutor:
                     st.outputs[(s, i)] = out
             else:
                 st.outputs[(s, i)] = out  # sent by SEND_F, kept for B
-        return out
 
     def _backward(self, st: _Step, s: int, i: int) -> None:
         if s == self.num_stages - 1:

@@ -29,20 +29,140 @@ _SLICE = re.compile(r"^(?P<path>[\w.]+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
 
 
 class Absent(nn.Module):
-    """Placeholder for a submodule held by another pipeline stage."""
+    """Placeholder for a submodule held by another pipeline stage.
 
-    def __init__(self, path: str):
+    With a ``shadow`` (the module itself, its weights left on the meta device
+    and not registered: no parameters, no state-dict keys here), a stage that
+    replays the earlier stages' part of forward (:mod:`runtime.replay`) runs
+    the shadow for shapes, and attribute reads fall through to it."""
+
+    def __init__(self, path: str, shadow: Optional[nn.Module] = None):
         super().__init__()
         self.path = path
+        self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
 
     def forward(self, *args, **kwargs):
+        from runtime.replay import replaying
+
+        if self.shadow is not None and replaying():
+            return self.shadow(*args, **kwargs)
         raise PipelineError(
             f"module {self.path!r} belongs to another pipeline stage but was called here; "
-            "the stage split missed a use of it (please report this with your model)"
+            + (
+                "its weights were placed by the order the model registers its modules, which "
+                "differs from the order forward calls them: pass sample=<one microbatch of the "
+                "model's arguments> to annot.parallelize so annot follows the calls"
+                if self.shadow is not None
+                else "the stage split missed a use of it (please report this with your model)"
+            )
         )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("shadow")
+            if shadow is None:
+                raise
+            return getattr(shadow, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__dict__["shadow"][index]
+
+    def __len__(self) -> int:
+        return len(self.__dict__["shadow"])
+
+    def __iter__(self):
+        return iter(self.__dict__["shadow"])
 
     def extra_repr(self) -> str:
         return f"held by another stage: {self.path}"
+
+
+def resolve_module(root: nn.Module, path: str) -> nn.Module:
+    """The module at ``path``, looking through :class:`Absent` into its shadow."""
+    obj: Any = root
+    for part in path.split(".") if path else ():
+        if isinstance(obj, Absent) and obj.shadow is not None:
+            obj = obj.shadow
+        obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
+    return obj
+
+
+def shadow_modules(root: nn.Module) -> list[nn.Module]:
+    """The meta shadows under ``root`` (to tell their tensors from activations)."""
+    return [m.shadow for m in root.modules() if isinstance(m, Absent) and m.shadow is not None]
+
+
+def call_order_stage_modules(
+    root: nn.Module, boundaries: tuple[str, ...], calls: Optional[dict[int, set[str]]] = None
+) -> dict[int, set[str]]:
+    """Which module paths each stage of a replayed pipeline holds.
+
+    ``calls``: the module paths each stage calls, from :func:`probe_stage_calls`
+    (one meta forward). Modules it saw called go to every stage that called
+    them (a module called by two stages is tied across them); the rest go by
+    the order the model registers them: stage ``k`` from boundary ``k`` up to
+    boundary ``k + 1``. Modules without parameters (activations, rotary
+    tables) are held by every stage; a container's own parameters
+    (``cls_token``) go with the stage of its position."""
+    named = dict(root.named_modules(remove_duplicate=False))
+    called = set().union(*calls.values()) if calls else set()
+    n = len(boundaries) + 1
+    out: dict[int, set[str]] = {s: set() for s in range(n)}
+    stage = 0
+    for path, m in named.items():
+        while stage + 1 < n and (
+            path == boundaries[stage] or path.startswith(boundaries[stage] + ".")
+        ):
+            stage += 1
+        own = [k for k, p in m._parameters.items() if p is not None]
+        if path and next(m.parameters(), None) is None:  # stateless or buffers only: everywhere
+            for s in out:
+                out[s].add(path)
+        elif own:
+            container = any(True for _ in m.children())
+            targets = [s for s in out if path in calls[s]] if path in called else [stage]
+            for s in targets:
+                if container:  # a container's own weights, used somewhere in its forward
+                    out[s].update(f"{path}.{k}" if path else k for k in own)
+                elif path:
+                    out[s].add(path)
+    return out
+
+
+def probe_stage_calls(
+    root: nn.Module, boundaries: tuple[str, ...], sample: Any
+) -> dict[int, set[str]]:
+    """Run ``root`` once on ``sample`` (meta tensors: no FLOPs) and return the
+    module paths each stage calls, every path of a shared module included."""
+    paths: dict[int, list[str]] = {}
+    for path, m in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    starts = {id(resolve_module(root, b)): k for k, b in enumerate(boundaries, start=1)}
+    calls: dict[int, set[str]] = {s: set() for s in range(len(boundaries) + 1)}
+    state = {"stage": 0}
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        k = starts.get(id(module))
+        if k is not None and k == state["stage"] + 1:
+            state["stage"] = k
+        calls[state["stage"]].update(paths.get(id(module), ()))
+
+    from runtime.replay import shape_run
+
+    handles = [m.register_forward_pre_hook(hook) for m in root.modules()]
+    try:
+        if isinstance(sample, dict):
+            shape_run(root, **sample)
+        elif isinstance(sample, tuple):
+            shape_run(root, *sample)
+        else:
+            shape_run(root, sample)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
 
 
 def _get(root: nn.Module, path: str) -> Any:
@@ -89,19 +209,24 @@ def _ancestor(path: str, keep: set[str]) -> bool:
     return any(k.startswith(path + ".") for k in keep)
 
 
-def prune(root: nn.Module, keep: set[str], prefix: str = "") -> None:
-    """Replace every submodule not in (or above) ``keep`` with :class:`Absent`."""
+def prune(root: nn.Module, keep: set[str], prefix: str = "", *, shadows: bool = False) -> None:
+    """Replace every submodule not in (or above) ``keep`` with :class:`Absent`
+    (holding the module as its meta shadow when ``shadows``)."""
     for name, child in list(root.named_children()):
         path = f"{prefix}{name}"
         if _covered(path, keep):
             continue
         if _ancestor(path, keep):
-            prune(child, keep, path + ".")
+            prune(child, keep, path + ".", shadows=shadows)
         else:
-            root._modules[name] = Absent(path)
+            root._modules[name] = Absent(path, child if shadows else None)
     for name in list(root._parameters):
         if not _covered(f"{prefix}{name}", keep):
+            p = root._parameters[name]
             root._parameters[name] = None  # a parameter of another stage's module
+            if shadows and p is not None:
+                del root._parameters[name]
+                root.__dict__[name] = p.detach().to("meta")  # shapes for the replay
 
 
 @dataclass
@@ -127,7 +252,7 @@ class Tie:
 class PipelinePlan:
     """What every rank knows about the pipeline; built by :func:`build_plan`."""
 
-    split: Any  # rewriters.stage_split.StageSplit
+    split: Any  # rewriters.stage_split.StageSplit; None: stages replayed at run time
     pp: int
     chunks: int
     pp_rank: int
@@ -142,7 +267,12 @@ class PipelinePlan:
 
     @property
     def output_arity(self) -> Optional[int]:
-        return self.split.output_arity
+        return self.split.output_arity if self.split is not None else None
+
+    @property
+    def replay(self) -> bool:
+        """Stages cut at run time by :mod:`runtime.replay` (boundaries at any depth)."""
+        return self.split is None
 
     def owner(self, stage: int) -> int:
         return stage % self.pp
@@ -163,6 +293,16 @@ class PipelinePlan:
             None,
         )
         wrap = checkpoint_stage if spec is not None and spec.checkpoint else (lambda f: f)
+        if self.replay:
+            from runtime.replay import ReplayStage, install_boundaries
+
+            if not getattr(module, "_annot_boundaries_installed", False):
+                install_boundaries(module, self.boundaries)
+                module._annot_boundaries_installed = True
+            return [
+                LocalStage(index=s, fn=ReplayStage(module, s, self.boundaries), module=module)
+                for s in self.local_stage_ids
+            ]
         return [
             LocalStage(
                 index=s, fn=wrap(getattr(module, self.split.stages[s].method)), module=module
@@ -172,20 +312,34 @@ class PipelinePlan:
 
 
 def build_plan(
-    model: nn.Module, split, ctx, *, chunks: int, boundaries: tuple[str, ...]
+    model: nn.Module,
+    split,
+    ctx,
+    *,
+    chunks: int,
+    boundaries: tuple[str, ...],
+    calls: Optional[dict[int, set[str]]] = None,
 ) -> PipelinePlan:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
+
+    ``split`` is the stage-split rewriter's result, or None for stages cut at
+    run time at module-path ``boundaries`` (:mod:`runtime.replay`; ``calls``:
+    see :func:`call_order_stage_modules`).
 
     Every rank must call this (tied-weight process groups are created
     collectively, in the same order everywhere).
     """
     mesh = ctx.mesh
     n = mesh.pp * chunks
-    if len(split.stages) != n:
-        raise PipelineError(
-            f"the stage split has {len(split.stages)} stages but pp({mesh.pp}) * chunks({chunks}) = {n}"
-        )
-    stage_modules = {s.index: expand_module_paths(model, s.modules) for s in split.stages}
+    if split is None:  # replayed stages: each holds the modules of its range of calls
+        stage_modules = call_order_stage_modules(model, tuple(boundaries), calls)
+    else:
+        if len(split.stages) != n:
+            raise PipelineError(
+                f"the stage split has {len(split.stages)} stages but pp({mesh.pp}) * "
+                f"chunks({chunks}) = {n}"
+            )
+        stage_modules = {s.index: expand_module_paths(model, s.modules) for s in split.stages}
     # Tied parameters: one Parameter object under several names.
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -216,7 +370,7 @@ def build_plan(
                         tie.group = g
     local_ids = [ctx.pp_rank + c * mesh.pp for c in range(chunks)]
     keep = set().union(*(stage_modules[s] for s in local_ids))
-    prune(model, keep)
+    prune(model, keep, shadows=split is None)
     local_keys = tuple(model.state_dict().keys())
     return PipelinePlan(
         split=split,

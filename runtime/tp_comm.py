@@ -90,7 +90,8 @@ def gather_full(
     shape = x.shape
     # Gather flat (the concatenated form every backend accepts), then view.
     flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_single(flat, x.view(-1), group=group)
+    if not x.is_meta:  # meta: shapes only (a pipeline stage replaying another's part)
+        _all_gather_single(flat, x.view(-1), group=group)
     buf = flat.view(size, *shape)
     if dim == 0 and chunks == 1:
         return buf.view(size * shape[0], *shape[1:])  # rank-major already: no copy
@@ -105,8 +106,10 @@ def gather_full(
 
 
 def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce; returns ``x``."""
-    dist.all_reduce(x, op=op, group=group)
+    """In-place all-reduce; returns ``x``. A meta tensor (a pipeline stage
+    replaying another stage's part for shapes) is returned as is."""
+    if not x.is_meta:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 

@@ -1,0 +1,381 @@
+"""Pipeline stages at any depth, by replay: a stage is a range of module calls.
+
+The stage-split rewriter cuts one ``forward`` into stage methods. Real models
+keep their blocks deeper (``LlamaForCausalLM.forward`` -> ``self.model(...)``
+-> a loop over ``self.layers``; timm's ``forward_features`` -> an
+``nn.Sequential``; torchvision's ``_forward_impl``), behind decorators,
+``**kwargs`` and dataclass returns. Here the model's code runs *unchanged*, on
+every pipeline rank, and the stages are cut at run time instead:
+
+* A boundary is a module path (``"model.layers.4"``). Stage ``k`` begins at
+  the first call of boundary ``k`` in a forward and ends at the first call of
+  boundary ``k + 1``, wherever those calls sit in the call stack.
+* Stage ``k`` runs the forward from the top. Up to its boundary it *replays*
+  the earlier stages' part on the meta device (shapes only, no FLOPs, no
+  autograd): modules held by other stages run their meta shadow
+  (:class:`runtime.stages.Absent`), and any op mixing meta and real tensors
+  runs on meta.
+* At boundary ``k`` it takes what the previous stage sent and swaps it into
+  the live tensors of every frame on the stack (:func:`torch.utils.swap_tensors`
+  keeps each object's identity, so every local, tuple, dict and dataclass that
+  holds it sees the real value), then runs its own modules for real.
+* At boundary ``k + 1`` it collects the tensors of every frame on the stack,
+  in a fixed order (innermost frame first, locals in definition order,
+  containers depth first), hands them to the executor as the stage's outputs
+  and stops with :class:`StageDone`: the rest of forward, and of the step
+  body (the loss), belong to later stages.
+
+Both ranks walk the same frames of the same program, so the two lists pair
+up one to one; shapes and dtypes are checked pair by pair and a mismatch is
+refused naming the variable. Control flow that reads tensor values
+(``if x.mean() > 0``, ``.item()``) is replayed from a log: every such answer
+a stage computes is recorded in order and sent along, and a later stage's
+replay reads it back, so data-dependent branches take the same path on every
+stage. Gradients flow back through the tensors that crossed, as with any
+stage: the receiver's swapped objects are leaves whose ``.grad`` goes back.
+
+The price: each stage re-runs the Python of the stages before it (on meta:
+no FLOPs), and tensors that are alive only inside an object (not a local, a
+tuple, a list, a dict or a dataclass) cannot cross; using one on a later
+stage is refused with a :class:`~annot.errors.PipelineError` that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from annot.errors import PipelineError
+
+__all__ = ["ReplayStage", "StageDone", "install_boundaries", "replaying", "shape_run"]
+
+# Tensor methods whose answer is a Python value read from the data: a branch on
+# them must take the same path on every stage, so their answers are logged.
+_DECISIONS = {
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.__complex__,
+    torch.equal,
+    torch.is_nonzero,
+}
+
+
+class StageDone(BaseException):
+    """This stage's part of the forward is over (raised at the next boundary).
+
+    A ``BaseException``, so model code's ``except Exception`` does not catch
+    it; the pipeline executor does, around the step body."""
+
+
+class _Run:
+    """One (stage, microbatch) forward on this rank."""
+
+    def __init__(self, stage: "ReplayStage", received: Optional[dict], record: bool):
+        self.stage = stage
+        self.index = stage.index
+        self.received = received
+        self.crossed = 0  # boundaries passed so far in this forward
+        self.replaying = stage.index > 0
+        self.decisions_in = list(received["d"]) if received else []
+        self.pos = 0
+        self.decisions_out: list = []
+        self.record = record
+        self.outputs: Optional[dict] = None
+        self.grad_mode = torch.is_grad_enabled()
+        self.top_code = None  # the frame where the walk stops (the runner's)
+
+
+_ACTIVE: list[_Run] = []
+
+
+def replaying() -> bool:
+    """True while this rank replays an earlier stage's part of forward."""
+    return bool(_ACTIVE) and _ACTIVE[-1].replaying
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+class _ReplayMode(TorchFunctionMode):
+    """While replaying: ops with a meta operand run on meta; value reads are
+    answered from the log. While running for real: value reads are logged."""
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        run = self.run
+        if run.replaying:
+            leaves = tree_flatten((args, kwargs))[0]
+            meta = any(_is_meta(t) for t in leaves)
+            if func in _DECISIONS:
+                return self._decide(func, args, kwargs, meta)
+            if meta and any(isinstance(t, torch.Tensor) and not t.is_meta for t in leaves):
+                args, kwargs = tree_map(
+                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
+                )
+            return func(*args, **kwargs)
+        if func in _DECISIONS and run.record:
+            value = func(*args, **kwargs)
+            run.decisions_out.append(value)
+            return value
+        return func(*args, **kwargs)
+
+    def _decide(self, func, args, kwargs, meta: bool):
+        run = self.run
+        if run.pos >= len(run.decisions_in):
+            name = getattr(func, "__name__", str(func))
+            raise PipelineError(
+                f"pipeline stage {run.index} replays the earlier stages' part of forward and "
+                f"reached a value read ({name}) that the earlier stages did not make; the "
+                "forward took a different path on this rank. Make the control flow before "
+                f"boundary {run.stage.boundaries[run.index - 1]!r} depend only on the step's "
+                "inputs and the values computed there"
+            )
+        value = run.decisions_in[run.pos]
+        run.pos += 1
+        if not meta:  # a value this rank has for real: it must agree
+            value = func(*args, **kwargs)
+        if run.record:
+            run.decisions_out.append(value)
+        return value
+
+
+class _ShapeMode(TorchFunctionMode):
+    """For :func:`shape_run`: ops with a meta operand run on meta; a value read
+    of a meta tensor answers zero / False (the path taken is a guess there)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = tree_flatten((args, kwargs))[0]
+        if any(_is_meta(t) for t in leaves):
+            if func in _DECISIONS:
+                t = next(t for t in leaves if _is_meta(t))
+                if func is torch.Tensor.tolist:
+                    return torch.zeros(t.shape, dtype=t.dtype).tolist()
+                return False if func in (torch.Tensor.__bool__, torch.equal) else 0
+            args, kwargs = tree_map(
+                lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
+        return func(*args, **kwargs)
+
+
+def shape_run(fn, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` for shapes and the order of module calls only,
+    over a model whose weights are on the meta device while the inputs may be
+    real (value reads of meta tensors answer zero / False), without autograd."""
+    with torch.no_grad(), _ShapeMode():
+        return fn(*args, **kwargs)
+
+
+# -- the frame walk -----------------------------------------------------------
+
+
+def _frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor], list[str]]:
+    """Every tensor held by the locals of the frames from ``start`` outwards up
+    to (not including) the frame running ``stop_code``: innermost frame first,
+    locals in definition order, containers depth first, each object once.
+    Module state (ids in ``skip``) and modules are left out."""
+    out: list[torch.Tensor] = []
+    names: list[str] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, where: str, depth: int) -> None:
+        if depth > 8:
+            return
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen or id(value) in skip or isinstance(value, nn.Parameter):
+                return
+            seen.add(id(value))
+            out.append(value)
+            names.append(where)
+            return
+        if isinstance(value, (nn.Module, str, bytes, int, float, bool, type(None))):
+            return
+        if id(value) in seen:
+            return
+        if isinstance(value, dict):
+            seen.add(id(value))
+            for k, v in list(value.items()):
+                visit(v, f"{where}[{k!r}]", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for k, v in enumerate(value):
+                visit(v, f"{where}[{k}]", depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            seen.add(id(value))
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name, None), f"{where}.{f.name}", depth + 1)
+
+    frame = start
+    while frame is not None and frame.f_code is not stop_code:
+        where = f"{frame.f_code.co_qualname if hasattr(frame.f_code, 'co_qualname') else frame.f_code.co_name}"
+        for name, value in list(frame.f_locals.items()):
+            visit(value, f"{where}: {name}", 0)
+        frame = frame.f_back
+    if frame is None:
+        raise PipelineError(
+            "a pipeline boundary was reached outside the model call of the step (is the "
+            "model called from another thread?)"
+        )
+    return out, names
+
+
+def _state_ids(root: nn.Module) -> set[int]:
+    from runtime.stages import shadow_modules
+
+    ids: set[int] = set()
+    for m in [root, *shadow_modules(root)]:
+        ids.update(id(t) for t in m.parameters())
+        ids.update(id(t) for t in m.buffers())
+    return ids
+
+
+# -- boundaries ---------------------------------------------------------------
+
+
+def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
+    """Forward pre-hooks on the module at each boundary path (also inside the
+    meta shadows of modules held by other stages). They act only while a
+    :class:`ReplayStage` runs; returns the hook handles."""
+    from runtime.stages import resolve_module
+
+    handles = []
+    for k, path in enumerate(boundaries, start=1):
+        module = resolve_module(root, path)
+        handles.append(module.register_forward_pre_hook(_make_hook(k, path)))
+    return handles
+
+
+def _make_hook(k: int, path: str):
+    def hook(module: nn.Module, args: tuple) -> None:
+        if not _ACTIVE:
+            return
+        run = _ACTIVE[-1]
+        if k <= run.crossed:
+            return  # the same module called again within its stage
+        if k != run.crossed + 1:
+            raise PipelineError(
+                f"pipeline boundary {k} ({path!r}) was reached before boundary "
+                f"{run.crossed + 1} ({run.stage.boundaries[run.crossed]!r}); boundaries must "
+                "be given in the order forward calls them"
+            )
+        run.crossed = k
+        if k == run.index:
+            _enter(run, sys._getframe(1))
+        elif k == run.index + 1:
+            _leave(run, sys._getframe(1))
+
+    return hook
+
+
+def _enter(run: _Run, frame) -> None:
+    """Boundary ``run.index``: swap the received tensors in, stop replaying."""
+    mine, names = _frame_tensors(frame, run.top_code, run.stage.state_ids)
+    got = run.received["t"]
+    path = run.stage.boundaries[run.index - 1]
+    if len(got) != len(mine):
+        raise PipelineError(
+            f"pipeline stage {run.index}: {len(got)} tensors arrived at boundary {path!r} but "
+            f"this rank's forward holds {len(mine)} there; the forward took a different path "
+            "on the two ranks (control flow that depends on something other than the step's "
+            "inputs and the model's values?)"
+        )
+    for j, (t, r) in enumerate(zip(mine, got)):
+        if r is None:
+            continue
+        if t.shape != r.shape or t.dtype != r.dtype:
+            raise PipelineError(
+                f"pipeline stage {run.index}, boundary {path!r}: {names[j]} is "
+                f"{t.dtype}{list(t.shape)} here but {r.dtype}{list(r.shape)} on the previous "
+                "stage; the forward took a different path on the two ranks"
+            )
+        if t.is_meta:
+            torch.utils.swap_tensors(t, r)  # t (held by the frames) is now the received tensor
+            got[j] = t
+    if run.pos != len(run.decisions_in):
+        raise PipelineError(
+            f"pipeline stage {run.index}: the previous stage made {len(run.decisions_in)} value "
+            f"reads before boundary {path!r} but this rank's replay made {run.pos}; the forward "
+            "took a different path on the two ranks"
+        )
+    run.replaying = False
+    torch.set_grad_enabled(run.grad_mode)
+
+
+def _leave(run: _Run, frame) -> None:
+    """Boundary ``run.index + 1``: the live tensors are this stage's outputs."""
+    tensors, _ = _frame_tensors(frame, run.top_code, run.stage.state_ids)
+    run.outputs = {"t": [None if t.is_meta else t for t in tensors], "d": run.decisions_out}
+    raise StageDone()
+
+
+# -- the stage ----------------------------------------------------------------
+
+
+class ReplayStage:
+    """Stage ``index`` of a model cut at module-path ``boundaries``.
+
+    ``stage(received, call)`` runs ``call()`` (the model call of the step
+    body) as this stage: replaying until boundary ``index`` with ``received``
+    (the previous stage's outputs), then for real until boundary ``index + 1``
+    where it raises :class:`StageDone` with the outputs in ``.outputs``.
+    The last stage returns ``call()``'s value.
+    """
+
+    def __init__(self, root: nn.Module, index: int, boundaries: Sequence[str]):
+        self.root = root
+        self.index = index
+        self.boundaries = tuple(boundaries)
+        self.num_stages = len(self.boundaries) + 1
+        self.state_ids = _state_ids(root)
+        self.outputs: Optional[dict] = None
+
+    def __call__(self, received: Optional[dict], call) -> Any:
+        last = self.index == self.num_stages - 1
+        run = _Run(self, received, record=not last)
+        run.top_code = ReplayStage.__call__.__code__
+        self.outputs = None
+        _ACTIVE.append(run)
+        try:
+            with _ReplayMode(run):
+                if run.replaying:
+                    torch.set_grad_enabled(False)
+                try:
+                    out = call()
+                except StageDone:
+                    self.outputs = run.outputs
+                    raise
+                except RuntimeError as exc:
+                    if "meta" in str(exc) and not run.replaying:
+                        raise PipelineError(
+                            f"pipeline stage {self.index} used a tensor that an earlier stage "
+                            "computed but that did not cross the boundary (it was held by an "
+                            "object other than a local variable, tuple, list, dict or "
+                            f"dataclass): {exc}"
+                        ) from exc
+                    raise
+        finally:
+            torch.set_grad_enabled(run.grad_mode)
+            _ACTIVE.pop()
+        if run.crossed != self.index:
+            raise PipelineError(
+                f"the forward ended after {run.crossed} of the {len(self.boundaries)} pipeline "
+                f"boundaries {list(self.boundaries)}; stage {self.index} never began (is a "
+                "boundary module skipped by the control flow for this input?)"
+            )
+        return out
