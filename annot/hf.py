@@ -39,15 +39,13 @@ shape error, never silently). GPT-2 declares no plan: :data:`ANNOT_PLANS`
 holds annot's own for it (fused ``c_attn`` as ``Col(chunks=3)``, ``Local(
 "split_size")``, its ``Conv1D`` projections, the tied ``wte`` / ``lm_head``).
 
-Pipelines: annot splits the *root* class's forward at its top-level calls
-(:mod:`rewriters.stage_split`). An HF model's blocks are looped over inside
-the base model's forward (``GPT2Model.forward``, ``LlamaModel.forward``), a
-nested forward annot does not split yet, so the usable boundaries are the
-root's direct submodules that the pp plan covers (``lm_head``):
-:func:`stages_from_hf_config` returns them, and :func:`check_hf_split`
-refuses a boundary inside a nested forward with that explanation. Under a
-pipeline the KV cache cannot cross a stage boundary: :func:`check_pipeline_call`
-refuses ``use_cache=True``.
+Pipelines: an HF model's blocks are looped over inside the base model's
+forward (``LlamaModel.forward``); :mod:`runtime.replay` cuts stages there.
+:func:`stages_from_hf_config` spreads the blocks the pp plan names evenly
+over the stages, and :func:`sample_inputs` makes the tiny input the meta
+probe of call order runs on. Under a pipeline the KV cache cannot cross a
+stage boundary: :func:`pipeline_call_kwargs` turns it off when the call does
+not ask for it and refuses ``use_cache=True``.
 """
 
 from __future__ import annotations
@@ -64,8 +62,8 @@ from annot.specs import Col, Local, Row, Spec, Vocab
 
 __all__ = [
     "ANNOT_PLANS",
-    "check_hf_split",
-    "check_pipeline_call",
+    "pipeline_call_kwargs",
+    "sample_inputs",
     "hints_from_hf_config",
     "is_hf_model",
     "stages_from_hf_config",
@@ -328,56 +326,13 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
                 f"{n_stages} pipeline stages asked for"
             )
         return [f"{blocks}.{(k * n) // n_stages}" for k in range(1, n_stages)]
-    plan = _pp_plan_of(model)
-    roots = {p.split(".")[0] for p in plan}
-    children = [n for n, _ in model.named_children()]
-    usable = [n for n in children if not plan or n in roots]
-    candidates = usable[1:]
-    if n_stages - 1 > len(candidates):
-        raise HintError(_nested_message(model, n_stages, usable))
-    # the last boundaries: the head and the loss take the fewest stages of their own
-    return candidates[len(candidates) - (n_stages - 1) :]
-
-
-def _nested_message(model: nn.Module, n_stages: int, usable: list[str]) -> str:
-    cls = type(model).__name__
-    blocks = _nested_blocks(model)
-    owner = blocks.split(".")[0] if blocks else None
-    inner = type(getattr(model, owner)).__name__ if owner else None
-    calls = ", ".join(usable) or "nothing"
-    most = max(len(usable), 1)
-    text = (
-        f"{cls}: annot can place at most {most} pipeline stage(s), not {n_stages}: it splits "
-        f"{cls}.forward at its top-level calls ({calls})"
+    raise HintError(
+        f"{type(model).__name__}: no block list (an nn.ModuleList) to spread over {n_stages} "
+        "pipeline stages; give the boundaries with split=[...] (module paths)"
     )
-    if blocks and inner:
-        text += (
-            f", but the blocks ({blocks}) are looped over inside {inner}.forward, a nested "
-            "forward annot does not split yet"
-        )
-    if most >= 2:
-        text += f". Use pp={most} (split={usable[1:]!r}), or tensor parallelism for the blocks"
-    else:
-        text += ". Use tensor parallelism instead"
-    return text
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _nested_owner(model: nn.Module, path: str) -> Optional[str]:
-    """The first module on ``path`` (above its last component) whose own forward
-    would have to be split, e.g. ``transformer`` for ``transformer.h.1``; None
-    when the root's forward reaches ``path`` directly (through containers)."""
-    parts = path.split(".")
-    obj: Any = model
-    for i, part in enumerate(parts[:-1]):
-        obj = obj._modules.get(part) if isinstance(obj, nn.Module) else None
-        if obj is None:
-            return None  # not a module path: stage_split explains that
-        if not isinstance(obj, _CONTAINERS) and type(obj).forward is not nn.Module.forward:
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def sample_inputs(model: nn.Module) -> Optional[dict]:
@@ -406,51 +361,23 @@ def sample_inputs(model: nn.Module) -> Optional[dict]:
     return out
 
 
-def check_hf_split(model: nn.Module, boundaries: Any) -> None:
-    """Refuse pipeline boundaries inside a nested forward (``transformer.h.1`` of
-    ``GPT2LMHeadModel``: the blocks are looped over in ``GPT2Model.forward``)
-    with what the user can do instead. Boundaries the root's forward reaches
-    itself pass (``lm_head``; ``h.1`` of ``GPT2Model``)."""
-    for b in boundaries or ():
-        if not isinstance(b, str):
-            continue
-        owner = _nested_owner(model, b)
-        if owner is None:
-            continue
-        cls = type(model).__name__
-        inner = type(model.get_submodule(owner)).__name__
-        top = [n for n, _ in model.named_children()]
-        raise HintError(
-            f"{cls}: pipeline boundary {b!r} is inside self.{owner} ({inner}); annot splits "
-            f"only {cls}.forward, before its top-level calls of direct submodules "
-            f"({', '.join(top)}), and does not split a nested forward ({inner}.forward) yet. "
-            f"Split at a direct submodule (split={top[1:]!r}: stage 0 runs {top[0]}, the next "
-            "the rest), or use tensor parallelism for the blocks"
-        )
-
-
-def check_pipeline_call(module: nn.Module, kwargs: dict) -> None:
-    """Refuse ``use_cache=True`` (given, or the config's default when not given)
-    for a transformers model run in pipeline stages: the KV cache (a
-    ``DynamicCache`` object) is built by the first stage and cannot cross a
-    stage boundary."""
+def pipeline_call_kwargs(module: nn.Module, kwargs: dict) -> dict:
+    """The keyword arguments of a transformers model's call under pipeline
+    stages: ``use_cache=False`` added when not given (training needs no KV
+    cache, and a ``DynamicCache`` cannot cross a stage boundary); an explicit
+    ``use_cache=True`` is refused."""
     if not is_hf_model(module) or "use_cache" not in _forward_params(module):
-        return
-    given = kwargs.get("use_cache")
-    config = getattr(module, "config", None)
-    on = given if given is not None else bool(getattr(config, "use_cache", False))
-    if on:
-        why = (
-            "use_cache=True"
-            if given
-            else f"use_cache is not given and {type(config).__name__}.use_cache is True"
-        )
+        return kwargs
+    if kwargs.get("use_cache"):
         raise PipelineError(
-            f"{type(module).__name__} under pipeline parallelism: {why}, but the KV cache (a "
-            "transformers DynamicCache) is built by the first stage and cannot cross a "
-            "pipeline boundary. Pass use_cache=False to the model call (training needs no "
+            f"{type(module).__name__} under pipeline parallelism: use_cache=True, but the KV "
+            "cache (a transformers DynamicCache) is built by the first stage and cannot cross "
+            "a pipeline boundary. Pass use_cache=False to the model call (training needs no "
             "cache)"
         )
+    if "use_cache" not in kwargs:
+        return {**kwargs, "use_cache": False}
+    return kwargs
 
 
 def _forward_params(module: nn.Module) -> set[str]:

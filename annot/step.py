@@ -133,9 +133,9 @@ class Step:
     # Called through ParallelModel while the step runs.
     def call(self, *args: Any, **kwargs: Any) -> Any:
         if self._call is not None:
-            from annot.hf import check_pipeline_call
+            from annot.hf import pipeline_call_kwargs
 
-            check_pipeline_call(self.model.module, kwargs)  # use_cache=True cannot cross stages
+            kwargs = pipeline_call_kwargs(self.model.module, kwargs)  # no KV cache across stages
             return self._call(*args, **kwargs)
         return self.model.module(*args, **kwargs)  # the step already installed the mesh
 

@@ -71,6 +71,30 @@ _DECISIONS = {
 }
 
 
+_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+
+
+def _on_meta(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The op's tensor operands on meta; a move (``.to(device)``, ``.cpu()``)
+    keeps its dtype and stays on meta."""
+    args, kwargs = tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t,
+        (args, kwargs),
+    )
+    if func in _MOVES:
+
+        def keep(a: Any) -> Any:
+            if isinstance(a, torch.device) or (isinstance(a, (str, int)) and not isinstance(a, bool)):
+                return "meta"
+            return a
+
+        args = (args[0], *(keep(a) for a in args[1:])) if func is torch.Tensor.to else args[:1]
+        kwargs = {k: ("meta" if k == "device" else v) for k, v in kwargs.items()}
+        if func is not torch.Tensor.to:
+            kwargs = {}
+    return args, kwargs
+
+
 class StageDone(BaseException):
     """This stage's part of the forward is over (raised at the next boundary).
 
@@ -124,10 +148,8 @@ class _ReplayMode(TorchFunctionMode):
             meta = any(_is_meta(t) for t in leaves)
             if func in _DECISIONS:
                 return self._decide(func, args, kwargs, meta)
-            if meta and any(isinstance(t, torch.Tensor) and not t.is_meta for t in leaves):
-                args, kwargs = tree_map(
-                    lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
-                )
+            if meta:
+                args, kwargs = _on_meta(func, args, kwargs)
             return func(*args, **kwargs)
         if func in _DECISIONS and run.record:
             value = func(*args, **kwargs)
@@ -168,9 +190,7 @@ class _ShapeMode(TorchFunctionMode):
                 if func is torch.Tensor.tolist:
                     return torch.zeros(t.shape, dtype=t.dtype).tolist()
                 return False if func in (torch.Tensor.__bool__, torch.equal) else 0
-            args, kwargs = tree_map(
-                lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
-            )
+            args, kwargs = _on_meta(func, args, kwargs)
         return func(*args, **kwargs)
 
 
