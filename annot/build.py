@@ -395,6 +395,26 @@ def _probe_calls(ref: nn.Module, boundaries: tuple[str, ...], sample: Any) -> Op
         return None
 
 
+def _module_boundaries(ref: nn.Module, n_stages: int, sample: Any, report) -> list[str]:
+    """annot.module_plan's balanced split of a model without ``@stage``:
+    parameter counts over every block and block part, in call order."""
+    from annot.hf import sample_inputs
+    from annot.module_plan import call_order, plan_module_boundaries
+
+    probe = sample if sample is not None else sample_inputs(ref)
+    order = None
+    if probe is not None:
+        try:
+            order = call_order(ref, probe)
+        except Exception as exc:  # noqa: BLE001 - registration order is the fallback
+            log.debug("annot: call-order probe failed: %s", exc)
+    plan = plan_module_boundaries(ref, n_stages, order=order)
+    log.debug("annot: planned stages\n%s", plan.table())
+    if report is not None:
+        report["plan_table"] = plan.table()
+    return plan.boundaries
+
+
 def _needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool:
     """Whether the stages are cut at run time (:mod:`runtime.replay`): a
     boundary the stage-split rewriter cannot place in the root's ``forward``
@@ -470,10 +490,11 @@ def _choose_boundaries(
         if isinstance(split, str) or not all(isinstance(b, str) for b in split):
             raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
         spec = StageSpec(split=tuple(split))
-    from annot.hf import is_hf_model, stages_from_hf_config
+    from annot.hf import is_hf_model
 
-    if is_hf_model(ref) and (spec is None or not spec.split):
-        return tuple(stages_from_hf_config(ref, n_stages))
+    if spec is None or (not spec.split and is_hf_model(ref)):
+        # no @stage of the user's: balance every nested block and block part
+        return tuple(_module_boundaries(ref, n_stages, sample, report))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

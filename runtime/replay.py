@@ -84,7 +84,9 @@ def _on_meta(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if func in _MOVES:
 
         def keep(a: Any) -> Any:
-            if isinstance(a, torch.device) or (isinstance(a, (str, int)) and not isinstance(a, bool)):
+            if isinstance(a, torch.device) or (
+                isinstance(a, (str, int)) and not isinstance(a, bool)
+            ):
                 return "meta"
             return a
 
@@ -105,7 +107,7 @@ class StageDone(BaseException):
 class _Run:
     """One (stage, microbatch) forward on this rank."""
 
-    def __init__(self, stage: "ReplayStage", received: Optional[dict], record: bool):
+    def __init__(self, stage: ReplayStage, received: Optional[dict], record: bool):
         self.stage = stage
         self.index = stage.index
         self.received = received

@@ -1,0 +1,223 @@
+"""Automatic pipeline boundaries over a model's modules, at any depth.
+
+With stages cut at run time (:mod:`runtime.replay`) any module call can begin
+a stage, so the candidates are every block of the model's block lists
+(``model.layers.3``) and, inside a block, each of its parts with weights
+(``model.layers.3.mlp``: attention | MLP), plus the modules with weights
+outside the blocks (embeddings, final norm, head), in the order forward calls
+them. Each candidate *unit* runs until the next one begins; its cost is its
+parameter count, or its measured time. :func:`runtime.partition.partition`
+then gives the exact min-bottleneck contiguous split::
+
+    plan = plan_module_boundaries(model, 4, sample={"input_ids": ids}, cost="time")
+    print(plan.table())
+    annot.parallelize(LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=4), split=plan.boundaries)
+
+Measured time holds up under load: each unit's forward is timed in
+``repeats`` full forwards and the *median* is kept (one load spike moves a
+mean or a single run, not a median), backward counted as twice forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from annot.errors import HintError
+
+__all__ = ["ModulePlan", "Unit", "call_order", "plan_module_boundaries", "units"]
+
+_BLOCKS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A run of module calls that a stage boundary may begin: ``path`` is the
+    module whose call begins it (a block, a part of a block, a leaf)."""
+
+    path: str
+    params: int
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    boundaries: list[str]
+    units: list[Unit]
+    costs: list[float]
+    stage_costs: list[float]
+    cost: str
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage / mean stage (1.0 is perfect balance)."""
+        mean = sum(self.stage_costs) / len(self.stage_costs)
+        return max(self.stage_costs) / mean if mean else 1.0
+
+    def table(self) -> str:
+        starts = [self.units[0].path, *self.boundaries]
+        unit = "s" if self.cost == "time" else "params"
+        rows = [f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14}"]
+        for k, (b, c) in enumerate(zip(starts, self.stage_costs)):
+            rows.append(f"{k:<6} {b:<40} {c:>14.6g}")
+        rows.append(f"max/mean {self.imbalance:.3f} over {len(self.units)} candidate units")
+        return "\n".join(rows)
+
+
+def call_order(model: nn.Module, sample: Any) -> list[str]:
+    """Module paths in the order ``model(sample)`` first calls them (one meta
+    forward, see :func:`runtime.replay.shape_run`); every path of a shared
+    module is listed at its first call."""
+    from runtime.replay import shape_run
+
+    paths: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    seen: dict[str, None] = {}
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        for p in paths.get(id(module), ()):
+            seen.setdefault(p, None)
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
+    try:
+        _call(lambda *a, **k: shape_run(model, *a, **k), sample)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(seen)
+
+
+def _call(fn, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return fn(**sample)
+    if isinstance(sample, tuple):
+        return fn(*sample)
+    return fn(sample)
+
+
+def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
+    """The candidate units of ``model`` in call order (``order`` from
+    :func:`call_order`; default: registration order)."""
+    named = dict(model.named_modules(remove_duplicate=False))
+    lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
+    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
+    blocks = {f"{p}.{c}" if p else c for p in outer for c, _ in named[p].named_children()}
+    rank = {p: i for i, p in enumerate(order or [])}
+    paths = sorted(named, key=lambda p: (rank.get(p, len(rank)), list(named).index(p)))
+    counted: set[int] = set()
+    out: list[Unit] = []
+    for path in paths:
+        m = named[path]
+        parent = path.rpartition(".")[0]
+        in_block = any(path == b or path.startswith(b + ".") for b in blocks)
+        if path in blocks:
+            has_parts = any(next(c.parameters(), None) is not None for c in m.children())
+            if has_parts:
+                continue  # its parts are the units; the first one begins at the block
+        elif in_block:
+            if parent not in blocks or next(m.parameters(), None) is None:
+                continue  # deeper than a block's parts, or no weights
+        elif next(m.parameters(recurse=False), None) is None or path == "":
+            continue
+        if isinstance(m, _BLOCKS) and path not in blocks:
+            continue
+        n = 0
+        for p in m.parameters():
+            if id(p) not in counted:
+                counted.add(id(p))
+                n += p.numel()
+        out.append(Unit(path, n))
+    # a unit that is a block's first part begins at the block itself
+    fixed, begun = [], set()
+    for u in out:
+        parent = u.path.rpartition(".")[0]
+        if parent in blocks and parent not in begun:
+            u = Unit(parent, u.params)
+        begun.add(parent)
+        if fixed and fixed[-1].path == u.path:  # one call begins both: one unit
+            fixed[-1] = Unit(u.path, fixed[-1].params + u.params)
+        else:
+            fixed.append(u)
+    return fixed
+
+
+def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
+    """Median forward time of each unit over ``repeats`` forwards (a unit runs
+    from its call until the next unit's call), times 3 for forward+backward."""
+    starts = {u.path: i for i, u in enumerate(found)}
+    modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
+    samples: list[list[float]] = [[] for _ in found]
+    clock = {"unit": None, "t": 0.0, "acc": [0.0] * len(found)}
+
+    def mark(i: Optional[int]) -> None:
+        now = time.perf_counter()
+        if clock["unit"] is not None:
+            clock["acc"][clock["unit"]] += now - clock["t"]
+        clock["unit"], clock["t"] = i, now
+
+    handles = []
+    for path, i in starts.items():
+        handles.append(modules[path].register_forward_pre_hook(lambda m, a, i=i: mark(i)))
+    try:
+        with torch.no_grad():
+            for r in range(repeats + 1):
+                clock["acc"] = [0.0] * len(found)
+                clock["unit"] = None
+                _call(model, sample)
+                mark(None)
+                if r:  # the first forward warms up
+                    for j, t in enumerate(clock["acc"]):
+                        samples[j].append(t)
+    finally:
+        for h in handles:
+            h.remove()
+    return [3 * statistics.median(s) for s in samples]
+
+
+def plan_module_boundaries(
+    model: nn.Module,
+    n_stages: int,
+    *,
+    sample: Any = None,
+    cost: str = "params",
+    repeats: int = 7,
+    order: Optional[list[str]] = None,
+) -> ModulePlan:
+    """The balanced split of ``model`` into ``n_stages`` stages over its units.
+
+    ``cost``: "params" (no sample needed; a meta model is fine) or "time"
+    (``model`` with real weights and ``sample``, one microbatch of forward's
+    arguments: a dict, a tuple or a tensor). ``order``: module paths in call
+    order (default: :func:`call_order` on ``sample``, else registration order)."""
+    from runtime.partition import partition
+
+    if cost not in ("params", "time"):
+        raise HintError(f"plan_module_boundaries: cost={cost!r}; expected 'params' or 'time'")
+    if cost == "time" and sample is None:
+        raise HintError("plan_module_boundaries: cost='time' needs sample= (one microbatch)")
+    if order is None and sample is not None:
+        order = call_order(model, sample)
+    found = units(model, order)
+    if len(found) < n_stages:
+        raise HintError(
+            f"{type(model).__name__} has {len(found)} places a pipeline stage can begin, fewer "
+            f"than the {n_stages} stages asked for"
+        )
+    costs = (
+        [float(u.params) for u in found]
+        if cost == "params"
+        else _times(model, found, sample, repeats)
+    )
+    part = partition(costs, None, n_stages)
+    return ModulePlan(
+        boundaries=[found[b].path for b in part.boundaries],
+        units=found,
+        costs=costs,
+        stage_costs=list(part.stage_costs),
+        cost=cost,
+    )

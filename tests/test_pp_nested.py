@@ -1,0 +1,358 @@
+"""Pipelines of models as they are written: boundaries at any depth (runtime.replay).
+
+Each case builds a model annot has no hint for (Hugging Face models from small
+configs, and models in timm's, torchvision's and plain ``nn.Sequential``
+style), cuts it at boundaries inside nested forwards, helper methods and
+containers called whole, and trains it on real gloo ranks with the loss
+computed in the step body. Loss, every gradient and every parameter after
+AdamW steps equal the single-device run on the same microbatches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from annot.testing import run_ranks
+
+MICRO = 2
+
+
+# ---- builders: (class, args, batch maker, model call + loss) --------------------------
+# Each returns everything a rank needs; module-level so spawned ranks can import them.
+
+
+def _llama(tie: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM, (cfg,)
+
+
+def _tokens(g, step):
+    import torch
+
+    seq = (8, 5, 6)[step % 3]  # a different length each step
+    return {"ids": torch.randint(0, 64, (4, seq), generator=g)}
+
+
+def _ce_on_logits(model, b):
+    """Style 1: the loss outside the model, on its logits."""
+    import torch.nn.functional as F
+
+    logits = model(b["ids"]).logits
+    return F.cross_entropy(logits.flatten(0, 1), b["ids"].flatten())
+
+
+def _hf_labels(model, b):
+    """Style 2: ``model(**batch).loss``, the model's own loss from ``labels=``."""
+    return model(input_ids=b["ids"], labels=b["ids"]).loss
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+    return GPT2LMHeadModel, (cfg,)
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForMaskedLM, (cfg,)
+
+
+def _bert_mlm(model, b):
+    import torch
+
+    mask = torch.ones_like(b["ids"])
+    mask[0, -2:] = 0  # padding in the first row
+    return model(input_ids=b["ids"], attention_mask=mask, labels=b["ids"]).loss
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    return T5ForConditionalGeneration, (cfg,)
+
+
+def _t5_loss(model, b):
+    return model(input_ids=b["ids"], labels=b["ids"][:, :4]).loss
+
+
+def _vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return ViTForImageClassification, (cfg,)
+
+
+def _images(g, step):
+    import torch
+
+    return {"x": torch.randn(4, 3, 8, 8, generator=g), "y": torch.randint(0, 5, (4,), generator=g)}
+
+
+def _dataclass_logits(model, b):
+    """Style 3: a field of the model's dataclass output, loss outside."""
+    import torch.nn.functional as F
+
+    out = model(pixel_values=b["x"])
+    return F.cross_entropy(out.logits, b["y"])
+
+
+def _plain_ce(model, b):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(b["x"]), b["y"])
+
+
+def _timm():
+    from tests.nested_models import TimmStyleViT
+
+    return TimmStyleViT, ()
+
+
+def _resnet():
+    from tests.nested_models import TorchvisionStyleResNet
+
+    return TorchvisionStyleResNet, ()
+
+
+def _sequential():
+    from tests.nested_models import SequentialMLP
+
+    return SequentialMLP, ()
+
+
+def _vectors(g, step):
+    import torch
+
+    return {"x": torch.randn(4, 8, generator=g), "y": torch.randint(0, 8, (4,), generator=g)}
+
+
+def _branchy():
+    from tests.nested_models import BranchyEncoder
+
+    return BranchyEncoder, ()
+
+
+def _branchy_loss(model, b):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(b["x"], twice=True), b["y"] % 3)
+
+
+CASES = {
+    "llama": (_llama, _tokens, _ce_on_logits),
+    "llama-labels": (_llama, _tokens, _hf_labels),
+    "gpt2": (_gpt2, _tokens, _hf_labels),
+    "bert": (_bert, _tokens, _bert_mlm),
+    "t5": (_t5, _tokens, _t5_loss),
+    "vit": (_vit, _images, _dataclass_logits),
+    "timm": (_timm, _images, _plain_ce),
+    "resnet": (_resnet, _images, _plain_ce),
+    "sequential": (_sequential, _vectors, _plain_ce),
+    "branchy": (_branchy, _vectors, _branchy_loss),
+}
+
+
+def _parity(cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, schedule="1f1b"):
+    """On every rank: for each split in ``splits``, parallelize, train ``steps``
+    AdamW steps beside the single-device reference (the same microbatches,
+    accumulated), compare loss, every gradient and every parameter."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from tests.parity import assert_close, compare_grads, compare_state
+
+    build, batch, loss_of = CASES[case]
+    cls, args = build()
+    out = []
+    for split in splits:
+        mesh = annot.Mesh(pp=len(split) + 1, tp=tp)
+        model = annot.parallelize(cls, *args, mesh=mesh, seed=0, split=list(split))
+        torch.manual_seed(0)
+        ref = cls(*args)
+        model.train()
+        ref.train()
+
+        @annot.jit(model, microbatches=MICRO, schedule=schedule)
+        def step(b):
+            loss = loss_of(model, b)  # noqa: B023 - one step per model
+            model.backward(loss)  # noqa: B023
+            return loss
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(4)
+        for i in range(steps):
+            b = batch(g, i)
+            loss = step(b).reduce_mean()
+            ref_loss = 0.0
+            n = next(iter(b.values())).shape[0] // MICRO
+            for part in range(MICRO):
+                mb = {k: v[part * n : (part + 1) * n] for k, v in b.items()}
+                r = loss_of(ref, mb)
+                (r / MICRO).backward()
+                ref_loss += r.detach() / MICRO
+            what = f"{case} split={split} step {i}"
+            assert_close(loss, ref_loss, f"{what}: loss")
+            compare_grads(model, ref, what)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        compare_state(model, ref, f"{case} split={split} after {steps} AdamW steps")
+        out.append([t.names for t in model.pipeline.ties])
+    return out
+
+
+def _run(tmp_path, case, splits, world=2, **kw):
+    return run_ranks(_parity, world, str(tmp_path), case, splits, timeout=400, **kw)
+
+
+# ---- pp=2, boundaries inside nested forwards ------------------------------------------
+
+
+def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
+    # inside a block (attention | MLP), between blocks, and at the head
+    res = _run(tmp_path, "llama", [["model.layers.1.mlp"], ["model.layers.2"], ["lm_head"]])
+    assert res[0][0] == [("model.embed_tokens.weight", "lm_head.weight")]
+
+
+def test_hf_gpt2_bert_t5_vit(tmp_path):
+    for case, split in [
+        ("gpt2", ["transformer.h.2"]),
+        ("bert", ["bert.encoder.layer.2.attention"]),
+        ("t5", ["decoder.block.0"]),  # encoder on stage 0, decoder on 1; shared embedding tied
+        ("vit", ["vit.encoder.layer.2"]),
+    ]:
+        (tmp_path / case).mkdir()
+        _run(tmp_path / case, case, [split])
+
+
+def test_timm_torchvision_and_sequential_styles(tmp_path):
+    for case, splits in [
+        ("timm", [["blocks.2"], ["blocks.1.mlp"], ["head"]]),  # helper methods, Sequential
+        ("resnet", [["layer2.1"], ["layer3"]]),  # _forward_impl, BatchNorm statistics
+        ("sequential", [["net.8"]]),  # one nn.Sequential called once
+    ]:
+        (tmp_path / case).mkdir()
+        _run(tmp_path / case, case, splits)
+
+
+def test_data_dependent_control_flow_before_the_boundary(tmp_path):
+    # the branch and the .item() sit before and after the boundary; a module called twice
+    _run(tmp_path, "branchy", [["encoder.layers.2"], ["encoder.layers.0"], ["head"]])
+
+
+def test_loss_in_the_step_body_three_styles(tmp_path):
+    # F.cross_entropy(model(x).logits, y); model(..., labels=).loss; a dataclass field
+    _run(tmp_path, "llama-labels", [["model.layers.2"]])
+    (tmp_path / "vit").mkdir()
+    _run(tmp_path / "vit", "vit", [["vit.encoder.layer.1.output"]])
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_drawn_split_points_across_depths(tmp_path_factory, data):
+    # any module on the call path can begin a stage: blocks, parts of a block, leaves
+    paths = [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.1",
+        "model.layers.1.post_attention_layernorm",
+        "model.layers.2.self_attn.o_proj",
+        "model.layers.3",
+        "model.norm",
+        "lm_head",
+    ]
+    split = data.draw(st.sampled_from(paths))
+    _run(tmp_path_factory.mktemp("draw"), "llama", [[split]], steps=1)
+
+
+# ---- pp=4, tp x pp --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_pp4_llama_and_resnet(tmp_path):
+    _run(tmp_path, "llama", [["model.layers.0.mlp", "model.layers.2", "model.norm"]], world=4)
+    (tmp_path / "r").mkdir()
+    _run(tmp_path / "r", "resnet", [["layer1.1", "layer2", "layer3"]], world=4)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_llama_mid_block(tmp_path):
+    _run(tmp_path, "llama", [["model.layers.1.mlp"]], world=4, tp=2)
+
+
+# ---- refusals -------------------------------------------------------------------------
+
+
+def _refusal(cache: str) -> str:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    from annot.errors import HintError
+    from tests.nested_models import TimmStyleViT
+
+    try:
+        annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.9"])
+    except HintError as e:
+        return str(e)
+    return "no error"
+
+
+def test_boundary_naming_no_module_is_refused(tmp_path):
+    msg = run_ranks(_refusal, 2, str(tmp_path), timeout=120)[0]
+    assert msg == (
+        "pipeline boundary 'blocks.9' names no submodule of TimmStyleViT; a boundary is the "
+        "path of the module whose call begins a stage (e.g. blocks, blocks.0, blocks.0.norm1, "
+        "blocks.0.attn, blocks.0.attn.qkv, blocks.0.attn.proj, blocks.0.norm2, blocks.0.mlp)"
+    ), msg
