@@ -326,8 +326,8 @@ def _enter(run: _Run, frame) -> None:
                 f"{t.dtype}{list(t.shape)} here but {r.dtype}{list(r.shape)} on the previous "
                 "stage; the forward took a different path on the two ranks"
             )
-        if t.is_meta:
-            torch.utils.swap_tensors(t, r)  # t (held by the frames) is now the received tensor
+        if t.is_meta or r.requires_grad:  # (a value with a gradient path comes from its stage)
+            _swap(t, r)  # t (held by the frames) is now the received tensor
             got[j] = t
     if run.pos != len(run.decisions_in):
         raise PipelineError(
@@ -337,6 +337,17 @@ def _enter(run: _Run, frame) -> None:
         )
     run.replaying = False
     torch.set_grad_enabled(run.grad_mode)
+
+
+def _swap(meta: torch.Tensor, real: torch.Tensor) -> None:
+    """Give the object ``meta`` the contents of ``real`` (and ``real`` the meta
+    ones). ``swap_tensors`` refuses a tensor that a view still references as
+    its base; for a meta tensor of the replay that reference is harmless (the
+    view is a frame tensor too and gets its own value), so swap the impls."""
+    try:
+        torch.utils.swap_tensors(meta, real)
+    except RuntimeError:
+        torch._C._swap_tensor_impl(meta, real)
 
 
 def _leave(run: _Run, frame) -> None:

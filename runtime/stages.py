@@ -45,7 +45,13 @@ class Absent(nn.Module):
         from runtime.replay import replaying
 
         if self.shadow is not None and replaying():
-            return self.shadow(*args, **kwargs)
+            import torch
+            from torch.utils._pytree import tree_map
+
+            meta = tree_map(  # another stage's work: shapes only, even where weights are real
+                lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
+            return self.shadow(*meta[0], **meta[1])
         raise PipelineError(
             f"module {self.path!r} belongs to another pipeline stage but was called here; "
             + (
@@ -216,7 +222,8 @@ def prune(root: nn.Module, keep: set[str], prefix: str = "", *, shadows: bool = 
         path = f"{prefix}{name}"
         if _covered(path, keep):
             continue
-        if _ancestor(path, keep):
+        if _ancestor(path, keep) or (shadows and any(True for _ in child.children())):
+            # replayed stages keep every container: its forward may begin the stage
             prune(child, keep, path + ".", shadows=shadows)
         else:
             root._modules[name] = Absent(path, child if shadows else None)

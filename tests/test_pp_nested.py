@@ -111,7 +111,7 @@ def _t5():
 
 
 def _t5_loss(model, b):
-    return model(input_ids=b["ids"], labels=b["ids"][:, :4]).loss
+    return model(input_ids=b["ids"], labels=b["ids"][:, :4].contiguous()).loss
 
 
 def _vit():
