@@ -35,7 +35,6 @@ from annot.errors import AnnotError, RewriteError
 __all__ = ["CompiledModule", "cache_dir", "compile_classes"]
 
 
-
 def _rewriter_fingerprint() -> str:
     """A hash of the rewriters' own source: a cache entry written by another
     version of the rewriters is never reused."""

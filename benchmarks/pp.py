@@ -61,14 +61,17 @@ def _rank(kind: str, schedule: str, microbatches: int, cache: str):
     # torch.distributed.pipelining: the same blocks, split by hand into stage modules.
     torch.manual_seed(0)
     full = cls(**kw)
-    blocks = list(full.blocks[rank * cut:(rank + 1) * cut])
+    blocks = list(full.blocks[rank * cut : (rank + 1) * cut])
     if rank == pp - 1 and hasattr(full, "head"):
         blocks.append(full.head)
     submod = torch.nn.Sequential(*blocks)
     stage = PipelineStage(submod, rank, pp, torch.device("cpu"), group=dist.group.WORLD)
     sched_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = sched_cls(stage, n_microbatches=microbatches,
-                      loss_fn=lambda out, tgt: torch.nn.functional.mse_loss(out, tgt))
+    sched = sched_cls(
+        stage,
+        n_microbatches=microbatches,
+        loss_fn=lambda out, tgt: torch.nn.functional.mse_loss(out, tgt),
+    )
 
     def torch_step(x, y):
         if rank == 0:
@@ -113,8 +116,15 @@ def main() -> None:
     for schedule in ("gpipe", "1f1b"):
         a, b = measure("sleep", schedule, m, pp=p)
         ideal = m * (f + bw)  # one stage's busy time
-        rows.append((f"(b) efficiency/theory, sleep stages {schedule} (annot, torch)",
-                     (ideal / a) / theory, (ideal / b) / theory, (ideal / a) / (ideal / b), ">= 0.95"))
+        rows.append(
+            (
+                f"(b) efficiency/theory, sleep stages {schedule} (annot, torch)",
+                (ideal / a) / theory,
+                (ideal / b) / theory,
+                (ideal / a) / (ideal / b),
+                ">= 0.95",
+            )
+        )
     a, b = measure("tiny", "1f1b", 16)
     rows.append(("(c) per-microbatch time, tiny model 1f1b M=16", a / 16, b / 16, a / b, "lower"))
     print(f"{'measurement':58} {'annot':>10} {'torch':>10} {'ratio':>7}  goal")

@@ -33,9 +33,11 @@ def _block_counts(cache: str):
     assert_close(x.grad, ref_x.grad, "block input grad")
     compare_grads(block, ref, "block")
     all_reduce = torch.ops.c10d.allreduce_
-    return dict(fwd.get_comm_counts()).get(all_reduce, 0), dict(bwd.get_comm_counts()).get(
-        all_reduce, 0
-    ), sum(fwd.get_comm_counts().values()) + sum(bwd.get_comm_counts().values())
+    return (
+        dict(fwd.get_comm_counts()).get(all_reduce, 0),
+        dict(bwd.get_comm_counts()).get(all_reduce, 0),
+        sum(fwd.get_comm_counts().values()) + sum(bwd.get_comm_counts().values()),
+    )
 
 
 def test_two_all_reduces_forward_and_two_backward_per_block(tmp_path):

@@ -240,7 +240,7 @@ def test_pipeline_split_from_decorator(tmp_path, capsys):
     src.write_text(PIPELINE_MODEL)
     assert main(["rewrite", str(src), "--pp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "# annot: @stage(split=[\"blocks.1\"]) applied: 2 stages" in out
+    assert '# annot: @stage(split=["blocks.1"]) applied: 2 stages' in out
     assert "for blk in self.blocks[:1]:" in out and "for blk in self.blocks[1:]:" in out
     compile(out, "net.py", "exec")
     assert src.read_text() == PIPELINE_MODEL

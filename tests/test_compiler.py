@@ -36,7 +36,7 @@ def test_second_process_hits_the_cache(tmp_path):
     assert hashlib.sha256(model_file.read_bytes()).hexdigest() == before
 
 
-SCRIPT = '''\
+SCRIPT = """\
 import torch.nn as nn
 from annot import Col, Row, shard
 
@@ -56,7 +56,7 @@ class Net(nn.Module):
         if x.shape[0] == 3:
             raise ValueError("three rows")
         return self.down(h)
-'''
+"""
 
 
 def _traceback(path: str, cache: str):

@@ -13,15 +13,21 @@ TIMEOUT = 6
 def _train(kind: str, cache: str):
     import os
 
-    os.environ.update({"ANNOT_CACHE_DIR": cache, "FAULT_KIND": kind, "FAULT_BLOCK": "3",
-                       "FAULT_CALL": "2", "ANNOT_TIMEOUT_S": str(TIMEOUT)})
+    os.environ.update(
+        {
+            "ANNOT_CACHE_DIR": cache,
+            "FAULT_KIND": kind,
+            "FAULT_BLOCK": "3",
+            "FAULT_CALL": "2",
+            "ANNOT_TIMEOUT_S": str(TIMEOUT),
+        }
+    )
     import torch
 
     import annot
     from tests.fault_models import Faulty
 
-    model = annot.parallelize(Faulty, mesh=annot.Mesh(pp=3), seed=0,
-                              split=["blocks.1", "blocks.2"])
+    model = annot.parallelize(Faulty, mesh=annot.Mesh(pp=3), seed=0, split=["blocks.1", "blocks.2"])
 
     @annot.jit(model, microbatches=4, timeout_s=TIMEOUT)
     def step(x):

@@ -53,7 +53,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--no-reference", action="store_true", help="skip the single-device run")
-    p.add_argument("--trace", metavar="DIR", help="write a Chrome trace (open in Perfetto) of the last step")
+    p.add_argument(
+        "--trace", metavar="DIR", help="write a Chrome trace (open in Perfetto) of the last step"
+    )
     p.add_argument("--explain", action="store_true", help="print the plan and this rank's source")
     args = p.parse_args()
 
@@ -80,7 +82,9 @@ def main() -> None:
         )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
-    @annot.jit(model, microbatches=args.microbatches, schedule=args.schedule, trace=bool(args.trace))
+    @annot.jit(
+        model, microbatches=args.microbatches, schedule=args.schedule, trace=bool(args.trace)
+    )
     def train_step(x, y):
         logits, loss = model(x, y)
         model.backward(loss)

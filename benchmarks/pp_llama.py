@@ -1,0 +1,204 @@
+"""HF Llama (8 layers) in a pipeline: annot's automatic split vs a uniform one vs
+torch.distributed.pipelining with the same uniform split done by hand.
+
+    python benchmarks/pp_llama.py        # a few minutes on 2 CPU cores
+
+The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
+cuts it inside the nested ``LlamaModel.forward`` (runtime.replay). Per pp
+(2 and 4), three systems, steps interleaved (annot-auto, annot-uniform,
+torch, ...), 1F1B, 8 microbatches:
+
+* **auto**: ``annot.module_plan.plan_module_boundaries(cost="time")`` on one
+  microbatch: each block part (attention | MLP) timed, median of 7 forwards;
+* **uniform**: the blocks spread evenly (``annot.hf.stages_from_hf_config``);
+* **torch**: ``PipelineStage`` + ``Schedule1F1B`` over hand-written stage
+  modules (embedding + blocks, blocks, blocks + norm + head) at the uniform
+  split; its tracer cannot take the HF model.
+
+Printed: median step time and ratios, and for annot the measured max/mean
+stage time (each stage's forward + backward busy time from the pipeline trace,
+median over steps). Timings on this shared machine move by 10-20% between
+runs; read the ratios.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STEPS = int(os.environ.get("BENCH_STEPS", "6"))
+MICRO = 8
+BATCH, SEQ = 16, 64
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+
+
+def _stage_times(events: list, n_stages: int) -> list[float]:
+    busy = [0.0] * n_stages
+    for e in events:
+        if e.get("cat") in ("forward", "backward") and "stage" in e.get("args", {}):
+            busy[e["args"]["stage"]] += e["dur"]
+    return busy
+
+
+def _rank(pp: int, auto_split: list, cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from transformers import LlamaForCausalLM
+
+    import annot
+    from annot.hf import stages_from_hf_config
+
+    torch.set_num_threads(1)
+    cfg = _config()
+    with torch.device("meta"):
+        uniform = stages_from_hf_config(LlamaForCausalLM(cfg), pp)
+    steps = {}
+    models = {}
+    for name, split in (("auto", auto_split), ("uniform", uniform)):
+        model = annot.parallelize(
+            LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=pp), seed=0, split=split
+        )
+        models[name] = model
+
+        @annot.jit(model, microbatches=MICRO, schedule="1f1b", trace=True)
+        def step(ids, model=model):
+            logits = model(ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            model.backward(loss)
+            return loss
+
+        steps[name] = step
+
+    # torch.distributed.pipelining at the uniform split, stage modules by hand
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(cfg)
+    rank = dist.get_rank()
+    blocks = [int(b.rsplit(".", 1)[1]) for b in uniform]
+    lo = ([0] + blocks)[rank]
+    hi = (blocks + [cfg.num_hidden_layers])[rank]
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = full.model.embed_tokens if rank == 0 else None
+            self.layers = nn.ModuleList(full.model.layers[lo:hi])
+            self.rotary = full.model.rotary_emb
+            self.norm = full.model.norm if rank == pp - 1 else None
+            self.head = full.lm_head if rank == pp - 1 else None
+
+        def forward(self, x):
+            h = self.embed(x) if self.embed is not None else x
+            pos = torch.arange(h.shape[1]).unsqueeze(0)
+            pe = self.rotary(h, pos)
+            for layer in self.layers:
+                h = layer(h, position_embeddings=pe, position_ids=pos)
+            return self.head(self.norm(h)) if self.head is not None else h
+
+    def loss_fn(logits, ids):
+        return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    stage = PipelineStage(Part(), rank, pp, torch.device("cpu"))
+    sched = Schedule1F1B(stage, MICRO, loss_fn=loss_fn)
+
+    def torch_step(ids):
+        if rank == 0:
+            sched.step(ids)
+        elif rank == pp - 1:
+            sched.step(target=ids)
+        else:
+            sched.step()
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    times = {"auto": [], "uniform": [], "torch": []}
+    busy = {"auto": [], "uniform": []}
+    for i in range(STEPS + 1):
+        for name in ("auto", "uniform", "torch"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "torch":
+                torch_step(ids)
+            else:
+                steps[name](ids)
+            dist.barrier()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+                if name != "torch":
+                    ev = steps[name].trace_events()
+                    mine = _stage_times(ev, pp)[rank]
+                    parts = [None] * pp
+                    dist.all_gather_object(parts, mine)
+                    busy[name].append(parts)
+            for m in models.values():
+                m.zero_grad(set_to_none=True)
+            stage.submod.zero_grad(set_to_none=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {}
+    for name, rows in busy.items():
+        per_stage = [statistics.median(r[s] for r in rows) for s in range(pp)]
+        ratio[name] = max(per_stage) / (sum(per_stage) / pp)
+    return med, ratio, uniform
+
+
+def main() -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from annot.module_plan import plan_module_boundaries
+    from annot.testing import run_ranks
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    g = torch.Generator().manual_seed(1)
+    sample = {"input_ids": torch.randint(0, 512, (BATCH // MICRO, SEQ), generator=g)}
+    print(f"HF Llama, 8 layers, batch {BATCH} x {SEQ} tokens, {MICRO} microbatches, 1F1B")
+    print(
+        f"{'pp':>3} {'auto ms':>9} {'uniform ms':>11} {'torch ms':>9} {'auto/torch':>11} "
+        f"{'uniform/torch':>14} {'max/mean auto':>14} {'uniform':>8}"
+    )
+    for pp in (2, 4):
+        t0 = time.perf_counter()
+        plan = plan_module_boundaries(model, pp, sample=sample, cost="time")
+        planned = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as cache:
+            res = run_ranks(_rank, pp, pp, plan.boundaries, cache, timeout=900)
+        med, ratio, uniform = res[0]
+        print(
+            f"{pp:>3} {med['auto'] * 1e3:>9.1f} {med['uniform'] * 1e3:>11.1f} "
+            f"{med['torch'] * 1e3:>9.1f} {med['auto'] / med['torch']:>11.2f} "
+            f"{med['uniform'] / med['torch']:>14.2f} {ratio['auto']:>14.2f} {ratio['uniform']:>8.2f}"
+        )
+        print(
+            f"    auto split {plan.boundaries} (planned in {planned:.1f} s, predicted "
+            f"max/mean {plan.imbalance:.2f}); uniform {uniform}"
+        )
+
+
+if __name__ == "__main__":
+    main()
