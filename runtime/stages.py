@@ -303,6 +303,12 @@ class PipelinePlan:
         if self.replay:
             from runtime.replay import ReplayStage, install_boundaries
 
+            if spec is not None and spec.checkpoint:
+                raise PipelineError(
+                    f"@stage(checkpoint=True) on {type(module).__name__}: its stages are cut "
+                    "inside nested forwards, so there is no stage function to recompute; put "
+                    "@checkpoint on the block classes instead (annot.checkpoint)"
+                )
             if not getattr(module, "_annot_boundaries_installed", False):
                 install_boundaries(module, self.boundaries)
                 module._annot_boundaries_installed = True
