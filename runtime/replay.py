@@ -50,11 +50,18 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from annot.errors import PipelineError
 
-__all__ = ["ReplayStage", "StageDone", "install_boundaries", "replaying", "shape_run"]
+__all__ = [
+    "ReplayStage",
+    "StageDone",
+    "install_boundaries",
+    "replaying",
+    "shadow_call",
+    "shape_run",
+]
 
 # Tensor methods whose answer is a Python value read from the data: a branch on
 # them must take the same path on every stage, so their answers are logged.
@@ -120,6 +127,8 @@ class _Run:
         self.outputs: Optional[dict] = None
         self.grad_mode = torch.is_grad_enabled()
         self.top_code = None  # the frame where the walk stops (the runner's)
+        self.mode: Optional[_ReplayMode] = None  # while replaying
+        self.patches: list = []  # value reads logged while running for real
 
 
 _ACTIVE: list[_Run] = []
@@ -130,13 +139,83 @@ def replaying() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
 
 
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _signature(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype)
+    return leaf if isinstance(leaf, _PLAIN) else type(leaf)
+
+
+def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
+    """Run another stage's module for shapes while replaying: on meta the first
+    time for each signature of its inputs, then from ``cache`` (fresh meta
+    tensors of the recorded shapes, the same aliasing of inputs and outputs),
+    so a replay costs little more than the Python of the modules it passes
+    through. A module whose outputs depend on values (it read one from the log)
+    or are not plain pytrees is never cached."""
+    run = _ACTIVE[-1]
+    leaves, _ = tree_flatten((args, kwargs))
+    key = tuple(_signature(x) for x in leaves)
+    hit = cache.get(key)
+    if hit is not None:
+        recipe, spec = hit
+        built: list = []
+        for kind, a, b in recipe:
+            if kind == "new":
+                built.append(torch.empty(a, dtype=b, device="meta"))
+            elif kind == "in":
+                built.append(leaves[a])
+            elif kind == "out":
+                built.append(built[a])
+            else:
+                built.append(a)
+        return tree_unflatten(built, spec)
+    pos = run.pos
+    meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    out = shadow(*meta[0], **meta[1])
+    outs, spec = tree_flatten(out)
+    if run.pos == pos and all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in outs):
+        ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        ins.update({id(x): i for i, x in enumerate(tree_flatten(meta)[0])})
+        seen: dict[int, int] = {}
+        recipe = []
+        for j, x in enumerate(outs):
+            if not isinstance(x, torch.Tensor):
+                recipe.append(("plain", x, None))
+            elif id(x) in ins:
+                recipe.append(("in", ins[id(x)], None))
+            elif id(x) in seen:
+                recipe.append(("out", seen[id(x)], None))
+            else:
+                recipe.append(("new", tuple(x.shape), x.dtype))
+            seen.setdefault(id(x), j)
+        cache[key] = (recipe, spec)
+    return out
+
+
 def _is_meta(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
+def _has_meta(args: tuple, kwargs: dict) -> bool:
+    """Whether an op's operands hold a meta tensor (one level of lists/tuples,
+    which is where torch ops take tensors)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.is_meta:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    return True
+    return False
+
+
 class _ReplayMode(TorchFunctionMode):
-    """While replaying: ops with a meta operand run on meta; value reads are
-    answered from the log. While running for real: value reads are logged."""
+    """Active while a stage replays the earlier stages' part: ops with a meta
+    operand run on meta; value reads are answered from the log."""
 
     def __init__(self, run: _Run):
         super().__init__()
@@ -144,19 +223,11 @@ class _ReplayMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        run = self.run
-        if run.replaying:
-            leaves = tree_flatten((args, kwargs))[0]
-            meta = any(_is_meta(t) for t in leaves)
-            if func in _DECISIONS:
-                return self._decide(func, args, kwargs, meta)
-            if meta:
-                args, kwargs = _on_meta(func, args, kwargs)
-            return func(*args, **kwargs)
-        if func in _DECISIONS and run.record:
-            value = func(*args, **kwargs)
-            run.decisions_out.append(value)
-            return value
+        meta = _has_meta(args, kwargs)
+        if func in _DECISIONS:
+            return self._decide(func, args, kwargs, meta)
+        if meta:
+            args, kwargs = _on_meta(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _decide(self, func, args, kwargs, meta: bool):
@@ -202,6 +273,47 @@ def shape_run(fn, *args, **kwargs) -> Any:
     real (value reads of meta tensors answer zero / False), without autograd."""
     with torch.no_grad(), _ShapeMode():
         return fn(*args, **kwargs)
+
+
+# -- logging value reads while running for real ---------------------------------
+
+_READS = (
+    (torch.Tensor, "__bool__"),
+    (torch.Tensor, "item"),
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "__int__"),
+    (torch.Tensor, "__float__"),
+    (torch.Tensor, "__index__"),
+    (torch.Tensor, "__complex__"),
+    (torch, "equal"),
+    (torch, "is_nonzero"),
+)
+
+
+def _log_reads(log: list) -> list:
+    """Wrap the value-read methods so their answers are appended to ``log``
+    (cheaper than a mode over every op); returns what :func:`_unlog` restores."""
+    saved = []
+    for owner, name in _READS:
+        own = owner.__dict__.get(name)
+        orig = getattr(owner, name)
+
+        def read(*a, _orig=orig, **k):
+            value = _orig(*a, **k)
+            log.append(value)
+            return value
+
+        saved.append((owner, name, own))
+        setattr(owner, name, read)
+    return saved
+
+
+def _unlog(saved: list) -> None:
+    for owner, name, own in reversed(saved):
+        if own is None:
+            delattr(owner, name)  # inherited (torch._C.TensorBase) again
+        else:
+            setattr(owner, name, own)
 
 
 # -- the frame walk -----------------------------------------------------------
@@ -276,9 +388,15 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     :class:`ReplayStage` runs; returns the hook handles."""
     from runtime.stages import resolve_module
 
+    from runtime.stages import Absent
+
     handles = []
     for k, path in enumerate(boundaries, start=1):
         module = resolve_module(root, path)
+        parent, _, name = path.rpartition(".")
+        holder = resolve_module(root, parent)._modules.get(name) if name else None
+        if isinstance(holder, Absent):
+            module = holder  # its call (not its shadow's) is what forward makes
         handles.append(module.register_forward_pre_hook(_make_hook(k, path)))
     return handles
 
@@ -289,17 +407,17 @@ def _make_hook(k: int, path: str):
             return
         run = _ACTIVE[-1]
         if k <= run.crossed:
-            return  # the same module called again within its stage
-        if k != run.crossed + 1:
-            raise PipelineError(
-                f"pipeline boundary {k} ({path!r}) was reached before boundary "
-                f"{run.crossed + 1} ({run.stage.boundaries[run.crossed]!r}); boundaries must "
-                "be given in the order forward calls them"
-            )
+            return  # the same module called again, or an earlier boundary
         run.crossed = k
         if k == run.index:
             _enter(run, sys._getframe(1))
-        elif k == run.index + 1:
+        elif k > run.index:
+            if run.replaying:
+                raise PipelineError(
+                    f"pipeline boundary {k} ({path!r}) was reached before boundary "
+                    f"{run.index} ({run.stage.boundaries[run.index - 1]!r}); boundaries must be "
+                    "given in the order forward calls them"
+                )
             _leave(run, sys._getframe(1))
 
     return hook
@@ -336,6 +454,9 @@ def _enter(run: _Run, frame) -> None:
             "took a different path on the two ranks"
         )
     run.replaying = False
+    run.mode.__exit__(None, None, None)
+    if run.record:
+        run.patches = _log_reads(run.decisions_out)
     torch.set_grad_enabled(run.grad_mode)
 
 
@@ -384,28 +505,33 @@ class ReplayStage:
         run.top_code = ReplayStage.__call__.__code__
         self.outputs = None
         _ACTIVE.append(run)
+        if run.replaying:
+            run.mode = _ReplayMode(run)
+            run.mode.__enter__()
+            torch.set_grad_enabled(False)
+        elif run.record:
+            run.patches = _log_reads(run.decisions_out)
         try:
-            with _ReplayMode(run):
-                if run.replaying:
-                    torch.set_grad_enabled(False)
-                try:
-                    out = call()
-                except StageDone:
-                    self.outputs = run.outputs
-                    raise
-                except RuntimeError as exc:
-                    if "meta" in str(exc) and not run.replaying:
-                        raise PipelineError(
-                            f"pipeline stage {self.index} used a tensor that an earlier stage "
-                            "computed but that did not cross the boundary (it was held by an "
-                            "object other than a local variable, tuple, list, dict or "
-                            f"dataclass): {exc}"
-                        ) from exc
-                    raise
+            out = call()
+        except StageDone:
+            self.outputs = run.outputs
+            raise
+        except RuntimeError as exc:
+            if "meta" in str(exc) and not run.replaying:
+                raise PipelineError(
+                    f"pipeline stage {self.index} used a tensor that an earlier stage computed "
+                    "but that did not cross the boundary (it was held by an object other than "
+                    f"a local variable, tuple, list, dict or dataclass): {exc}"
+                ) from exc
+            raise
         finally:
+            if run.replaying:
+                run.mode.__exit__(None, None, None)
+            if run.patches:
+                _unlog(run.patches)
             torch.set_grad_enabled(run.grad_mode)
             _ACTIVE.pop()
-        if run.crossed != self.index:
+        if run.crossed < self.index:
             raise PipelineError(
                 f"the forward ended after {run.crossed} of the {len(self.boundaries)} pipeline "
                 f"boundaries {list(self.boundaries)}; stage {self.index} never began (is a "

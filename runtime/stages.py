@@ -40,18 +40,14 @@ class Absent(nn.Module):
         super().__init__()
         self.path = path
         self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
+        self.__dict__["shapes"] = {}  # runtime.replay.shadow_call's cache
 
     def forward(self, *args, **kwargs):
-        from runtime.replay import replaying
+        from runtime.replay import replaying, shadow_call
 
         if self.shadow is not None and replaying():
-            import torch
-            from torch.utils._pytree import tree_map
-
-            meta = tree_map(  # another stage's work: shapes only, even where weights are real
-                lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
-            )
-            return self.shadow(*meta[0], **meta[1])
+            # another stage's work: shapes only (meta), even where its weights are real here
+            return shadow_call(self.shadow, self.shapes, args, kwargs)
         raise PipelineError(
             f"module {self.path!r} belongs to another pipeline stage but was called here; "
             + (
@@ -215,16 +211,24 @@ def _ancestor(path: str, keep: set[str]) -> bool:
     return any(k.startswith(path + ".") for k in keep)
 
 
-def prune(root: nn.Module, keep: set[str], prefix: str = "", *, shadows: bool = False) -> None:
+def prune(
+    root: nn.Module,
+    keep: set[str],
+    prefix: str = "",
+    *,
+    shadows: bool = False,
+    through: frozenset = frozenset(),
+) -> None:
     """Replace every submodule not in (or above) ``keep`` with :class:`Absent`
-    (holding the module as its meta shadow when ``shadows``)."""
+    (holding the module as its meta shadow when ``shadows``). Modules above a
+    path in ``through`` (the boundaries this rank's stages begin or end at)
+    stay too: their forwards make the calls that cross those boundaries."""
     for name, child in list(root.named_children()):
         path = f"{prefix}{name}"
         if _covered(path, keep):
             continue
-        if _ancestor(path, keep) or (shadows and any(True for _ in child.children())):
-            # replayed stages keep every container: its forward may begin the stage
-            prune(child, keep, path + ".", shadows=shadows)
+        if _ancestor(path, keep) or _ancestor(path, set(through)):
+            prune(child, keep, path + ".", shadows=shadows, through=through)
         else:
             root._modules[name] = Absent(path, child if shadows else None)
     for name in list(root._parameters):
@@ -383,7 +387,13 @@ def build_plan(
                         tie.group = g
     local_ids = [ctx.pp_rank + c * mesh.pp for c in range(chunks)]
     keep = set().union(*(stage_modules[s] for s in local_ids))
-    prune(model, keep, shadows=split is None)
+    through = frozenset(
+        boundaries[b]
+        for s in local_ids
+        for b in (s - 1, s)
+        if split is None and 0 <= b < len(boundaries)
+    )
+    prune(model, keep, shadows=split is None, through=through)
     local_keys = tuple(model.state_dict().keys())
     return PipelinePlan(
         split=split,
