@@ -386,9 +386,7 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     """Forward pre-hooks on the module at each boundary path (also inside the
     meta shadows of modules held by other stages). They act only while a
     :class:`ReplayStage` runs; returns the hook handles."""
-    from runtime.stages import resolve_module
-
-    from runtime.stages import Absent
+    from runtime.stages import Absent, resolve_module
 
     handles = []
     for k, path in enumerate(boundaries, start=1):
