@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from annot.errors import PipelineError
 
@@ -148,6 +148,27 @@ def _signature(leaf: Any) -> Any:
     return leaf if isinstance(leaf, _PLAIN) else type(leaf)
 
 
+def _flat(x: Any, leaves: list) -> Any:
+    """A structure spec of ``x`` over tuples, lists and plain dicts, its other
+    values appended to ``leaves`` (cheaper than a pytree for the hot path)."""
+    t = type(x)
+    if t is tuple or t is list:
+        return (t, tuple(_flat(v, leaves) for v in x))
+    if t is dict:
+        return (dict, tuple((k, _flat(v, leaves)) for k, v in x.items()))
+    leaves.append(x)
+    return None
+
+
+def _unflat(spec: Any, leaves: Any) -> Any:
+    if spec is None:
+        return next(leaves)
+    t, items = spec
+    if t is dict:
+        return {k: _unflat(v, leaves) for k, v in items}
+    return t(_unflat(v, leaves) for v in items)
+
+
 def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
     """Run another stage's module for shapes while replaying: on meta the first
     time for each signature of its inputs, then from ``cache`` (fresh meta
@@ -156,8 +177,8 @@ def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> An
     through. A module whose outputs depend on values (it read one from the log)
     or are not plain pytrees is never cached."""
     run = _ACTIVE[-1]
-    leaves, _ = tree_flatten((args, kwargs))
-    key = tuple(_signature(x) for x in leaves)
+    leaves: list = []
+    key = (_flat((args, kwargs), leaves), tuple(_signature(x) for x in leaves))
     hit = cache.get(key)
     if hit is not None:
         recipe, spec = hit
@@ -171,14 +192,17 @@ def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> An
                 built.append(built[a])
             else:
                 built.append(a)
-        return tree_unflatten(built, spec)
+        return _unflat(spec, iter(built))
     pos = run.pos
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     out = shadow(*meta[0], **meta[1])
-    outs, spec = tree_flatten(out)
+    outs: list = []
+    spec = _flat(out, outs)
     if run.pos == pos and all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in outs):
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-        ins.update({id(x): i for i, x in enumerate(tree_flatten(meta)[0])})
+        metas: list = []
+        _flat(meta, metas)
+        ins.update({id(x): i for i, x in enumerate(metas)})
         seen: dict[int, int] = {}
         recipe = []
         for j, x in enumerate(outs):
@@ -256,10 +280,9 @@ class _ShapeMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = tree_flatten((args, kwargs))[0]
-        if any(_is_meta(t) for t in leaves):
+        if _has_meta(args, kwargs):
             if func in _DECISIONS:
-                t = next(t for t in leaves if _is_meta(t))
+                t = args[0]
                 if func is torch.Tensor.tolist:
                     return torch.zeros(t.shape, dtype=t.dtype).tolist()
                 return False if func in (torch.Tensor.__bool__, torch.equal) else 0
