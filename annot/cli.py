@@ -30,7 +30,7 @@ import tokenize
 from collections.abc import Sequence
 from typing import Optional
 
-from annot.errors import AnnotError, RewriteError
+from annot.errors import AnnotError, PartitionError, RewriteError
 
 __all__ = ["build_parser", "main", "rewrite_source"]
 
@@ -456,6 +456,22 @@ def _import_file(path: str):
     return module
 
 
+def _import_target(path: str):
+    """FILE, or an installed module by its dotted name
+    (``transformers.models.llama.modeling_llama``): its source is read, never
+    written."""
+    import importlib
+
+    if os.path.isfile(path) or path.endswith(".py"):
+        return _import_file(path)
+    try:
+        return importlib.import_module(path)
+    except ImportError as exc:
+        raise _Refusal(
+            f"{path}: no such file, and importing it as a module failed: {exc}"
+        ) from None
+
+
 def _describe(exc: BaseException) -> str:
     """``TypeError: message (at model.py:12)``: the innermost frame of the
     user's code (not of torch or annot); in a planned stage, its line."""
@@ -577,6 +593,9 @@ def _build_model(module, cls: type, init: Optional[str], config: Optional[str]):
     kwargs = _config_json(config) if config is not None else None
     allowed = _defined_names(module)
     if init is None:
+        config_class = getattr(cls, "config_class", None)  # a transformers model
+        if isinstance(config_class, type):
+            return cls(config_class(**(kwargs or {})))
         return cls(**(kwargs or {}))
     try:
         tree = ast.parse(init.strip(), mode="eval").body
@@ -676,7 +695,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             from annot.hints import parse_bytes
 
             memory = parse_bytes(args.memory, "--memory")
-        module = _import_file(path)
+        module = _import_target(path)
         cls = module
         for part in name.split("."):
             cls = getattr(cls, part, None)
@@ -696,6 +715,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         if not isinstance(model, cls):
             raise _Refusal(f"--init built a {type(model).__name__}, not a {name}")
         sample = _sample(args.input, cls)
+        from annot.hints import get_stage_spec
+
+        nested = get_stage_spec(cls) is None and not os.path.isfile(path)
+        if nested:  # a model you cannot edit: every nested block and block part
+            return _run_module_plan(args, model, sample, memory)
         from annot.planner import fit_stages, plan_stages
 
         common = dict(
@@ -711,6 +735,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                 plan = fit_stages(model, cls, memory=memory, max_stages=args.pp, **common)
             else:
                 plan = plan_stages(model, cls, args.pp, memory=memory, **common)
+        except PartitionError as exc:
+            few = "segments between its split points" in str(exc)  # planner._check_count
+            if not few or memory is not None or get_stage_spec(cls) is not None:
+                raise
+            # forward itself has too few places to cut: its blocks sit deeper
+            return _run_module_plan(args, model, sample, memory)
         except AnnotError:
             raise
         except Exception as exc:
@@ -724,6 +754,42 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print(plan.table())
+    return 0
+
+
+def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
+    """``annot plan`` for a model whose blocks sit below its forward (or that
+    you cannot edit): :mod:`annot.module_plan` over its blocks and block
+    parts, in call order."""
+    from annot.hf import sample_inputs
+    from annot.module_plan import call_order, plan_module_boundaries
+
+    if memory is not None or args.cost == "flops" or args.tp != 1:
+        print(
+            f"annot plan: {type(model).__name__}: its stages are planned over its modules "
+            "(annot.module_plan), which balances parameters or measured time (--cost params / "
+            "time) at --tp 1 and does not take --memory, --fit or --cost flops yet",
+            file=sys.stderr,
+        )
+        return 2
+    cost = args.cost or ("time" if sample is not None else "params")
+    probe = sample if sample is not None else sample_inputs(model)
+    order = call_order(model, probe) if probe is not None else None
+    plan = plan_module_boundaries(model, args.pp, sample=sample, cost=cost, order=order)
+    if args.json:
+        import json
+
+        doc = {
+            "boundaries": plan.boundaries,
+            "stage_costs": plan.stage_costs,
+            "cost": plan.cost,
+            "imbalance": plan.imbalance,
+            "units": [u.path for u in plan.units],
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print(plan.table())
+        print(f"split={plan.boundaries!r}")
     return 0
 
 

@@ -225,3 +225,29 @@ def test_help_says_the_file_runs(capsys):
         build_parser().parse_args(["plan", "--help"])
     out = capsys.readouterr().out
     assert "top-level code runs" in out and "--init is read, not evaluated" in out
+
+
+# ---- models whose blocks sit below forward: annot.module_plan -------------------------
+
+
+def test_installed_hf_class_planned_over_nested_blocks(capsys):
+    cfg = (
+        '{"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}'
+    )
+    argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM", "--pp", "2"]
+    assert main([*argv, "--config-json", cfg, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cost"] == "params" and len(doc["boundaries"]) == 1
+    assert doc["boundaries"][0].startswith("model.layers.")  # inside LlamaModel.forward
+    assert doc["units"][:3] == ["model.embed_tokens", "model.layers.0", "model.layers.0.self_attn"]
+    assert doc["imbalance"] < 1.2
+
+
+def test_file_whose_forward_cannot_be_cut_falls_back_to_its_modules(capsys):
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "nested_models.py")
+    assert main(["plan", f"{path}:TimmStyleViT", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks." in out and out.strip().splitlines()[-1].startswith("split=['blocks.")
