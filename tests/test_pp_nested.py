@@ -202,10 +202,13 @@ CASES = {
 }
 
 
-def _parity(cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, schedule="1f1b"):
-    """On every rank: for each split in ``splits``, parallelize, train ``steps``
-    AdamW steps beside the single-device reference (the same microbatches,
-    accumulated), compare loss, every gradient and every parameter."""
+def _parity(
+    cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, schedule="1f1b", pp=None
+):
+    """On every rank: for each split in ``splits`` (None: annot chooses, over
+    ``pp`` stages), parallelize, train ``steps`` AdamW steps beside the
+    single-device reference (the same microbatches, accumulated), compare
+    loss, every gradient and every parameter."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -216,8 +219,10 @@ def _parity(cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, sc
     cls, args = build()
     out = []
     for split in splits:
-        mesh = annot.Mesh(pp=len(split) + 1, tp=tp)
-        model = annot.parallelize(cls, *args, mesh=mesh, seed=0, split=list(split))
+        mesh = annot.Mesh(pp=pp or len(split) + 1, tp=tp)
+        model = annot.parallelize(
+            cls, *args, mesh=mesh, seed=0, split=list(split) if split is not None else None
+        )
         torch.manual_seed(0)
         ref = cls(*args)
         model.train()
@@ -250,7 +255,7 @@ def _parity(cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, sc
             opt.zero_grad()
             ref_opt.zero_grad()
         compare_state(model, ref, f"{case} split={split} after {steps} AdamW steps")
-        out.append([t.names for t in model.pipeline.ties])
+        out.append(([t.names for t in model.pipeline.ties], list(model.pipeline.boundaries)))
     return out
 
 
@@ -264,7 +269,17 @@ def _run(tmp_path, case, splits, world=2, **kw):
 def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
     # inside a block (attention | MLP), between blocks, and at the head
     res = _run(tmp_path, "llama", [["model.layers.1.mlp"], ["model.layers.2"], ["lm_head"]])
-    assert res[0][0] == [("model.embed_tokens.weight", "lm_head.weight")]
+    assert res[0][0][0] == [("model.embed_tokens.weight", "lm_head.weight")]
+
+
+def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
+    # no split=: annot.module_plan balances blocks and block parts in call order
+    res = _run(tmp_path, "llama", [None], pp=2)
+    (boundary,) = res[0][0][1]
+    assert boundary.startswith("model.layers."), boundary  # inside LlamaModel.forward
+    (tmp_path / "timm").mkdir()
+    res = _run(tmp_path / "timm", "timm", [None], pp=2)
+    assert res[0][0][1][0].startswith("blocks."), res
 
 
 def test_hf_gpt2_bert_t5_vit(tmp_path):
