@@ -68,7 +68,7 @@ from runtime.schedules import (
 from runtime.schedules import forward_only as _strip_backward
 from runtime.trace import Tracer
 
-__all__ = ["LocalStage", "PipelineExecutor", "ModelCall", "Pending"]
+__all__ = ["LocalStage", "PipelineExecutor", "ModelCall"]
 
 LossScale = Union[None, Callable[[int], float], Sequence[float]]
 
@@ -81,123 +81,6 @@ class LocalStage:
     fn: Callable[..., Any]  # stage 0: fn(*args, **kwargs) of the model call; later
     # stages: fn(**out) if the previous output is a dict, fn(*out) if a tuple, else fn(out)
     module: Optional[nn.Module] = None  # holds its parameters
-
-
-# -- values that exist only on another rank -----------------------------------
-
-_ONLY_LAST = (
-    "model outputs exist only on the last pipeline stage, inside the step; this rank "
-    "holds an earlier stage, so {what} has no value here. Return the value from the "
-    "step function instead: the step returns the last stage's values to every rank, e.g.\n"
-    "    @annot.jit(model, microbatches=4)\n"
-    "    def train_step(x, y):\n"
-    "        logits, loss = model(x, y)\n"
-    "        model.backward(loss)\n"
-    "        return loss          # then: train_step(x, y).reduce_mean()"
-)
-
-
-class Pending:
-    """Stands for a model output computed on another pipeline rank.
-
-    Arithmetic, attribute access, indexing and calls give more Pendings, so a
-    step body written for one device runs unchanged on every rank. Asking
-    for a concrete value (``float()``, ``bool()``, ``.item()``, ``.tolist()``,
-    ``.numpy()``, formatting) raises :class:`PipelineError`. ``Pending(n=2)``
-    unpacks into two Pendings (``logits, loss = model(x, y)``).
-    """
-
-    __slots__ = ("_n", "_what")
-
-    def __init__(self, n: Optional[int] = None, what: str = "the model output"):
-        object.__setattr__(self, "_n", n)
-        object.__setattr__(self, "_what", what)
-
-    def _more(self, what: str) -> Pending:
-        return Pending(what=what)
-
-    def _fail(self, what: str):
-        raise PipelineError(_ONLY_LAST.format(what=f"{what} of {self._what}"))
-
-    def __repr__(self) -> str:
-        return f"Pending({self._what})"
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # keep Python's protocols (copy, pickle, numpy) honest
-            raise AttributeError(name)
-        if name in ("item", "tolist", "numpy"):
-            return lambda *a, **k: self._fail(f".{name}()")
-        if name == "backward":
-            raise PipelineError(
-                "loss.backward() inside a pipelined step: call model.backward(loss) instead, "
-                "so the pipeline runs the backward when its schedule says so"
-            )
-        return self._more(f"{self._what}.{name}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Pending:
-        return self._more(f"{self._what}(...)")
-
-    def __getitem__(self, key: Any) -> Pending:
-        return self._more(f"{self._what}[{key!r}]")
-
-    def __iter__(self):
-        if self._n is None:
-            raise PipelineError(
-                f"cannot unpack {self._what} on this pipeline rank: how many values the model "
-                "returns is not known here. Pass output_arity=<number of values> to the "
-                "PipelineExecutor (annot.parallelize finds it from the model's return statement)"
-            )
-        return iter([self._more(f"{self._what}[{k}]") for k in range(self._n)])
-
-    def __len__(self) -> int:
-        if self._n is None:
-            self._fail("len()")
-        return self._n
-
-    def __bool__(self) -> bool:
-        self._fail("bool() (an if / while / and / or on it)")
-
-    def __float__(self) -> float:
-        self._fail("float()")
-
-    def __int__(self) -> int:
-        self._fail("int()")
-
-    def __index__(self) -> int:
-        self._fail("using it as an index")
-
-    def __complex__(self) -> complex:
-        self._fail("complex()")
-
-    def __format__(self, spec: str) -> str:
-        if not spec:
-            return repr(self)
-        self._fail(f"formatting with {spec!r}")
-
-    def __array__(self, *args: Any, **kwargs: Any):
-        self._fail("converting to a numpy array")
-
-    __hash__ = object.__hash__
-
-
-def _pending_op(name: str) -> Callable[..., Pending]:
-    def op(self: Pending, *args: Any) -> Pending:
-        return self._more(f"{name}({self._what})")
-
-    op.__name__ = name
-    return op
-
-
-for _name in (
-    "add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod pow rpow "
-    "matmul rmatmul and rand or ror xor rxor lshift rlshift rshift rrshift "
-    "neg pos abs invert lt le gt ge eq ne"
-).split():
-    setattr(Pending, f"__{_name}__", _pending_op(f"__{_name}__"))
-del _name
 
 
 # -- pytrees: what runtime.p2p carries, in its flatten order ------------------
@@ -332,7 +215,7 @@ class ModelCall:
         self.backward_called = True
         if not self.is_last or self._step.forward_only:
             return
-        if isinstance(loss, Pending) or not isinstance(loss, torch.Tensor):
+        if not isinstance(loss, torch.Tensor):
             raise PipelineError(
                 f"model.backward(loss) got a {type(loss).__name__}; expected the loss tensor "
                 "computed from the model's outputs"

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from annot.errors import PipelineError
 from annot.testing import run_ranks
-from runtime.pipeline import LocalStage, Pending, PipelineExecutor
+from runtime.pipeline import LocalStage, PipelineExecutor
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written once
 WIDTH, BLOCKS = 8, 8
@@ -90,9 +90,8 @@ def _run_case(ex, model, pp, pp_rank, chunks, sizes, seq, weighted=False, forwar
     xs, ys = x.split(list(sizes)), y.split(list(sizes))
 
     def body(i, call):
-        out, loss = call(xs[i], ys[i])
-        if isinstance(loss, Pending):
-            assert pp_rank == 0 and isinstance(out, Pending)
+        out, loss = call(xs[i], ys[i])  # off the last stage the body stops here
+        assert call.is_last
         call.backward(loss)
         return loss
 
@@ -336,45 +335,3 @@ def test_executor_checks_its_stages():
         PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=2, ctx=None, chunks=2)
     with pytest.raises(PipelineError, match="unknown pipeline schedule 'zb'"):
         PipelineExecutor(_local_stages(model, 1, 0, 1), num_stages=1, ctx=None, schedule="zb")
-
-
-# -- Pending -------------------------------------------------------------------
-
-
-def test_pending_propagates_and_refuses_values():
-    logits, loss = Pending(2)
-    assert isinstance(logits, Pending) and isinstance(loss, Pending)
-    for v in (
-        loss * 2,
-        1 + loss,
-        -loss,
-        loss / 3,
-        loss @ logits,
-        loss.mean(),
-        logits[0, :],
-        logits.argmax(-1) == 3,
-        loss.detach().cpu(),
-    ):
-        assert isinstance(v, Pending)
-    a, b, c = Pending(n=3)
-    assert len(Pending(n=3)) == 3
-    for ask in (
-        lambda: float(loss),
-        lambda: bool(loss),
-        lambda: int(loss),
-        lambda: loss.item(),
-        lambda: loss.tolist(),
-        lambda: loss.numpy(),
-        lambda: f"{loss:.3f}",
-        lambda: [0, 1][loss],
-    ):
-        with pytest.raises(PipelineError, match="exist only on the last pipeline stage"):
-            ask()
-    with pytest.raises(PipelineError, match="should|Return the value from the step function"):
-        if loss > 1:
-            pass
-    with pytest.raises(PipelineError, match="output_arity"):
-        x, y = Pending()
-    with pytest.raises(PipelineError, match=r"call model.backward\(loss\) instead"):
-        loss.backward()
-    assert "Pending" in repr(loss) and "Pending" in f"{loss}"
