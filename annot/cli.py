@@ -144,6 +144,13 @@ def rewrite_source(
         classes = list(read_stage_hints(text, path))
         boundaries = None
         if split is not None:
+            if not classes:
+                raise _Refusal(
+                    f"{path}: --split needs a @stage class to split in source, and this file "
+                    "has none. For a model you cannot edit, annot cuts the stages at run time "
+                    "(boundaries at any depth, no source change): see them with annot plan "
+                    "MODULE:CLASS --pp N, and pass split=[...] to annot.parallelize"
+                )
             if len(classes) != 1:
                 raise _Refusal(
                     f"{path}: --split needs exactly one @stage class, found {len(classes)}"
