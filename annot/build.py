@@ -16,6 +16,7 @@ Steps (each logged at debug level):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -154,6 +155,9 @@ def parallelize(
     n_stages = mesh.pp * chunks
     boundaries: tuple[str, ...] = ()
     planned: dict = {}
+    # one meta forward when needed, shared by the planner and the stage plan
+    calls = functools.cache(functools.partial(_record_calls, ref, sample))
+
     if n_stages > 1:
         boundaries = _choose_boundaries(
             ref,
@@ -166,6 +170,7 @@ def parallelize(
             seed=seed,
             build=lambda: model(*args, **kwargs),
             report=planned,
+            calls=calls,
         )
         log.debug("annot: stage boundaries %s", boundaries)
     replay = n_stages > 1 and _needs_replay(ref, model, boundaries)
@@ -204,15 +209,24 @@ def parallelize(
         from runtime.stages import build_plan
 
         split = None if replay else splits.get("split") or _resplit(model, boundaries)
-        calls = _probe_calls(ref, boundaries, sample) if replay else None
-        plan = build_plan(local, split, ctx, chunks=chunks, boundaries=boundaries, calls=calls)
+        from runtime.stages import stage_calls
+
+        seq = calls() if replay else None
+        plan = build_plan(
+            local,
+            split,
+            ctx,
+            chunks=chunks,
+            boundaries=boundaries,
+            calls=stage_calls(seq, boundaries) if seq is not None else None,
+        )
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
     if instance is not None:
         _materialize_from(local, instance, ctx)
     else:
         _materialize(local, model, args, kwargs, seed, ctx, plan)
-    del ref
+    del ref, calls
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
     from runtime.checkpointing import apply_activation_checkpointing, checkpointed_classes
@@ -375,39 +389,31 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
         load_full_state_dict(local, full, strict=plan is None)
 
 
-def _probe_calls(ref: nn.Module, boundaries: tuple[str, ...], sample: Any) -> Optional[dict]:
-    """Which modules each replayed stage calls, from one meta forward of the
-    reference on ``sample`` (for a transformers model without one, a tiny
-    input made from its config). None when there is no sample or the meta
-    forward fails: stages then hold modules in registration order."""
-    from runtime.stages import probe_stage_calls
+def _record_calls(ref: nn.Module, sample: Any) -> Optional[list]:
+    """The module calls of one meta forward of the reference on ``sample`` (for
+    a transformers model without one, a tiny input made from its config), in
+    order: which modules each replayed stage calls, and the planner's call
+    order. None when there is no sample or the meta forward fails: modules
+    then go by registration order."""
+    from annot.hf import sample_inputs
+    from runtime.stages import record_calls
 
-    if sample is None:
-        from annot.hf import sample_inputs
-
-        sample = sample_inputs(ref)
-    if sample is None:
+    probe = sample if sample is not None else sample_inputs(ref)
+    if probe is None:
         return None
     try:
-        return probe_stage_calls(ref, boundaries, sample)
+        return record_calls(ref, probe)
     except Exception as exc:  # noqa: BLE001 - the order is a refinement, not required
         log.debug("annot: the meta probe of %s failed (%s)", type(ref).__name__, exc)
         return None
 
 
-def _module_boundaries(ref: nn.Module, n_stages: int, sample: Any, report) -> list[str]:
+def _module_boundaries(ref: nn.Module, n_stages: int, calls: Optional[list], report) -> list[str]:
     """annot.module_plan's balanced split of a model without ``@stage``:
     parameter counts over every block and block part, in call order."""
-    from annot.hf import sample_inputs
     from annot.module_plan import call_order, plan_module_boundaries
 
-    probe = sample if sample is not None else sample_inputs(ref)
-    order = None
-    if probe is not None:
-        try:
-            order = call_order(ref, probe)
-        except Exception as exc:  # noqa: BLE001 - registration order is the fallback
-            log.debug("annot: call-order probe failed: %s", exc)
+    order = call_order(calls) if calls is not None else None
     plan = plan_module_boundaries(ref, n_stages, order=order)
     log.debug("annot: planned stages\n%s", plan.table())
     if report is not None:
@@ -465,6 +471,7 @@ def _choose_boundaries(
     seed: Optional[int] = None,
     build=None,
     report: Optional[dict] = None,
+    calls=lambda: None,
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
@@ -494,7 +501,7 @@ def _choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(ref, n_stages, sample, report))
+        return tuple(_module_boundaries(ref, n_stages, calls(), report))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

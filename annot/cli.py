@@ -770,6 +770,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
     parts, in call order."""
     from annot.hf import sample_inputs
     from annot.module_plan import call_order, plan_module_boundaries
+    from runtime.stages import record_calls
 
     if memory is not None or args.cost == "flops" or args.tp != 1:
         print(
@@ -781,7 +782,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
         return 2
     cost = args.cost or ("time" if sample is not None else "params")
     probe = sample if sample is not None else sample_inputs(model)
-    order = call_order(model, probe) if probe is not None else None
+    order = call_order(record_calls(model, probe)) if probe is not None else None
     plan = plan_module_boundaries(model, args.pp, sample=sample, cost=cost, order=order)
     if args.json:
         import json

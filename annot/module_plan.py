@@ -68,36 +68,11 @@ class ModulePlan:
         return "\n".join(rows)
 
 
-def call_order(model: nn.Module, sample: Any) -> list[str]:
-    """Module paths in the order ``model(sample)`` first calls them (one meta
-    forward, see :func:`runtime.replay.shape_run`); every path of a shared
-    module is listed at its first call."""
-    from runtime.replay import shape_run
-
-    paths: dict[int, list[str]] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), []).append(path)
-    seen: dict[str, None] = {}
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        for p in paths.get(id(module), ()):
-            seen.setdefault(p, None)
-
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
-    try:
-        _call(lambda *a, **k: shape_run(model, *a, **k), sample)
-    finally:
-        for h in handles:
-            h.remove()
-    return list(seen)
-
-
-def _call(fn, sample: Any) -> Any:
-    if isinstance(sample, dict):
-        return fn(**sample)
-    if isinstance(sample, tuple):
-        return fn(*sample)
-    return fn(sample)
+def call_order(calls: list[tuple[str, ...]]) -> list[str]:
+    """Module paths in the order forward first calls them, from
+    :func:`runtime.stages.record_calls`; every path of a shared module is
+    listed at its first call."""
+    return list(dict.fromkeys(p for paths in calls for p in paths))
 
 
 def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
@@ -149,6 +124,8 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
 def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
     """Median forward time of each unit over ``repeats`` forwards (a unit runs
     from its call until the next unit's call), times 3 for forward+backward."""
+    from runtime.replay import call_with
+
     starts = {u.path: i for i, u in enumerate(found)}
     modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
     samples: list[list[float]] = [[] for _ in found]
@@ -168,7 +145,7 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
             for r in range(repeats + 1):
                 clock["acc"] = [0.0] * len(found)
                 clock["unit"] = None
-                _call(model, sample)
+                call_with(model, sample)
                 mark(None)
                 if r:  # the first forward warms up
                     for j, t in enumerate(clock["acc"]):
@@ -193,15 +170,16 @@ def plan_module_boundaries(
     ``cost``: "params" (no sample needed; a meta model is fine) or "time"
     (``model`` with real weights and ``sample``, one microbatch of forward's
     arguments: a dict, a tuple or a tensor). ``order``: module paths in call
-    order (default: :func:`call_order` on ``sample``, else registration order)."""
+    order (default: the call order on ``sample``, else registration order)."""
     from runtime.partition import partition
+    from runtime.stages import record_calls
 
     if cost not in ("params", "time"):
         raise HintError(f"plan_module_boundaries: cost={cost!r}; expected 'params' or 'time'")
     if cost == "time" and sample is None:
         raise HintError("plan_module_boundaries: cost='time' needs sample= (one microbatch)")
     if order is None and sample is not None:
-        order = call_order(model, sample)
+        order = call_order(record_calls(model, sample))
     found = units(model, order)
     if len(found) < n_stages:
         raise HintError(

@@ -59,6 +59,7 @@ __all__ = [
     "StageDone",
     "install_boundaries",
     "replaying",
+    "call_with",
     "shadow_call",
     "shape_run",
 ]
@@ -290,12 +291,23 @@ class _ShapeMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def shape_run(fn, *args, **kwargs) -> Any:
-    """``fn(*args, **kwargs)`` for shapes and the order of module calls only,
-    over a model whose weights are on the meta device while the inputs may be
-    real (value reads of meta tensors answer zero / False), without autograd."""
+def call_with(fn, sample: Any) -> Any:
+    """``fn`` called on one microbatch of forward's arguments: a dict (keyword
+    arguments), a tuple (positional) or a single value."""
+    if isinstance(sample, dict):
+        return fn(**sample)
+    if isinstance(sample, tuple):
+        return fn(*sample)
+    return fn(sample)
+
+
+def shape_run(fn, sample: Any) -> Any:
+    """``fn`` on ``sample`` (see :func:`call_with`) for shapes and the order of
+    module calls only, over a model whose weights are on the meta device while
+    the inputs may be real (value reads of meta tensors answer zero / False),
+    without autograd."""
     with torch.no_grad(), _ShapeMode():
-        return fn(*args, **kwargs)
+        return call_with(fn, sample)
 
 
 # -- logging value reads while running for real ---------------------------------

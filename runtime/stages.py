@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.errors import PipelineError
+from runtime.replay import replaying, shadow_call
 
 __all__ = []
 
@@ -43,8 +44,6 @@ class Absent(nn.Module):
         self.__dict__["shapes"] = {}  # runtime.replay.shadow_call's cache
 
     def forward(self, *args, **kwargs):
-        from runtime.replay import replaying, shadow_call
-
         if self.shadow is not None and replaying():
             # another stage's work: shapes only (meta), even where its weights are real here
             return shadow_call(self.shadow, self.shapes, args, kwargs)
@@ -101,8 +100,8 @@ def call_order_stage_modules(
 ) -> dict[int, set[str]]:
     """Which module paths each stage of a replayed pipeline holds.
 
-    ``calls``: the module paths each stage calls, from :func:`probe_stage_calls`
-    (one meta forward). Modules it saw called go to every stage that called
+    ``calls``: the module paths each stage calls (:func:`stage_calls` of one
+    meta forward). Modules it saw called go to every stage that called
     them (a module called by two stages is tied across them); the rest go by
     the order the model registers them: stage ``k`` from boundary ``k`` up to
     boundary ``k + 1``. Modules without parameters (activations, rotary
@@ -133,38 +132,38 @@ def call_order_stage_modules(
     return out
 
 
-def probe_stage_calls(
-    root: nn.Module, boundaries: tuple[str, ...], sample: Any
-) -> dict[int, set[str]]:
-    """Run ``root`` once on ``sample`` (meta tensors: no FLOPs) and return the
-    module paths each stage calls, every path of a shared module included."""
-    paths: dict[int, list[str]] = {}
-    for path, m in root.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), []).append(path)
-    starts = {id(resolve_module(root, b)): k for k, b in enumerate(boundaries, start=1)}
-    calls: dict[int, set[str]] = {s: set() for s in range(len(boundaries) + 1)}
-    state = {"stage": 0}
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        k = starts.get(id(module))
-        if k is not None and k == state["stage"] + 1:
-            state["stage"] = k
-        calls[state["stage"]].update(paths.get(id(module), ()))
-
+def record_calls(root: nn.Module, sample: Any) -> list[tuple[str, ...]]:
+    """Every module call of one forward of ``root`` on ``sample``, in order,
+    each as the paths of the module called (a shared module has several): one
+    meta forward (:func:`runtime.replay.shape_run`, no FLOPs)."""
     from runtime.replay import shape_run
 
-    handles = [m.register_forward_pre_hook(hook) for m in root.modules()]
+    paths: dict[int, tuple[str, ...]] = {}
+    for path, m in root.named_modules(remove_duplicate=False):
+        paths[id(m)] = (*paths.get(id(m), ()), path)
+    calls: list[tuple[str, ...]] = []
+    handles = [
+        m.register_forward_pre_hook(lambda module, args: calls.append(paths[id(module)]))
+        for m in root.modules()
+    ]
     try:
-        if isinstance(sample, dict):
-            shape_run(root, **sample)
-        elif isinstance(sample, tuple):
-            shape_run(root, *sample)
-        else:
-            shape_run(root, sample)
+        shape_run(root, sample)
     finally:
         for h in handles:
             h.remove()
     return calls
+
+
+def stage_calls(calls: list[tuple[str, ...]], boundaries: tuple[str, ...]) -> dict[int, set[str]]:
+    """The module paths each stage calls, from :func:`record_calls`: stage ``k``
+    begins at the first call of boundary ``k``."""
+    out: dict[int, set[str]] = {s: set() for s in range(len(boundaries) + 1)}
+    stage = 0
+    for paths in calls:
+        if stage < len(boundaries) and boundaries[stage] in paths:
+            stage += 1
+        out[stage].update(paths)
+    return out
 
 
 def _get(root: nn.Module, path: str) -> Any:
@@ -207,7 +206,7 @@ def _covered(path: str, keep: set[str]) -> bool:
     return any(path == k or path.startswith(k + ".") for k in keep)
 
 
-def _ancestor(path: str, keep: set[str]) -> bool:
+def _ancestor(path: str, keep) -> bool:
     return any(k.startswith(path + ".") for k in keep)
 
 
@@ -227,17 +226,18 @@ def prune(
         path = f"{prefix}{name}"
         if _covered(path, keep):
             continue
-        if _ancestor(path, keep) or _ancestor(path, set(through)):
+        if _ancestor(path, keep) or _ancestor(path, through):
             prune(child, keep, path + ".", shadows=shadows, through=through)
         else:
             root._modules[name] = Absent(path, child if shadows else None)
     for name in list(root._parameters):
         if not _covered(f"{prefix}{name}", keep):
             p = root._parameters[name]
-            root._parameters[name] = None  # a parameter of another stage's module
-            if shadows and p is not None:
+            if shadows and p is not None:  # a plain meta tensor: shapes for the replay
                 del root._parameters[name]
-                root.__dict__[name] = p.detach().to("meta")  # shapes for the replay
+                root.__dict__[name] = p.detach().to("meta")
+            else:
+                root._parameters[name] = None  # a parameter of another stage's module
 
 
 @dataclass
