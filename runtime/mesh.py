@@ -98,7 +98,22 @@ def use(ctx: ParallelContext) -> Iterator[ParallelContext]:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The backend follows the device: NCCL where every local rank has a GPU,
+    gloo on CPU. ``ANNOT_BACKEND`` (e.g. ``gloo``) overrides the choice."""
+    forced = os.environ.get("ANNOT_BACKEND")
+    if forced:
+        return forced
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise MeshError(
+            f"{local} ranks on this host but {gpus} GPU(s): NCCL needs one GPU per rank. "
+            f"Start at most {gpus} process(es) per host (torchrun --nproc-per-node {gpus}), "
+            "or set ANNOT_BACKEND=gloo to run every rank on the CPU."
+        )
+    return "nccl"
 
 
 def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:

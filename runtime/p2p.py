@@ -105,8 +105,8 @@ _DTYPE_NAMES = (
 # Byte-addressable dtypes only (no quantized, bit or sub-byte shells).
 _DTYPES = {n: getattr(torch, n) for n in _DTYPE_NAMES.split() if hasattr(torch, n)}
 _SUPPORTED = (
-    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, and"
-    " tuples, lists, dicts (str or int keys), namedtuples and dataclasses of those"
+    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, slices"
+    " of ints, Ellipsis, and tuples, lists, dicts (str or int keys), namedtuples and dataclasses of those"
 )
 
 
@@ -182,6 +182,10 @@ def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
         return {"k": "device", "v": str(x)}
     if type(x) is torch.Size:
         return {"k": "size", "v": list(x)}
+    if type(x) is slice and all(v is None or type(v) is int for v in (x.start, x.stop, x.step)):
+        return {"k": "slice", "v": [x.start, x.stop, x.step]}
+    if x is Ellipsis:
+        return {"k": "ellipsis"}
     if id(x) in active:
         raise _unsupported(x, path, "it contains itself (a reference cycle).")
     active.add(id(x))
@@ -309,6 +313,13 @@ def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> An
         if not all(type(d) is int for d in v):
             raise _Bad("torch.Size with non-int entries")
         return torch.Size(v)
+    if kind == "slice":
+        v = _items(node)
+        if len(v) != 3 or not all(d is None or type(d) is int for d in v):
+            raise _Bad("slice with entries other than three ints or None")
+        return slice(*v)
+    if kind == "ellipsis":
+        return Ellipsis
     if kind in ("tuple", "list"):
         values = [rec(v) for v in _items(node)]
         return tuple(values) if kind == "tuple" else values

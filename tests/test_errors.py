@@ -47,6 +47,27 @@ def test_mesh_degrees_are_positive_ints():
         annot.Mesh(tp=0)
 
 
+def test_backend_follows_the_device_and_refuses_more_ranks_than_gpus(monkeypatch):
+    from runtime.mesh import default_backend
+
+    monkeypatch.delenv("ANNOT_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_backend() == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(MeshError) as err:
+        default_backend()
+    assert str(err.value).startswith(
+        "2 ranks on this host but 1 GPU(s): NCCL needs one GPU per rank"
+    )
+    assert "ANNOT_BACKEND=gloo" in str(err.value)
+    monkeypatch.setenv("ANNOT_BACKEND", "gloo")
+    assert default_backend() == "gloo"
+
+
 def _wrong_mesh():
     annot.parallelize(Net, mesh=annot.Mesh(tp=4))
 

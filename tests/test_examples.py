@@ -236,7 +236,12 @@ def test_train_script_tp2(example, tmp_path):
         "2",
         *SCRIPTS[example],
     ]
-    env = {**os.environ, "ANNOT_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "ANNOT_CACHE_DIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "ANNOT_BACKEND": "gloo",  # tests never need a GPU, and one GPU cannot host two NCCL ranks
+    }
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -75,6 +75,13 @@ leaves = st.one_of(
     st.sampled_from(DTYPES),
     st.sampled_from([torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")]),
     st.lists(st.integers(0, 5), max_size=3).map(torch.Size),
+    st.builds(
+        slice,
+        st.none() | st.integers(-5, 5),
+        st.none() | st.integers(-5, 5),
+        st.none() | st.integers(1, 3),
+    ),
+    st.just(Ellipsis),
 )
 keys = st.one_of(st.text(max_size=4), st.integers(-3, 3))
 trees = st.recursive(
