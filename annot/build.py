@@ -88,6 +88,7 @@ def parallelize(
     chunks: int = 1,
     split: Optional[list[str]] = None,
     sample: Any = None,
+    precision: Optional[str] = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -106,12 +107,16 @@ def parallelize(
     automatically by the planner (``@stage(auto=True, cost=..., memory=...)``;
     ``sample=`` one microbatch of forward's arguments, a tuple or a dict, lets
     it count FLOPs or measure time instead of parameters).
+    ``precision="bf16"`` runs forward and the loss under bfloat16 autocast
+    with float32 master weights, gradients and reductions (:mod:`annot.precision`).
     Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
+    from annot.precision import parse_precision
     from annot.verify import verify_shard_hints
     from runtime import mesh as rmesh
 
+    autocast = parse_precision(precision)
     mesh = mesh or Mesh()
     if not isinstance(mesh, Mesh):
         raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
@@ -238,6 +243,7 @@ def parallelize(
         ctx,
         pipeline=plan,
         info={"compiled": list(compile_classes.last), "specs": specs, **planned},
+        autocast=autocast,
     )
 
 

@@ -21,13 +21,26 @@ __all__ = ["ParallelModel"]
 
 
 class ParallelModel(nn.Module):
-    def __init__(self, module: nn.Module, ctx, *, pipeline=None, info=None):
+    def __init__(self, module: nn.Module, ctx, *, pipeline=None, info=None, autocast=None):
         super().__init__()
         self.module = module
         self.ctx = ctx
         self.pipeline = pipeline  # runtime.stages.PipelinePlan or None
         self.info = info or {}
+        self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self._step = None  # the active jit step (set by annot.jit while it runs)
+
+    def forward_context(self):
+        """The autocast region forward and the loss run in (a no-op in fp32)."""
+        from annot.precision import forward_context
+
+        return forward_context(self.ctx.device, self.autocast_dtype)
+
+    def backward_context(self):
+        """Autocast off for backward (a no-op in fp32)."""
+        from annot.precision import backward_context
+
+        return backward_context(self.ctx.device, self.autocast_dtype)
 
     @property
     def mesh(self):
@@ -48,7 +61,7 @@ class ParallelModel(nn.Module):
             )
         from runtime.mesh import use
 
-        with use(self.ctx):
+        with use(self.ctx), self.forward_context():
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, scale: Optional[float] = None) -> None:
@@ -62,7 +75,7 @@ class ParallelModel(nn.Module):
             return
         from runtime.mesh import use
 
-        with use(self.ctx):
+        with use(self.ctx), self.backward_context():
             (loss if scale is None else loss * scale).backward()
         self.finish_gradients()
 

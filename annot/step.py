@@ -93,6 +93,7 @@ class Step:
                 timeout_s=self.timeout_s,
                 trace=self.trace,
                 output_arity=plan.output_arity,
+                forward_context=self.model.forward_context,
             )
         self.compiles += 1
 
@@ -109,7 +110,8 @@ class Step:
                     outs = []
                     for a, k in mbs:
                         self._scale = 1.0 / len(mbs)
-                        outs.append(self.fn(*a, **k))
+                        with self.model.forward_context():
+                            outs.append(self.fn(*a, **k))
                 else:
                     outs = self._run_pipeline(mbs)
             finally:
@@ -144,7 +146,8 @@ class Step:
             self._call.backward(loss)
             return
         s = self._scale if scale is None else scale
-        (loss * s).backward()
+        with self.model.backward_context():
+            (loss * s).backward()
 
     def trace_events(self) -> list:
         return self._executor.trace_events() if self._executor is not None else []

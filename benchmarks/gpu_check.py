@@ -7,9 +7,9 @@ annot builds the example GPT at Mesh(tp=1, pp=1) on the backend that follows
 the device (NCCL on CUDA) and the plain model from the same seed. For each
 dtype it prints the largest loss / gradient / parameter difference after
 optimizer steps (every gradient, every parameter) and the step-time ratio
-annot / plain (median of interleaved steps). bf16 here is the model cast to
-bf16 on both sides, and with ``--autocast`` fp32 weights under
-``torch.autocast(bf16)`` (annot's ``precision="bf16"``).
+annot / plain (median of interleaved steps). Modes: fp32; bf16-cast (both
+models cast to bf16); bf16-autocast (annot's ``precision="bf16"`` against the
+plain model's forward and loss under ``torch.autocast(bf16)``, fp32 weights).
 """
 
 from __future__ import annotations
@@ -46,13 +46,22 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, name
 
 
-def run(dtype: torch.dtype, cfg: GPTConfig, batch: int, steps: int, seed: int) -> None:
-    model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(dp=1, pp=1, tp=1), seed=seed)
+def run(mode: str, cfg: GPTConfig, batch: int, steps: int, seed: int) -> None:
+    precision = "bf16" if mode == "bf16-autocast" else None
+    mesh = annot.Mesh(dp=1, pp=1, tp=1)
+    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=seed, precision=precision)
     device = model.ctx.device
     torch.manual_seed(seed)
     ref = GPT(cfg).to(device)
+    dtype = torch.bfloat16 if mode == "bf16-cast" else torch.float32
     model.to(device=device, dtype=dtype)
     ref.to(dtype=dtype)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision is not None)
+
+    def ref_loss(x, y):
+        with autocast:
+            return ref(x, y)[1]
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
@@ -67,7 +76,7 @@ def run(dtype: torch.dtype, cfg: GPTConfig, batch: int, steps: int, seed: int) -
     y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
 
     loss_a = step(x, y).reduce_mean()
-    _, loss_b = ref(x, y)
+    loss_b = ref_loss(x, y)
     loss_b.backward()
     grads_a = {n: p.grad for n, p in model.named_parameters()}
     grads_a = {n.removeprefix("module."): g for n, g in grads_a.items()}
@@ -80,7 +89,7 @@ def run(dtype: torch.dtype, cfg: GPTConfig, batch: int, steps: int, seed: int) -
         step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ref(x, y)[1].backward()
+        ref_loss(x, y).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     params_a = {n.removeprefix("module."): p for n, p in model.named_parameters()}
@@ -99,7 +108,7 @@ def run(dtype: torch.dtype, cfg: GPTConfig, batch: int, steps: int, seed: int) -
         opt.zero_grad(set_to_none=True)
 
     def plain_step():
-        ref(x, y)[1].backward()
+        ref_loss(x, y).backward()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
 
@@ -111,7 +120,7 @@ def run(dtype: torch.dtype, cfg: GPTConfig, batch: int, steps: int, seed: int) -
         tb.append(timed(plain_step))
     ma, mb = statistics.median(ta), statistics.median(tb)
     print(
-        f"{str(dtype):15s} device {device} | loss diff {abs(loss_a.item() - loss_b.item()):.1e}"
+        f"{mode:13s} device {device} | loss diff {abs(loss_a.item() - loss_b.item()):.1e}"
         f" | max grad diff {gd:.1e} ({gname}) | max param diff after 3 steps {pd:.1e} ({pname})"
         f" | step annot {ma * 1e3:.2f} ms plain {mb * 1e3:.2f} ms ratio {ma / mb:.3f}",
         flush=True,
@@ -138,8 +147,8 @@ def main() -> None:
         bias=True,
     )
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
-    for dtype in (torch.float32, torch.bfloat16):
-        run(dtype, cfg, args.batch, args.steps, seed=0)
+    for mode in ("fp32", "bf16-cast", "bf16-autocast"):
+        run(mode, cfg, args.batch, args.steps, seed=0)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -252,12 +252,14 @@ class PipelineExecutor:
         timeout_s: Optional[float] = None,
         trace: bool = False,
         output_arity: Optional[int] = None,
+        forward_context: Callable[[], Any] = contextlib.nullcontext,
     ):
         if ctx is None:
             from runtime.mesh import current
 
             ctx = current()
         self.ctx = ctx
+        self.forward_context = forward_context  # e.g. autocast for mixed precision
         self.pp = ctx.mesh.pp if ctx is not None else 1
         self.pp_rank = ctx.pp_rank if ctx is not None else 0
         self.rank = ctx.rank if ctx is not None else 0
@@ -396,7 +398,8 @@ class PipelineExecutor:
         with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
             try:
                 if kind == F:
-                    with torch.no_grad() if st.forward_only else contextlib.nullcontext():
+                    grad = torch.no_grad() if st.forward_only else contextlib.nullcontext()
+                    with grad, self.forward_context():
                         self._run_forward_action(st, s, i)
                 elif kind == B:
                     self._backward(st, s, i)

@@ -161,7 +161,8 @@ def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
     if y.requires_grad:
         y = _ReduceFromTP.apply(y, group, True)
-        return y if layer.bias is None else y + layer.bias
+        # In y's dtype, as nn.Linear under autocast adds its bias (bf16 out).
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
     all_reduce_(y, group)
     return y if layer.bias is None else y.add_(layer.bias)
 
