@@ -127,6 +127,37 @@ def run(mode: str, cfg: GPTConfig, batch: int, steps: int, seed: int) -> None:
     )
 
 
+def control(cfg: GPTConfig, batch: int, seed: int, device: torch.device) -> None:
+    """The plain model against itself (two copies from one seed): the floor set
+    by the device's own run-to-run differences (e.g. atomics in backward kernels)."""
+    torch.manual_seed(seed)
+    a = GPT(cfg).to(device)
+    torch.manual_seed(seed)
+    b = GPT(cfg).to(device)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (a, b)]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
+    gd = None
+    for _ in range(3):
+        for m, o in zip((a, b), opts):
+            m(x, y)[1].backward()
+        if gd is None:
+            gd = _max_diff(
+                {n: p.grad for n, p in a.named_parameters()},
+                {n: p.grad for n, p in b.named_parameters()},
+            )
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    pd = _max_diff(dict(a.named_parameters()), dict(b.named_parameters()))
+    print(
+        f"{'control':13s} device {device} | plain vs plain: max grad diff {gd[0]:.1e} ({gd[1]})"
+        f" | max param diff after 3 steps {pd[0]:.1e} ({pd[1]})",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n-layer", type=int, default=8)
@@ -149,6 +180,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
     for mode in ("fp32", "bf16-cast", "bf16-autocast"):
         run(mode, cfg, args.batch, args.steps, seed=0)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    control(cfg, args.batch, 0, device or torch.device("cpu"))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
