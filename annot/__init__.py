@@ -10,6 +10,7 @@ from annot.errors import (
     PipelineError,
     RankFailure,
     RewriteError,
+    VerifyError,
 )
 from annot.hints import boundary, checkpoint, shard, stage
 from annot.mesh import Mesh
@@ -32,6 +33,7 @@ __all__ = [
     "RewriteError",
     "Row",
     "StepOutput",
+    "VerifyError",
     "Vocab",
     "boundary",
     "checkpoint",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -89,6 +90,7 @@ def parallelize(
     split: Optional[list[str]] = None,
     sample: Any = None,
     precision: Optional[str] = None,
+    verify: Optional[bool] = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -109,6 +111,11 @@ def parallelize(
     it count FLOPs or measure time instead of parameters).
     ``precision="bf16"`` runs forward and the loss under bfloat16 autocast
     with float32 master weights, gradients and reductions (:mod:`annot.precision`).
+    ``verify=True`` (default: the ``ANNOT_VERIFY=1`` environment variable)
+    checks after every backward that each parameter replicated over tp has
+    the same gradient on every tp rank, and raises :class:`VerifyError` naming
+    the parameters that do not (their gradients are partial: hint them
+    ``Replicate(sum_grad=True)``).
     Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
@@ -237,6 +244,9 @@ def parallelize(
     from runtime.checkpointing import apply_activation_checkpointing, checkpointed_classes
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
+    _mark_grad_sums(local, specs, mapping)
+    if verify is None:
+        verify = os.environ.get("ANNOT_VERIFY") == "1"
 
     return ParallelModel(
         local,
@@ -244,7 +254,28 @@ def parallelize(
         pipeline=plan,
         info={"compiled": list(compile_classes.last), "specs": specs, **planned},
         autocast=autocast,
+        verify=verify,
     )
+
+
+def _mark_grad_sums(local: nn.Module, specs: dict, mapping: dict) -> None:
+    """Mark the parameters hinted ``Replicate(sum_grad=True)`` (a module's or a
+    raw parameter's) for the runtime: their gradients are summed over tp."""
+    from annot.specs import Replicate
+
+    original = {new: old for old, new in mapping.items()}
+    for mod in local.modules():
+        spec = specs.get(original.get(type(mod), type(mod)))
+        if spec is None:
+            continue
+        for name, s in spec.specs.items():
+            if not (isinstance(s, Replicate) and s.sum_grad):
+                continue
+            target = getattr(mod, name, None)
+            params = target.parameters() if isinstance(target, nn.Module) else [target]
+            for p in params:
+                if isinstance(p, nn.Parameter):
+                    p.annot_grad_sum = "tp"
 
 
 def _adopt(instance: nn.Module, mapping: dict, specs: dict, tp: int, ctx) -> nn.Module:
@@ -354,7 +385,9 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     the values of ``torch.manual_seed(seed); model(*args)``, computed tensor by
     tensor without ever holding the full model (runtime.deferred_init). A model
     whose construction deferred init cannot replay is built in full instead,
-    with a warning saying why."""
+    with a warning saying why. With ``seed`` the random state afterwards is
+    the reference's after its construction, the same on every rank, so random
+    ops in replicated regions (dropout) draw what the single-device run draws."""
     from runtime import mesh as rmesh
     from runtime.deferred_init import (
         DeferredInitError,
@@ -370,6 +403,7 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
             torch.manual_seed(seed)
         try:
             _, values = deferred_reference(lambda: model(*args, **kwargs), wanted)
+            after = torch.random.get_rng_state()
         except DeferredInitError as err:
             import warnings
 
@@ -381,6 +415,8 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
             values = None
     if values is not None:
         materialize_(local, values, ctx.device)
+        if seed is not None:
+            torch.random.set_rng_state(after)
         return
     from runtime.state_dict import load_full_state_dict
 
@@ -388,6 +424,9 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
         if seed is not None:
             torch.manual_seed(seed)
         full = model(*args, **kwargs).state_dict()
+        after = torch.random.get_rng_state()
+    if seed is not None:
+        torch.random.set_rng_state(after)
     local.to_empty(device=ctx.device)
     if plan is not None:
         full = {k: v for k, v in full.items() if k in set(plan.local_keys)}

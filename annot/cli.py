@@ -114,10 +114,14 @@ def _add_rewrite(sub) -> None:
         "--output",
         dest="outdir",
         metavar="OUTDIR",
-        help="write OUTDIR/<file name> with an @generated header (OUTDIR is created)",
+        help="write OUTDIR/<file name> with an @generated header (OUTDIR is created); a "
+        "file there without annot's header is not overwritten unless --force",
     )
     mode.add_argument("--diff", action="store_true", help="print a unified diff, change nothing")
     mode.add_argument("--in-place", action="store_true", help="overwrite the input files")
+    p.add_argument(
+        "--force", action="store_true", help="with -o: overwrite files annot did not write"
+    )
     p.set_defaults(run=_run_rewrite)
 
 
@@ -169,7 +173,9 @@ def rewrite_source(
 
 
 def _options(args: argparse.Namespace) -> str:
-    return f"--tp {args.tp}" + (f" --pp {args.pp}" if args.pp > 1 else "")
+    """The options that made a file, for its @generated header (re-runnable)."""
+    out = f"--tp {args.tp}" + (f" --pp {args.pp}" if args.pp > 1 else "")
+    return out + (f" --split {args.split}" if args.split else "")
 
 
 def _decode(data: bytes) -> str:
@@ -182,6 +188,11 @@ def _run_rewrite(args: argparse.Namespace) -> int:
     results: list[tuple[str, bytes, bytes]] = []
     failed = False
     try:
+        if args.split and args.pp == 1:
+            n = len(args.split.split(",")) + 1
+            raise _Refusal(f"--split {args.split} cuts pipeline stages: give --pp {n} with it")
+        if args.force and args.outdir is None:
+            raise _Refusal("--force only applies to -o OUTDIR")
         for path in args.files:
             try:
                 with open(path, "rb") as f:
@@ -282,6 +293,12 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
                 f"-o {args.outdir}: {plan[dest][0]} and {path} would both be written to {dest}; "
                 "rewrite them into different directories"
             )
+        if os.path.exists(dest) and not args.force and not _annot_wrote(dest):
+            raise _Refusal(
+                f"-o {args.outdir}: {dest} exists and annot did not write it (no @generated "
+                "header); nothing the user wrote is overwritten: pick another directory, "
+                "move the file, or pass --force"
+            )
         header = generated_header(_options(args), os.path.normpath(path), data)
         content = add_generated_header(out, header, path)
         assert isinstance(content, bytes)
@@ -293,6 +310,18 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
             f"annot rewrite: wrote {os.path.join(args.outdir, os.path.basename(dest))}",
             file=sys.stderr,
         )
+
+
+def _annot_wrote(path: str) -> bool:
+    """True if ``path`` carries annot's @generated header in its first lines."""
+    from rewriters.codegen import GENERATED_PREFIX
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace").splitlines()[:4]
+    except OSError:
+        return False
+    return any(line.lstrip("\ufeff").startswith(GENERATED_PREFIX) for line in head)
 
 
 def _write_in_place(results: list[tuple[str, bytes, bytes]]) -> None:
@@ -718,7 +747,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         except (_Refusal, AnnotError):
             raise
         except Exception as exc:
-            raise _Refusal(f"building {name} raised {_describe(exc)}") from None
+            how = (
+                "; say how to build it with --init, e.g. --init 'Config(n_layer=8)' (an "
+                "argument for the class) or --init NAME --config-json cfg.json"
+                if args.init is None
+                else ""
+            )
+            raise _Refusal(f"building {name} raised {_describe(exc)}{how}") from None
         if not isinstance(model, cls):
             raise _Refusal(f"--init built a {type(model).__name__}, not a {name}")
         sample = _sample(args.input, cls)

@@ -15,6 +15,7 @@ __all__ = [
     "RankFailure",
     "PartitionError",
     "CheckpointError",
+    "VerifyError",
 ]
 
 
@@ -78,3 +79,8 @@ class PartitionError(AnnotError, ValueError):
 
 class CheckpointError(AnnotError):
     """A checkpoint is missing, incomplete, corrupt or unsafe to load."""
+
+
+class VerifyError(AnnotError):
+    """Verification (``parallelize(verify=True)``) found ranks that disagree on
+    what must be equal, e.g. the gradient of a parameter replicated over tp."""

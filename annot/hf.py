@@ -25,8 +25,9 @@ HF style                                           annot hint
                                                    ``nn.Embedding``)
 ``embedding_rowwise``                              ``Vocab()``
 ``packed_colwise`` (fused gate|up)                 ``Col(chunks=2)``
-``replicate``, ``replicated_with_grad_allreduce``, left out: replicated, annot's
-``sequence_parallel``                              default (annot runs norms on
+``replicated_with_grad_allreduce`` (q/k norms)      ``Replicate(sum_grad=True)``
+``replicate``, ``sequence_parallel``               left out: replicated, annot's
+                                                   default (annot runs norms on
                                                    the full sequence)
 anything else (experts, ``local_*``, ...)          refused (:class:`HintError`)
 =================================================  ==========================
@@ -58,7 +59,7 @@ import torch.nn as nn
 
 from annot.errors import HintError, PipelineError
 from annot.hints import _match
-from annot.specs import Col, Local, Row, Spec, Vocab
+from annot.specs import Col, Local, Replicate, Row, Spec, Vocab
 
 __all__ = [
     "ANNOT_PLANS",
@@ -83,7 +84,7 @@ _STYLES: dict[str, Optional[Spec]] = {
     "embedding_rowwise": Vocab(),
     "packed_colwise": Col(chunks=2),
     "replicate": None,
-    "replicated_with_grad_allreduce": None,
+    "replicated_with_grad_allreduce": Replicate(sum_grad=True),
     "sequence_parallel": None,
 }
 
@@ -187,7 +188,7 @@ def hints_from_hf_config(
             plan["lm_head"] = Col(gather=True)
     hints: dict[str, Hint] = {}
     for path, style in plan.items():
-        if isinstance(style, (Col, Row, Vocab, Local)):  # annot's own plan
+        if isinstance(style, (Col, Row, Vocab, Replicate, Local)):  # annot's own plan
             hints[path] = style
             continue
         if not isinstance(style, str) or style not in _STYLES:

@@ -21,13 +21,16 @@ __all__ = ["ParallelModel"]
 
 
 class ParallelModel(nn.Module):
-    def __init__(self, module: nn.Module, ctx, *, pipeline=None, info=None, autocast=None):
+    def __init__(
+        self, module: nn.Module, ctx, *, pipeline=None, info=None, autocast=None, verify=False
+    ):
         super().__init__()
         self.module = module
         self.ctx = ctx
         self.pipeline = pipeline  # runtime.stages.PipelinePlan or None
         self.info = info or {}
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
+        self.verify = verify  # check replicated gradients agree over tp after each step
         self._step = None  # the active jit step (set by annot.jit while it runs)
 
     def forward_context(self):
@@ -81,10 +84,14 @@ class ParallelModel(nn.Module):
 
     def finish_gradients(self) -> None:
         """Average gradients over dp and sum tied weights' gradients over the
-        stages that hold them. Called once per step, after all backwards."""
-        from runtime.grads import reduce_gradients
+        stages that hold them. Called once per step, after all backwards. With
+        ``verify`` it then checks every tp-replicated gradient is the same on
+        every tp rank (:class:`annot.VerifyError` otherwise)."""
+        from runtime.grads import check_replicated_grads, reduce_gradients
 
         reduce_gradients(self.module, self.ctx, self.pipeline)
+        if self.verify:
+            check_replicated_grads(self.module, self.ctx)
 
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ spec           applies to                             meaning (Megatron layout)
                                                       sharded, output all-reduced
 ``Vocab()``    ``nn.Embedding``                       split rows (the vocabulary)
 ``Replicate``  any module / parameter                 every rank holds all of it
+                                                      (``sum_grad``: partial
+                                                      gradients summed over tp)
 ``P(...)``     an ``nn.Parameter`` attribute           one entry per tensor dim:
                                                       ``"tp"`` (split) or ``None``
 =============  =====================================  =========================
@@ -92,10 +94,22 @@ class Vocab:
 
 @dataclass(frozen=True)
 class Replicate:
-    """Every tp rank holds the full module or parameter (the default)."""
+    """Every tp rank holds the full module or parameter (the default).
+
+    ``sum_grad=True``: its forward reads tp-sharded activations (per-head q/k
+    norms, a norm or bias inside a column-parallel region), so each rank's
+    gradient is a partial sum; annot sums it over tp after backward. This is
+    HF's ``replicated_with_grad_allreduce``. ``parallelize(verify=True)``
+    finds the parameters that need it.
+    """
+
+    sum_grad: bool = False
+
+    def __post_init__(self) -> None:
+        _check("Replicate", "sum_grad", self.sum_grad, bool, "a bool")
 
     def __repr__(self) -> str:
-        return "Replicate()"
+        return "Replicate(sum_grad=True)" if self.sum_grad else "Replicate()"
 
 
 @dataclass(frozen=True, init=False)

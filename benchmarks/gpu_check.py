@@ -140,7 +140,7 @@ def control(cfg: GPTConfig, batch: int, seed: int, device: torch.device) -> None
     y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(device)
     gd = None
     for _ in range(3):
-        for m, o in zip((a, b), opts):
+        for m in (a, b):
             m(x, y)[1].backward()
         if gd is None:
             gd = _max_diff(

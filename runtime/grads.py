@@ -4,7 +4,13 @@
   per dtype, so one all-reduce instead of one per parameter);
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
-  the same optimizer step and the copies stay identical.
+  the same optimizer step and the copies stay identical;
+- replicated parameters whose forward reads tp-sharded activations (marked
+  ``annot_grad_sum = "tp"`` by the build, from ``Replicate(sum_grad=True)``):
+  each tp rank holds a partial gradient; sum it over tp.
+
+``check_replicated_grads`` verifies the result: every parameter that is not
+sharded over tp has the same gradient on every tp rank.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = []
+from annot.errors import VerifyError
+
+__all__ = ["reduce_gradients", "check_replicated_grads"]
 
 
 def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) -> None:
@@ -32,9 +40,29 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) ->
             offset += n
 
 
+def _unique_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen: set[int] = set()
+    out = []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 def reduce_gradients(module: nn.Module, ctx, pipeline=None) -> None:
     if ctx is None or not ctx.distributed:
         return
+    if ctx.mesh.tp > 1:
+        partial = [_grad(p) for _, p in _unique_params(module) if _sums_over_tp(p)]
+        if partial:
+            _flat_all_reduce(partial, ctx.tp_group, None)
     if pipeline is not None:
         for tie in pipeline.ties:
             if tie.group is None:
@@ -46,13 +74,56 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None) -> None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=tie.group)
     if ctx.mesh.dp > 1:
-        grads = []
-        seen = set()
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+        grads = [_grad(p) for _, p in _unique_params(module)]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
+
+
+def _sums_over_tp(p: nn.Parameter) -> bool:
+    return getattr(p, "annot_grad_sum", None) == "tp"
+
+
+def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Raise :class:`VerifyError` on every tp rank if the tp ranks disagree on
+    the gradient of a parameter that is not sharded over tp, naming each one.
+
+    Tp rank 0's gradients are broadcast (one flat buffer per dtype) and
+    compared; the verdict is all-reduced so every rank raises together.
+    """
+    if ctx is None or not ctx.distributed or ctx.mesh.tp == 1:
+        return
+    from runtime.state_dict import shard_layouts
+
+    sharded = shard_layouts(module)
+    params = [(n, p) for n, p in _unique_params(module) if id(p) not in sharded]
+    group = ctx.tp_group
+    src = dist.get_global_rank(group, 0)
+    bad = torch.zeros(len(params), dtype=torch.float32, device=ctx.device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, p) in enumerate(params):
+        by_dtype.setdefault(_grad(p).dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = torch.cat([params[i][1].grad.reshape(-1) for i in idx])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for i in idx:
+            g = params[i][1].grad
+            theirs = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if not torch.allclose(g, theirs, rtol=rtol, atol=atol):
+                bad[i] = (g - theirs).abs().max().float() / theirs.abs().max().float().clamp_min(
+                    1e-12
+                )
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bad.any():
+        names = [
+            f"{params[i][0]} (off by up to {bad[i].item():.0%})"
+            for i in bad.nonzero().flatten().tolist()
+        ]
+        raise VerifyError(
+            f"the tp ranks disagree on the gradient of {len(names)} replicated parameter(s): "
+            f"{', '.join(names)}. Each rank holds a partial gradient: the parameter's forward "
+            "reads tp-sharded activations (per-head q/k norms, a norm or bias inside a "
+            "column-parallel region). Hint its module Replicate(sum_grad=True) (in an HF tp "
+            "plan: replicated_with_grad_allreduce) so annot sums it over tp, or shard it."
+        )

@@ -18,7 +18,8 @@ def _block_counts(cache: str):
     from tests.parity import assert_close, compare_grads
 
     cfg = GPTConfig(n_head=4, n_embd=16, dropout=0.0)
-    block = annot.parallelize(Block, cfg, mesh=annot.Mesh(tp=2), seed=0)
+    # verify=False: verification's own collectives would be counted; it runs below.
+    block = annot.parallelize(Block, cfg, mesh=annot.Mesh(tp=2), seed=0, verify=False)
     torch.manual_seed(0)
     ref = Block(cfg)
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -32,6 +33,9 @@ def _block_counts(cache: str):
     assert_close(y, ref_y, "block output")
     assert_close(x.grad, ref_x.grad, "block input grad")
     compare_grads(block, ref, "block")
+    from runtime.grads import check_replicated_grads
+
+    check_replicated_grads(block.module, block.ctx)
     all_reduce = torch.ops.c10d.allreduce_
     return (
         dict(fwd.get_comm_counts()).get(all_reduce, 0),

@@ -251,3 +251,18 @@ def test_file_whose_forward_cannot_be_cut_falls_back_to_its_modules(capsys):
     assert main(["plan", f"{path}:TimmStyleViT", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert "blocks." in out and out.strip().splitlines()[-1].startswith("split=['blocks.")
+
+
+def test_a_model_that_needs_arguments_is_told_about_init(tmp_path, capsys):
+    src = tmp_path / "needs.py"
+    src.write_text(
+        "import torch.nn as nn\n\n\n"
+        "class Needs(nn.Module):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(config.width, config.width)\n"
+    )
+    rc, out, err = plan(capsys, f"{src}:Needs", "--pp", 2)
+    assert rc == 2 and out == ""
+    assert "building Needs raised TypeError" in err
+    assert "say how to build it with --init, e.g. --init 'Config(n_layer=8)'" in err

@@ -190,9 +190,15 @@ def _tp_parity(cache: str) -> dict:
             mask = torch.ones(2, 8, dtype=torch.long)
             mask[1, :3] = 0  # left padding in the second row
             kw = dict(attention_mask=mask, labels=ids, use_cache=False)
+            verify, model.verify = model.verify, False  # its collectives are not counted
             with CommDebugMode() as comm:
                 out = model(ids, **kw)
                 model.backward(out.loss)
+            model.verify = verify
+            if verify:
+                from runtime.grads import check_replicated_grads
+
+                check_replicated_grads(model.module, model.ctx)
             if count and step == 0:
                 counts = {str(k): v for k, v in comm.get_comm_counts().items()}
             r = ref(ids, **kw)

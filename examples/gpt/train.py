@@ -39,7 +39,7 @@ def batches(vocab: int, batch: int, seq: int, steps: int, seed: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])

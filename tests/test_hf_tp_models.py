@@ -1,0 +1,113 @@
+"""Tensor parallelism on HF transformers models as shipped (real gloo ranks,
+random init from small configs, offline): tp=2 with zero hand-written hints
+where the model ships a tp plan, verification on, and the loss, the logits,
+every gradient and every parameter after 2 AdamW steps equal to the
+single-device model.
+
+Qwen3 is the partial-gradient case: its per-head ``q_norm`` / ``k_norm`` read
+tp-sharded heads, so each rank's gradient is a partial sum. Its plan says
+``replicated_with_grad_allreduce``; annot sums them over tp. Without that sum
+``verify=True`` names them.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+from annot.testing import RanksFailed, run_ranks  # noqa: E402
+
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=16,
+)
+
+
+def _build(name: str):
+    import transformers
+
+    cls, cfg_cls, extra = {
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+    }[name]
+    return getattr(transformers, cls), getattr(transformers, cfg_cls)(**SMALL, **extra)
+
+
+def _train(model, ref, what):
+    import torch
+
+    from tests.parity import assert_close, compare_grads, compare_state
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        ids = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=g)
+        kw = dict(labels=ids, use_cache=False)
+        out = model(ids, **kw)
+        model.backward(out.loss)
+        r = ref(ids, **kw)
+        r.loss.backward()
+        assert_close(out.loss, r.loss, f"{what} step {step}: loss")
+        assert_close(out.logits, r.logits, f"{what} step {step}: logits")
+        compare_grads(model, ref, f"{what} step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, f"{what} after 2 AdamW steps")
+
+
+def _parity(cache: str, name: str, hints=None):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+
+    cls, cfg = _build(name)
+    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(tp=2), seed=0, hints=hints, verify=True)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    _train(model, ref, f"{name} tp=2")
+    return sorted(n for n, p in model.named_parameters() if getattr(p, "annot_grad_sum", None))
+
+
+def test_qwen3_tp2_sums_partial_qk_norm_gradients(tmp_path):
+    summed = run_ranks(_parity, 2, str(tmp_path), "qwen3", timeout=300)
+    assert summed[0] == summed[1]
+    assert summed[0] == [
+        f"module.model.layers.{i}.self_attn.{n}.weight"
+        for i in range(2)
+        for n in ("k_norm", "q_norm")
+    ]
+
+
+def _plan_without_sums(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    from annot.hf import hints_from_hf_config
+    from annot.specs import Replicate
+
+    cls, cfg = _build("qwen3")
+    with __import__("torch").device("meta"):
+        hints = hints_from_hf_config(cls(cfg), tp=2)
+    hints = {k: v for k, v in hints.items() if not isinstance(v, Replicate)}
+    return _parity(cache, "qwen3", hints)
+
+
+def test_verify_names_a_missing_gradient_sum(tmp_path):
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_plan_without_sums, 2, str(tmp_path), timeout=300)
+    for text in err.value.failures.values():
+        assert (
+            "VerifyError: the tp ranks disagree on the gradient of 4 replicated parameter(s): "
+            in text
+        )
+        assert "model.layers.0.self_attn.q_norm.weight (off by up to" in text
+        assert "Replicate(sum_grad=True)" in text
