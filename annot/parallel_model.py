@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from annot.errors import PipelineError
 
-__all__ = ["ParallelModel"]
+__all__ = ["ParallelModel", "clip_grad_norm_"]
 
 
 class ParallelModel(nn.Module):
@@ -93,6 +93,14 @@ class ParallelModel(nn.Module):
         if self.verify:
             check_replicated_grads(self.module, self.ctx)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole parallel model (tp
+        shards, pipeline stages, tied copies counted once); returns the total
+        norm on every rank. Call it after the step, before ``opt.step()``."""
+        from runtime.grads import clip_grad_norm_
+
+        return clip_grad_norm_(self.module, self.ctx, self.pipeline, max_norm, norm_type)
+
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from runtime.mesh import use
@@ -122,6 +130,11 @@ class ParallelModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mesh={self.ctx.mesh!r}, rank={self.ctx.rank}"
+
+
+def clip_grad_norm_(model: ParallelModel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``annot.clip_grad_norm_(model, max_norm)``: see :meth:`ParallelModel.clip_grad_norm_`."""
+    return model.clip_grad_norm_(max_norm, norm_type)
 
 
 def _gather_stages(local: dict[str, torch.Tensor], model: ParallelModel) -> dict:

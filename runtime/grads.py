@@ -10,7 +10,8 @@
   each tp rank holds a partial gradient; sum it over tp.
 
 ``check_replicated_grads`` verifies the result: every parameter that is not
-sharded over tp has the same gradient on every tp rank.
+sharded over tp has the same gradient on every tp rank. ``clip_grad_norm_``
+clips by the norm of the whole model's gradient, across the mesh.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from annot.errors import VerifyError
 
-__all__ = ["reduce_gradients", "check_replicated_grads"]
+__all__ = ["reduce_gradients", "check_replicated_grads", "clip_grad_norm_"]
 
 
 def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) -> None:
@@ -127,3 +128,53 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
             "column-parallel region). Hint its module Replicate(sum_grad=True) (in an HF tp "
             "plan: replicated_with_grad_allreduce) so annot sums it over tp, or shard it."
         )
+
+
+def clip_grad_norm_(
+    module: nn.Module, ctx, pipeline, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole parallel model: the norm
+    of the single-device model's gradient, on every rank, and every local
+    gradient scaled by ``max_norm / (norm + 1e-6)`` where that is below 1.
+
+    Each parameter counts once: a tp-sharded one as the sum of its shards; a
+    tp-replicated one on tp rank 0 only; a weight tied across pipeline stages
+    on the first stage holding it; over dp the gradients are already averaged
+    (equal), so dp adds nothing. Call it after the step's backward.
+    """
+    p = float(norm_type)
+    params = [q for _, q in _unique_params(module) if q.grad is not None]
+    device = params[0].grad.device if params else (ctx.device if ctx else torch.device("cpu"))
+    inf = p == float("inf")
+    skip: set[int] = set()
+    if pipeline is not None:
+        mine = set(pipeline.local_stage_ids)
+        for tie in pipeline.ties:
+            q = tie.local_param(module)
+            if q is not None and min(tie.stages) not in mine:
+                skip.add(id(q))
+    distributed = ctx is not None and ctx.distributed
+    from runtime.state_dict import shard_layouts
+
+    sharded = shard_layouts(module) if distributed and ctx.mesh.tp > 1 else {}
+    counted_rep = not distributed or ctx.tp_rank == 0
+    parts = [
+        torch.linalg.vector_norm(q.grad.detach().float(), p)
+        for q in params
+        if id(q) not in skip and (id(q) in sharded or counted_rep)
+    ]
+    zero = torch.zeros((), device=device)
+    if inf:
+        total = torch.stack(parts).max() if parts else zero
+    else:
+        total = torch.stack(parts).pow(p).sum() if parts else zero
+    if distributed:
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        for axis in ("tp", "pp"):
+            if getattr(ctx.mesh, axis) > 1:
+                dist.all_reduce(total, op=op, group=ctx.groups[axis])
+    norm = total if inf else total.pow(1.0 / p)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for q in params:
+        q.grad.detach().mul_(coef.to(q.grad.device, q.grad.dtype))
+    return norm
