@@ -177,6 +177,11 @@ def test_cache_hit_does_not_profile_again(tmp_path):
         [Segment(seg, (lin,), "lin")], torch.randn(5, 8), cache_dir=tmp_path, progress=False
     )
     assert calls
+    # So is every other setting the measurement depends on.
+    segs = [Segment(seg, (lin,), "lin")]
+    base = cache_key(segs, x)
+    for change in ({"optimizer": "sgd"}, {"repeats": 3}, {"warmup": 2}):
+        assert cache_key(segs, x, **change) != base, change
 
 
 def test_corrupt_cache_is_ignored(tmp_path):

@@ -273,6 +273,10 @@ def _p2p_session(examples: list) -> Any:
         _raw(_first([MAGIC, VERSION, 2**40, 0]))
         _raw(_first([MAGIC, VERSION, 8, 0], b"\xff\xfe{junk"))
         _raw(_first([MAGIC, VERSION, len(header), 0], header))
+        int_grad = json.dumps(
+            {"v": VERSION, "tree": {"k": "T", "i": 0}, "tensors": [["int64", [4], True]]}
+        ).encode()
+        _raw(_first([MAGIC, VERSION, len(int_grad), 0], int_grad))  # ints cannot need grad
         send_pytree(["still", "in", "step"], 1, **kw).wait()
         return pickle.dumps(w.grad)  # plain pickle: a queued tensor dies with its rank
     received = [recv_pytree(0, what=f"example {i}", **kw) for i in range(len(examples))]
@@ -285,7 +289,7 @@ def _p2p_session(examples: list) -> Any:
     send_pytree([t.grad for t in tensors_requiring_grad(inp)], 0, what="grads", **kw).wait()
     reset_channels()
     errors = []
-    for i in range(5):
+    for i in range(6):
         try:
             recv_pytree(0, what=f"garbage {i}", **kw)
             errors.append(None)
@@ -327,6 +331,7 @@ def test_p2p_between_two_gloo_ranks():
         "header length 1099511627776 is outside 2..",
         "the 8-byte header is not valid UTF-8 JSON",
         "the header's tensors take 16 payload bytes but the preamble says 0",
+        "tensor 0: requires_grad=True for int64",
     ]
     for i, (err, want) in enumerate(zip(errors, expected)):
         assert err is not None and err.startswith(f"recv_pytree from rank 0 (garbage {i}): "), err

@@ -158,3 +158,41 @@ def _dropout_step(cache: str) -> float:
 def test_dropout_keeps_replicated_gradients_equal_over_tp(tmp_path):
     losses = run_ranks(_dropout_step, 2, str(tmp_path))
     assert losses[0] == losses[1]
+
+
+def _dp2(cache: str) -> float:
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from examples.gpt.model import GPT, GPTConfig
+    from tests.parity import compare_grads, compare_state
+
+    cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+    model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(dp=2), seed=3)
+    torch.manual_seed(3)
+    ref = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        x = torch.randint(0, 32, (4, 8), generator=g)
+        mine = x.chunk(2)[model.ctx.dp_rank]  # this replica's half of the batch
+        _, loss = model(mine, mine)
+        model.backward(loss)  # gradients averaged over dp
+        _, ref_loss = ref(x, x)
+        ref_loss.backward()
+        compare_grads(model, ref, f"dp=2 step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, "dp=2 after 2 steps")
+    return loss.item()
+
+
+def test_dp2_averages_gradients(tmp_path):
+    losses = run_ranks(_dp2, 2, str(tmp_path))
+    assert losses[0] != losses[1]  # each replica saw its own half of the batch

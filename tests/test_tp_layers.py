@@ -285,7 +285,7 @@ def _mlp_and_embedding(tp):
         ref = nn.Embedding(vocab, 6, padding_idx=vocab - 1)
         emb = VocabParallelEmbedding(vocab, 6, padding_idx=vocab - 1, tp=tp)
         load_full_state_dict(emb, ref.state_dict())
-        ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (11,))]).view(3, -1)
+        ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (24 - vocab,))]).view(3, -1)
         out, out_ref = emb(ids), ref(ids)
         _close(out, out_ref, "embedding output")
         g = torch.randn_like(out)
@@ -320,6 +320,11 @@ def _mlp_and_embedding(tp):
 @pytest.mark.slow
 def test_mlp_block_counts_collectives_and_embedding_tp4():
     assert run_ranks(_mlp_and_embedding, 4, 4, timeout=240) == [True] * 4
+
+
+def test_mlp_block_and_embedding_padding_idx_tp2():
+    """The same checks at tp=2, in the fast set: the padding row sits in rank 1's block."""
+    assert run_ranks(_mlp_and_embedding, 2, 2, timeout=240) == [True] * 2
 
 
 def _cross_entropy(tp):
