@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from annot.cli import main
+from annot.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -59,6 +60,7 @@ def test_python_program_runs_as_written(nproc, name, source, tmp_path):
         "ANNOT_BACKEND": "gloo",
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
+        "PET_MASTER_PORT": str(free_port()),  # torchrun's --master-port, so runs can overlap
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), name]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
