@@ -18,17 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from annot.testing import RanksFailed, run_ranks  # noqa: E402
+from tests.test_hf_gpt2 import LLAMA_KW  # noqa: E402
 
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=64,
-    max_position_embeddings=16,
-)
+SMALL = {**LLAMA_KW, "head_dim": 8}  # the same small decoder, any family
 
 
 def _build(name: str):
