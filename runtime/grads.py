@@ -100,15 +100,18 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
     group = ctx.tp_group
     src = dist.get_global_rank(group, 0)
     bad = torch.zeros(len(params), dtype=torch.float32, device=ctx.device)
+    # A missing gradient reads as zeros here, without setting one (verification
+    # must not change what the optimizer sees).
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (_, p) in enumerate(params):
-        by_dtype.setdefault(_grad(p).dtype, []).append(i)
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
     for idx in by_dtype.values():
-        flat = torch.cat([params[i][1].grad.reshape(-1) for i in idx])
+        flat = torch.cat([grads[i].reshape(-1) for i in idx])
         dist.broadcast(flat, src=src, group=group)
         offset = 0
         for i in idx:
-            g = params[i][1].grad
+            g = grads[i]
             theirs = flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
             if not torch.allclose(g, theirs, rtol=rtol, atol=atol):
