@@ -25,11 +25,17 @@ from annot.errors import VerifyError
 __all__ = ["reduce_gradients", "check_replicated_grads", "clip_grad_norm_"]
 
 
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype: one flat buffer, one collective each."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
 def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
+    for idx in _by_dtype(tensors):
+        ts = [tensors[i] for i in idx]
         flat = torch.cat([t.reshape(-1) for t in ts])
         dist.all_reduce(flat, group=group)
         if scale is not None:
@@ -42,13 +48,8 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group, scale: float | None) ->
 
 
 def _unique_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    seen: set[int] = set()
-    out = []
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
+    """Trainable parameters, each once (named_parameters drops tied duplicates)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
@@ -69,11 +70,8 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None) -> None:
             if tie.group is None:
                 continue
             p = tie.local_param(module)
-            if p is None:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=tie.group)
+            if p is not None:
+                dist.all_reduce(_grad(p), group=tie.group)
     if ctx.mesh.dp > 1:
         grads = [_grad(p) for _, p in _unique_params(module)]
         if grads:
@@ -103,10 +101,7 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
     # A missing gradient reads as zeros here, without setting one (verification
     # must not change what the optimizer sees).
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, g in enumerate(grads):
-        by_dtype.setdefault(g.dtype, []).append(i)
-    for idx in by_dtype.values():
+    for idx in _by_dtype(grads):
         flat = torch.cat([grads[i].reshape(-1) for i in idx])
         dist.broadcast(flat, src=src, group=group)
         offset = 0
