@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import HintError
-from annot.hints import ShardSpec, get_shard_spec, resolve_external_hints
+from annot.hints import ShardSpec, get_shard_spec, hinted_paths, resolve_hints
 from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
 
@@ -34,21 +34,27 @@ __all__ = ["parallelize"]
 log = logging.getLogger("annot")
 
 
-def _class_specs(ref: nn.Module, hints: Optional[dict]) -> dict[type, ShardSpec]:
+def _class_specs(
+    ref: nn.Module, hints: Optional[dict]
+) -> tuple[dict[type, ShardSpec], dict[str, object]]:
+    """(the specs each class's source rewrite applies, every hint by path):
+    ``@shard`` decorators, merged with external ``hints=`` (which win)."""
     specs: dict[type, ShardSpec] = {}
     for m in ref.modules():
         s = get_shard_spec(type(m))
         if s is not None:
             specs[type(m)] = s
+    external: dict[str, object] = {}
     if hints:
-        for cls, ext in resolve_external_hints(ref, hints).items():
+        ext_specs, external = resolve_hints(ref, hints)
+        for cls, ext in ext_specs.items():
             base = specs.get(cls)
             if base is not None:  # external entries override the decorator's
                 ext = ShardSpec(
                     {**base.specs, **ext.specs}, tuple(dict.fromkeys(base.local + ext.local))
                 )
             specs[cls] = ext
-    return specs
+    return specs, {**hinted_paths(ref, specs), **external}
 
 
 def _external_for_module(specs: dict[type, ShardSpec], module) -> dict[str, ShardSpec]:
@@ -158,8 +164,11 @@ def parallelize(
         from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
 
         hints = hints_from_hf_config(ref, tp=mesh.tp) or None
-    specs = _class_specs(ref, hints)
-    verify_shard_hints(ref, specs, mesh.tp)
+    specs, paths = _class_specs(ref, hints)
+    verify_shard_hints(ref, specs, mesh.tp, paths)
+    from runtime.tp_convert import convert_hinted, tied_names
+
+    ties = tied_names(ref)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
 
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -210,10 +219,12 @@ def parallelize(
     mapping = compile_classes(classes, key=key, transform=transform)
     new_cls = mapping.get(model, model)
     if instance is not None:
-        local = _adopt(instance, mapping, specs, mesh.tp, ctx)
+        local = _adopt(instance, mapping)
     else:
         with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
             local = new_cls(*args, **kwargs)
+    with rmesh.use(ctx), torch.device("meta"):  # what construction did not shard
+        convert_hinted(local, paths, mesh.tp, ties)
     log.debug("annot: step 4: built %s for tp=%d (meta)", new_cls.__qualname__, mesh.tp)
 
     plan = None
@@ -244,7 +255,7 @@ def parallelize(
     from runtime.checkpointing import apply_activation_checkpointing, checkpointed_classes
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
-    _mark_grad_sums(local, specs, mapping)
+    _mark_grad_sums(local, paths)
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
 
@@ -258,109 +269,40 @@ def parallelize(
     )
 
 
-def _mark_grad_sums(local: nn.Module, specs: dict, mapping: dict) -> None:
+def _mark_grad_sums(local: nn.Module, paths: dict) -> None:
     """Mark the parameters hinted ``Replicate(sum_grad=True)`` (a module's or a
     raw parameter's) for the runtime: their gradients are summed over tp."""
     from annot.specs import Replicate
 
-    original = {new: old for old, new in mapping.items()}
-    for mod in local.modules():
-        spec = specs.get(original.get(type(mod), type(mod)))
-        if spec is None:
+    for path, s in paths.items():
+        if not (isinstance(s, Replicate) and s.sum_grad):
             continue
-        for name, s in spec.specs.items():
-            if not (isinstance(s, Replicate) and s.sum_grad):
-                continue
-            target = getattr(mod, name, None)
-            params = target.parameters() if isinstance(target, nn.Module) else [target]
-            for p in params:
-                if isinstance(p, nn.Parameter):
-                    p.annot_grad_sum = "tp"
+        owner, _, name = path.rpartition(".")
+        try:
+            target = getattr(local.get_submodule(owner), name, None)
+        except AttributeError:  # on another pipeline stage
+            continue
+        params = target.parameters() if isinstance(target, nn.Module) else [target]
+        for p in params:
+            if isinstance(p, nn.Parameter):
+                p.annot_grad_sum = "tp"
 
 
-def _adopt(instance: nn.Module, mapping: dict, specs: dict, tp: int, ctx) -> nn.Module:
+def _adopt(instance: nn.Module, mapping: dict) -> nn.Module:
     """A built model as if its rewritten classes had built it: a copy on the
     meta device whose modules take their rewritten classes (forward reads the
-    per-rank sizes) and whose hinted submodules become the parallel layers the
-    rewritten ``__init__`` would have made. Ties are kept."""
+    per-rank sizes). Its hinted layers are converted afterwards, as every
+    layer construction did not shard is (``convert_hinted``)."""
     import copy
-
-    from annot.specs import Col, P, Replicate, Row, Vocab
-    from runtime import mesh as rmesh
-    from runtime import tp_layers as L
 
     memo: dict = {}
     for t in list(instance.parameters()) + list(instance.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     local = copy.deepcopy(instance, memo)
-    ties: dict[int, list[str]] = {}
-    for name, p in instance.named_parameters(remove_duplicate=False):
-        ties.setdefault(id(p), []).append(name)
-
-    def parallel(sub: nn.Module, spec, where: str) -> nn.Module:
-        conv1d = type(sub).__name__ == "Conv1D" and hasattr(sub, "nf")
-        if isinstance(spec, (Col, Row)) and (isinstance(sub, nn.Linear) or conv1d):
-            if conv1d:
-                nx, nf = sub.weight.shape
-                if isinstance(spec, Col):
-                    return L.ColumnParallelConv1D(
-                        nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp
-                    )
-                return L.RowParallelConv1D(nf, nx, tp=tp)
-            bias = sub.bias is not None
-            if isinstance(spec, Col):
-                return L.ColumnParallelLinear(
-                    sub.in_features,
-                    sub.out_features,
-                    bias=bias,
-                    chunks=spec.chunks,
-                    gather=spec.gather,
-                    tp=tp,
-                )
-            return L.RowParallelLinear(sub.in_features, sub.out_features, bias=bias, tp=tp)
-        if isinstance(spec, Vocab) and isinstance(sub, nn.Embedding):
-            return L.VocabParallelEmbedding(
-                sub.num_embeddings, sub.embedding_dim, padding_idx=sub.padding_idx, tp=tp
-            )
-        raise HintError(f"{where}: {spec!r} does not apply to a {type(sub).__name__}")
-
-    with rmesh.use(ctx), torch.device("meta"):
-        for path, mod in list(local.named_modules()):
-            spec = specs.get(type(mod))
-            if type(mod) in mapping:
-                mod.__class__ = mapping[type(mod)]
-            if spec is None:
-                continue
-            for name, s in spec.specs.items():
-                if isinstance(s, Replicate):
-                    continue
-                if isinstance(s, P):
-                    setattr(
-                        mod, name, L.shard_parameter(getattr(mod, name), dim=s.split_dim, tp=tp)
-                    )
-                    continue
-                holder = (
-                    mod
-                    if name in mod._modules
-                    else next(
-                        c for c in mod.children() if isinstance(c, nn.ModuleDict) and name in c
-                    )
-                )
-                holder._modules[name] = parallel(holder._modules[name], s, f"{path}.{name}")
-        for names in ties.values():  # re-tie what the replacement split
-            if len(names) > 1:
-                first = local.get_parameter(names[0])
-                for n in names[1:]:
-                    owner, _, attr = n.rpartition(".")
-                    target = local.get_submodule(owner) if owner else local
-                    if target._parameters.get(attr) is not first:
-                        if target._parameters[attr].shape != first.shape:
-                            raise HintError(
-                                f"{names[0]} and {n} are one tied weight but their hints shard "
-                                "them differently; give both the same split (e.g. Vocab() and Col())"
-                            )
-                        target._parameters[attr] = first
+    for mod in local.modules():
+        if type(mod) in mapping:
+            mod.__class__ = mapping[type(mod)]
     return local
 
 

@@ -141,6 +141,26 @@ def _load(original: types.ModuleType, text: str, cache_path: Path, name: str) ->
     return ns
 
 
+def _rewritten(value, mapping: dict[type, type]):
+    """``value`` with the original classes it holds (itself, or one level inside a
+    dict, list, tuple or ``functools.partial``) replaced by their rewritten ones;
+    ``value`` itself when it holds none."""
+    import functools
+
+    def sub(v):
+        return mapping.get(v, v) if isinstance(v, type) else v
+
+    if isinstance(value, type):
+        return sub(value)
+    if type(value) is dict and any(isinstance(v, type) and v in mapping for v in value.values()):
+        return {k: sub(v) for k, v in value.items()}
+    if type(value) in (list, tuple) and any(isinstance(v, type) and v in mapping for v in value):
+        return type(value)(sub(v) for v in value)
+    if type(value) is functools.partial and isinstance(value.func, type) and value.func in mapping:
+        return functools.partial(mapping[value.func], *value.args, **value.keywords)
+    return value
+
+
 def compile_classes(
     classes: list[type],
     *,
@@ -187,13 +207,13 @@ def compile_classes(
                 mod, src_path, cache_path, text, ns, hit, time.perf_counter() - t0, new_classes
             )
         )
-    # A class of one module that names a class of another (``from .blocks import Block``)
-    # must build the rewritten one.
+    # A name that refers to an original class must build the rewritten one: a class
+    # of another module (``from .blocks import Block``), and module-level registries
+    # (GPT-J's ``GPTJ_ATTENTION_CLASSES = {"eager": GPTJAttention}``, a partial).
     for rec in records:
         d = rec.namespace.__dict__
         for k, v in list(d.items()):
-            if isinstance(v, type) and v in mapping and v.__module__ != rec.namespace.__name__:
-                d[k] = mapping[v]
+            d[k] = _rewritten(v, mapping)
     compile_classes.last = records
     return mapping
 

@@ -23,6 +23,7 @@ HF style                                           annot hint
 ``colwise_rep``, ``colwise_gather_output``         ``Col(gather=True)``
 ``rowwise``, ``rowwise_rep``                       ``Row()`` (``Vocab()`` on an
                                                    ``nn.Embedding``)
+``rowwise_split_input`` (after a gathered colwise)  ``Row(split_input=True)``
 ``embedding_rowwise``                              ``Vocab()``
 ``packed_colwise`` (fused gate|up)                 ``Col(chunks=2)``
 ``replicated_with_grad_allreduce`` (q/k norms)      ``Replicate(sum_grad=True)``
@@ -85,10 +86,9 @@ _STYLES: dict[str, Optional[Spec]] = {
     "packed_colwise": Col(chunks=2),
     "replicate": None,
     "replicated_with_grad_allreduce": Replicate(sum_grad=True),
+    "rowwise_split_input": Row(split_input=True),
     "sequence_parallel": None,
 }
-
-_CONV1D = "transformers.pytorch_utils"
 
 
 def _gpt2_plan(config: Any) -> dict[str, Hint]:
@@ -122,10 +122,6 @@ def is_hf_model(obj: Any) -> bool:
         c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
         for c in type(obj).__mro__
     )
-
-
-def _is_conv1d(m: Any) -> bool:
-    return type(m).__name__ == "Conv1D" and type(m).__module__ == _CONV1D
 
 
 def _base_prefix(model: nn.Module) -> str:
@@ -221,6 +217,8 @@ def _plan_of(model: Optional[nn.Module], config: Any, base: str) -> dict[str, An
 
 def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
     """Drop entries that match nothing in ``model``; check the rest fit their targets."""
+    from runtime.tp_convert import layer_kind
+
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Hint] = {}
@@ -253,7 +251,7 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
                     "its hidden dim (colwise); annot splits embeddings on the vocabulary "
                     "(Vocab()) only: give hints= by hand"
                 )
-        elif isinstance(spec, (Col, Row)) and not (isinstance(m, nn.Linear) or _is_conv1d(m)):
+        elif isinstance(spec, (Col, Row)) and layer_kind(m) not in ("linear", "conv1d"):
             raise HintError(
                 f"{where}: tp plan entry {pattern!r} ({spec!r}) names {hits[0]}, a {kind}; "
                 "annot shards nn.Linear and transformers' Conv1D with Col() / Row(): give "

@@ -28,6 +28,8 @@ __all__ = [
     "get_stage_spec",
     "get_checkpoint",
     "resolve_external_hints",
+    "resolve_hints",
+    "hinted_paths",
 ]
 
 SHARD_ATTR = "__annot_shard__"
@@ -262,11 +264,25 @@ def _match(pattern: str, path: str) -> bool:
 
 def resolve_external_hints(model, hints: dict[str, object]) -> dict[type, ShardSpec]:
     """Turn ``{"h.*.attn.c_attn": Col(chunks=3), "h.*.attn": Local("n_head")}``
-    into one :class:`ShardSpec` per class of ``model``.
+    into one :class:`ShardSpec` per class of ``model``: the hints its source
+    rewrite applies. See :func:`resolve_hints`."""
+    return resolve_hints(model, hints)[0]
 
-    A spec pattern names the submodule or parameter to shard; the spec is
-    recorded on the class of its parent. Every pattern must match something,
-    and all instances of a class must receive the same hints.
+
+def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec], dict[str, Spec]]:
+    """Resolve module-path patterns against a built ``model``.
+
+    A spec pattern names the submodule or parameter to shard; every pattern
+    must match something. Returns ``(class_specs, path_specs)``:
+
+    - ``path_specs``: every matched path and its spec (the truth: a layer
+      converted after construction uses it, whatever its parent);
+    - ``class_specs``: the specs the parent's *class* can carry, for rewriting
+      its source: an entry given identically at every instance of the class
+      in ``model``. An entry that differs between instances (x-transformers'
+      ``nn.Sequential`` feed-forwards hinted at different indexes) or whose
+      parent is a torch container stays path-only. ``Local(...)`` names change
+      the class's forward, so they must be the same at every instance.
     """
     import torch.nn as nn
 
@@ -274,7 +290,9 @@ def resolve_external_hints(model, hints: dict[str, object]) -> dict[type, ShardS
         raise HintError(f"hints need a built nn.Module, got {type(model).__name__}")
     modules = dict(model.named_modules())
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    per_path: dict[str, dict] = {}  # parent path -> {"specs": {...}, "local": (...)}
+    paths: dict[str, Spec] = {}
+    given: dict[str, str] = {}  # path -> the pattern that gave it its spec
+    local: dict[str, tuple[str, ...]] = {}  # module path -> Local names
     for pattern, value in hints.items():
         if not isinstance(pattern, str):
             raise HintError(f"hints: key {pattern!r} must be a module-path pattern string")
@@ -283,28 +301,45 @@ def resolve_external_hints(model, hints: dict[str, object]) -> dict[type, ShardS
             if not hits:
                 raise HintError(_no_match(pattern, modules))
             for p in hits:
-                per_path.setdefault(p, {"specs": {}, "local": ()})["local"] += value.names
+                local[p] = local.get(p, ()) + value.names
             continue
         _check_spec("hints", repr(pattern), value)
         hits = [p for p in list(modules) + sorted(params) if p and _match(pattern, p)]
         if not hits:
             raise HintError(_no_match(pattern, modules))
         for p in hits:
-            parent, _, attr = p.rpartition(".")
-            entry = per_path.setdefault(parent, {"specs": {}, "local": ()})
-            entry["specs"][attr] = value
+            if p in paths and paths[p] != value:
+                raise HintError(
+                    f"hints: {given[p]!r} gives {p} {paths[p]!r} but {pattern!r} gives it "
+                    f"{value!r}; make the patterns agree"
+                )
+            paths[p] = value
+            given[p] = pattern
+    instances: dict[type, list[str]] = {}
+    for path, mod in modules.items():
+        instances.setdefault(type(mod), []).append(path)
+    per_parent: dict[str, dict[str, Spec]] = {}
+    for p, value in paths.items():
+        parent, _, attr = p.rpartition(".")
+        per_parent.setdefault(parent, {})[attr] = value
     out: dict[type, ShardSpec] = {}
-    for path, entry in per_path.items():
-        cls = type(modules[path])
-        spec = ShardSpec(entry["specs"], tuple(dict.fromkeys(entry["local"])))
-        if cls in out and out[cls] != spec:
+    for cls, where in instances.items():
+        if cls.__module__.split(".")[0] == "torch":
+            continue  # a container: its entries are converted by path
+        given = [per_parent.get(w, {}) for w in where]
+        specs = {k: v for k, v in given[0].items() if all(g.get(k, None) == v for g in given[1:])}
+        names = [tuple(dict.fromkeys(local.get(w, ()))) for w in where]
+        if any(n != names[0] for n in names[1:]):
+            odd = next(w for w, n in zip(where, names) if n != names[0])
             raise HintError(
-                f"hints: instances of {cls.__name__} get different hints ({out[cls]!r} at one, "
-                f"{spec!r} at {path or '<root>'}); annot rewrites per class, so give every "
-                f"instance of {cls.__name__} the same hints"
+                f"hints: instances of {cls.__name__} get different Local(...) sizes "
+                f"({names[0]!r} at {where[0] or '<root>'}, "
+                f"{names[where.index(odd)]!r} at {odd or '<root>'}); per-rank sizes change "
+                f"the class's forward, so give every instance of {cls.__name__} the same ones"
             )
-        out[cls] = spec
-    return out
+        if specs or names[0]:
+            out[cls] = ShardSpec(specs, names[0])
+    return out, paths
 
 
 def _no_match(pattern: str, modules: dict) -> str:
@@ -313,3 +348,33 @@ def _no_match(pattern: str, modules: dict) -> str:
         f"hints: pattern {pattern!r} matches no submodule or parameter; module paths look "
         f"like {sample}. '*' matches one path component, '**' any number"
     )
+
+
+def hinted_paths(model, class_specs: dict[type, ShardSpec]) -> dict[str, Spec]:
+    """Every entry of ``class_specs`` at the full path it applies to in
+    ``model``: ``{"h.0.attn.c_attn": Col(chunks=3), ...}``. A name that is no
+    child of its module but a key of one of its ``nn.ModuleDict`` children
+    (nanoGPT's ``self.transformer = nn.ModuleDict(dict(wte=...))``) is found
+    there."""
+    import torch.nn as nn
+
+    out: dict[str, Spec] = {}
+    for path, mod in model.named_modules():
+        spec = class_specs.get(type(mod))
+        if spec is None:
+            continue
+        prefix = f"{path}." if path else ""
+        for name, s in spec.specs.items():
+            if name not in mod._modules and name not in mod._parameters:
+                holder = next(
+                    (
+                        k
+                        for k, c in mod.named_children()
+                        if isinstance(c, nn.ModuleDict) and name in c
+                    ),
+                    None,
+                )
+                if holder is not None:
+                    name = f"{holder}.{name}"
+            out[prefix + name] = s
+    return out

@@ -10,7 +10,9 @@ spec           applies to                             meaning (Megatron layout)
 ``Col()``      ``nn.Linear``                          split out-features; input
                                                       replicated, output sharded
 ``Row()``      ``nn.Linear``                          split in-features; input
-                                                      sharded, output all-reduced
+                                                      sharded (or split here:
+                                                      ``split_input=True``),
+                                                      output all-reduced
 ``Vocab()``    ``nn.Embedding``                       split rows (the vocabulary)
 ``Replicate``  any module / parameter                 every rank holds all of it
                                                       (``sum_grad``: partial
@@ -76,10 +78,19 @@ class Col:
 class Row:
     """Row-parallel ``nn.Linear``: each tp rank holds ``in_features / tp`` columns
     of the weight; the input is the sharded output of a ``Col()`` and the output
-    is all-reduced (the bias is added once, after the reduction)."""
+    is all-reduced (the bias is added once, after the reduction).
+
+    ``split_input=True``: the input is full on every rank (after a
+    ``Col(gather=True)``, HF's ``rowwise_split_input``); each rank takes its
+    slice of the last dim first (its gradient all-gathered in backward)."""
+
+    split_input: bool = False
+
+    def __post_init__(self) -> None:
+        _check("Row", "split_input", self.split_input, bool, "a bool")
 
     def __repr__(self) -> str:
-        return "Row()"
+        return "Row(split_input=True)" if self.split_input else "Row()"
 
 
 @dataclass(frozen=True)

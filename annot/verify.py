@@ -2,145 +2,131 @@
 
 ``@shard`` only records; this module verifies, in the torchgpipe habit of
 ``verify_skippables``: every hinted name exists, has a type the spec applies
-to, and every size tp must divide is divisible. Errors name the class, the
-argument and what was expected.
+to (decided by runtime type, :func:`runtime.tp_convert.check_layer`), and
+every size tp must divide is divisible. Errors name the class, the argument
+and what was expected.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
 from annot.errors import HintError
-from annot.hints import ShardSpec
-from annot.specs import Col, P, Replicate, Row, Vocab
+from annot.hints import ShardSpec, hinted_paths
+from annot.specs import Col, P, Replicate, Row, Spec, Vocab
 
 __all__ = ["verify_shard_hints"]
-
-_LINEAR_TYPES = (nn.Linear,)
-
-
-def _linear_features(sub: nn.Module):
-    """(in_features, out_features) of an nn.Linear, or of HF transformers'
-    ``Conv1D`` (GPT-2; weight stored (in, out)); None for any other module."""
-    if isinstance(sub, _LINEAR_TYPES):
-        return sub.in_features, sub.out_features
-    if type(sub).__name__ == "Conv1D" and type(sub).__module__ == "transformers.pytorch_utils":
-        nx, nf = sub.weight.shape
-        return nx, nf
-    return None
 
 
 def _fmt_names(names) -> str:
     return ", ".join(sorted(names)) or "(none)"
 
 
-def verify_shard_hints(model: nn.Module, class_specs: dict[type, ShardSpec], tp: int) -> None:
+def _features(sub: nn.Module, kind: str) -> tuple[int, int]:
+    """(in, out) features of a linear-like layer (HF Conv1D stores (in, out))."""
+    if kind == "conv1d":
+        nx, nf = sub.weight.shape
+        return nx, nf
+    return sub.in_features, sub.out_features
+
+
+def verify_shard_hints(
+    model: nn.Module,
+    class_specs: dict[type, ShardSpec],
+    tp: int,
+    paths: Optional[dict[str, Spec]] = None,
+) -> None:
     """Raise :class:`HintError` for the first hint that does not fit ``model``.
 
-    ``class_specs`` maps each hinted class to its spec (decorator or external).
-    Every instance of a hinted class inside ``model`` is checked.
+    ``class_specs`` maps each hinted class to its spec (decorator or external);
+    ``paths`` every hint by the path it applies to (default: the class specs
+    at every instance, :func:`annot.hints.hinted_paths`).
     """
+    from runtime.tp_convert import check_layer, layer_kind
+
+    modules = dict(model.named_modules())
+    if paths is None:
+        paths = hinted_paths(model, class_specs)
+    params = dict(model.named_parameters(remove_duplicate=False))
     fused: dict[tuple[type, str], tuple[int, str]] = {}  # (class, name) -> (out, first path)
-    for path, mod in model.named_modules():
+    for full, s in paths.items():
+        parent_path, _, name = full.rpartition(".")
+        parent = modules[parent_path]
+        if isinstance(parent, nn.ModuleDict) and parent_path.rpartition(".")[0] in modules:
+            owner_path = parent_path.rpartition(".")[0]  # nanoGPT's transformer.wte
+            if (
+                type(modules[owner_path]) in class_specs
+                and name in class_specs[type(modules[owner_path])].specs
+            ):
+                parent_path, parent = owner_path, modules[owner_path]
+        cls = type(parent).__name__
+        where = f"{cls}" + (f" (at {parent_path})" if parent_path else "")
+        head = f"@shard on {where}: argument {name}={s!r}"
+        sub = modules.get(full)
+        param = None if sub is not None else params.get(full)
+        if isinstance(s, P):
+            if param is None:
+                own = dict(parent.named_parameters(recurse=False))
+                raise HintError(
+                    f"{head} names no parameter of {cls}; its own parameters are: {_fmt_names(own)}"
+                )
+            if len(s.dims) != param.dim():
+                raise HintError(
+                    f"{head} has {len(s.dims)} entries but {name} has {param.dim()} dims (shape "
+                    f"{tuple(param.shape)}); give one entry per dim"
+                )
+            d = s.split_dim
+            if d is not None and param.shape[d] % tp:
+                raise HintError(
+                    f"{head}: dim {d} of {name} has size {param.shape[d]}, not divisible by "
+                    f"tp ({tp})"
+                )
+            continue
+        if sub is None:
+            if isinstance(s, Replicate) and param is not None:
+                continue
+            hint = f"; its submodules are: {_fmt_names(dict(parent.named_children()))}"
+            if param is not None:
+                hint = f"; {name} is a parameter: use P(...) for parameters"
+            raise HintError(f"{head} names no submodule of {cls}{hint}")
+        if isinstance(s, Replicate):
+            continue
+        check_layer(sub, s, head, f"{cls}.{name}")
+        kind = layer_kind(sub)
+        if isinstance(s, Vocab):
+            if sub.num_embeddings % tp:
+                raise HintError(
+                    f"{head}: num_embeddings={sub.num_embeddings} is not divisible by tp ({tp})"
+                )
+            continue
+        in_features, out_features = _features(sub, kind)
+        if isinstance(s, Col) and s.chunks > 1:
+            seen = fused.setdefault((type(parent), name), (out_features, parent_path or "<root>"))
+            if seen[0] != out_features:
+                raise HintError(
+                    f"{head}: {cls}.{name} has out_features={out_features} here but {seen[0]} "
+                    f"at {seen[1]}; chunks={s.chunks} fits one fused layout only and annot "
+                    "hints are per class (GPT-2's cross-attention c_attn fuses k|v, its "
+                    "self-attention c_attn q|k|v): build one layout, or hint the class by "
+                    "hand without chunks for both"
+                )
+        if isinstance(s, Col):
+            div = tp * s.chunks
+            if out_features % div:
+                raise HintError(
+                    f"{head}: out_features={out_features} is not divisible by tp({tp}) * "
+                    f"chunks({s.chunks}) = {div}"
+                )
+        elif isinstance(s, Row) and in_features % tp:
+            raise HintError(f"{head}: in_features={in_features} is not divisible by tp ({tp})")
+    for path, mod in modules.items():
         spec = class_specs.get(type(mod))
         if spec is None:
             continue
         cls = type(mod).__name__
         where = f"{cls}" + (f" (at {path})" if path else "")
-        children = dict(mod.named_children())
-        params = dict(mod.named_parameters(recurse=False))
-        for name, s in spec.specs.items():
-            if isinstance(s, P):
-                if name not in params:
-                    raise HintError(
-                        f"@shard on {where}: argument {name}={s!r} names no parameter of "
-                        f"{cls}; its own parameters are: {_fmt_names(params)}"
-                    )
-                t = params[name]
-                if len(s.dims) != t.dim():
-                    raise HintError(
-                        f"@shard on {where}: argument {name}={s!r} has {len(s.dims)} entries but "
-                        f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); give one entry per dim"
-                    )
-                d = s.split_dim
-                if d is not None and t.shape[d] % tp:
-                    raise HintError(
-                        f"@shard on {where}: argument {name}={s!r}: dim {d} of {name} has size "
-                        f"{t.shape[d]}, not divisible by tp ({tp})"
-                    )
-                continue
-            sub = children.get(name)
-            if sub is None:  # an entry of an nn.ModuleDict built in __init__ (nanoGPT's layout)
-                sub = next(
-                    (
-                        c[name]
-                        for c in children.values()
-                        if isinstance(c, nn.ModuleDict) and name in c
-                    ),
-                    None,
-                )
-            if sub is None:
-                hint = f"; its submodules are: {_fmt_names(children)}"
-                if name in params:
-                    hint = f"; {name} is a parameter: use P(...) for parameters"
-                raise HintError(
-                    f"@shard on {where}: argument {name}={s!r} names no submodule of {cls}{hint}"
-                )
-            kind = type(sub).__name__
-            if isinstance(s, (Col, Row)):
-                features = _linear_features(sub)
-                if features is None:
-                    raise HintError(
-                        f"@shard on {where}: argument {name}={s!r} applies to nn.Linear, but "
-                        f"{cls}.{name} is a {kind}"
-                        + (
-                            "; use Vocab() for an nn.Embedding"
-                            if isinstance(sub, nn.Embedding)
-                            else ""
-                        )
-                    )
-                in_features, out_features = features
-                if isinstance(s, Col) and s.chunks > 1:
-                    seen = fused.setdefault((type(mod), name), (out_features, path or "<root>"))
-                    if seen[0] != out_features:
-                        raise HintError(
-                            f"@shard on {where}: argument {name}={s!r}: {cls}.{name} has "
-                            f"out_features={out_features} here but {seen[0]} at {seen[1]}; "
-                            f"chunks={s.chunks} fits one fused layout only and annot hints are "
-                            "per class (GPT-2's cross-attention c_attn fuses k|v, its "
-                            "self-attention c_attn q|k|v): build one layout, or hint the "
-                            "class by hand without chunks for both"
-                        )
-                if isinstance(s, Col):
-                    div = tp * s.chunks
-                    if out_features % div:
-                        raise HintError(
-                            f"@shard on {where}: argument {name}={s!r}: out_features="
-                            f"{out_features} is not divisible by tp({tp}) * chunks({s.chunks}) = {div}"
-                        )
-                elif in_features % tp:
-                    raise HintError(
-                        f"@shard on {where}: argument {name}={s!r}: in_features={in_features} "
-                        f"is not divisible by tp ({tp})"
-                    )
-            elif isinstance(s, Vocab):
-                if not isinstance(sub, nn.Embedding):
-                    raise HintError(
-                        f"@shard on {where}: argument {name}=Vocab() applies to nn.Embedding, but "
-                        f"{cls}.{name} is a {kind}"
-                        + (
-                            "; use Col() or Row() for an nn.Linear"
-                            if isinstance(sub, nn.Linear)
-                            else ""
-                        )
-                    )
-                if sub.num_embeddings % tp:
-                    raise HintError(
-                        f"@shard on {where}: argument {name}=Vocab(): num_embeddings="
-                        f"{sub.num_embeddings} is not divisible by tp ({tp})"
-                    )
-            elif isinstance(s, Replicate):
-                pass
         for name in spec.local:
             if not hasattr(mod, name):
                 continue  # a forward-local name (e.g. C in `B, T, C = x.size()`)

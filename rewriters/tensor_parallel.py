@@ -19,6 +19,13 @@
    ...pytorch_utils import Conv1D``) are resolved against the package the
    file lives in (its parent directories with an ``__init__.py``).
 
+   Any other constructor (a subclass such as ``FalconLinear(...)``, a factory
+   ``linear_layer(...)``, ``partial(nn.Linear, bias=False)(...)``) is kept as
+   written and what it builds is converted by its runtime type
+   (:mod:`runtime.tp_convert`)::
+
+       self.fc1 = linear_layer(d, h)       ->  column_parallel(linear_layer(d, h), tp=2)
+
    ``Replicate()`` leaves the attribute alone. A spec'd name may also be a key
    of an ``nn.ModuleDict(dict(wte=...))`` / ``nn.ModuleDict({"wte": ...})``
    assigned in ``__init__`` (nanoGPT's ``self.transformer``).
@@ -69,7 +76,7 @@
 
 What the rewriter cannot make correct it refuses with a :class:`RewriteError`
 at ``file:line:col`` (nothing partial is returned): a spec'd name that
-``__init__`` never assigns, a spec on a constructor it does not know, a spec
+``__init__`` never assigns, ``P(...)`` on something not an ``nn.Parameter``, a spec
 that does not fit the layer (``Vocab()`` on a Linear), an attribute assigned
 with different calls, and a ``local=`` name written by ``+=`` or declared
 ``global``/``nonlocal`` in a method, and the sharded-value uses of item 4.
@@ -114,6 +121,7 @@ __all__ = ["TensorParallelTransformer", "rewrite_tensor_parallel"]
 
 TP_LAYERS = "runtime.tp_layers"
 VOCAB_LOSS = "runtime.vocab_loss"
+TP_CONVERT = "runtime.tp_convert"
 
 LINEAR = frozenset({"torch.nn.Linear", "torch.nn.modules.linear.Linear"})
 EMBEDDING = frozenset({"torch.nn.Embedding", "torch.nn.modules.sparse.Embedding"})
@@ -584,8 +592,11 @@ class TensorParallelTransformer(cst.CSTTransformer):
                     )
             for path, value, kind, label in ctors:
                 self._check_fits(name, s, value, kind, label)
-                assert isinstance(value, cst.Call)
-                self._plan_constructor(s, value, kind)
+                if kind is None:
+                    self._plan_conversion(s, value)
+                else:
+                    assert isinstance(value, cst.Call)
+                    self._plan_constructor(s, value, kind)
                 if isinstance(s, Col) and not s.gather:
                     col_paths.add(path)
         return col_paths
@@ -685,6 +696,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
         want = {Col: "linear", Row: "linear", Vocab: "embedding", P: "parameter"}[type(s)]
         if kind == want or (want == "linear" and kind == "conv1d"):
             return
+        if kind is None and want != "parameter":
+            return  # built as written, converted by its runtime type (runtime.tp_convert)
         head = f"{name}={s!r}: "
         if kind is None:
             what = f"{label}(...)" if isinstance(value, cst.Call) else label
@@ -720,6 +733,36 @@ class TensorParallelTransformer(cst.CSTTransformer):
             )
         raise self.locate.error(value, head + reason)
 
+    def _plan_conversion(self, s: object, value: cst.BaseExpression) -> None:
+        """A layer built by a call annot cannot name (a subclass, a factory,
+        ``partial(nn.Linear, ...)``): keep the call and convert what it builds,
+        ``column_parallel(linear_layer(d, h), tp=2)``, by its runtime type."""
+        args = []
+        if isinstance(s, Col):
+            fn = "column_parallel"
+            if s.chunks != 1:
+                args.append(_kwarg("chunks", str(s.chunks)))
+            if s.gather:
+                args.append(_kwarg("gather", "True"))
+        else:
+            fn = "row_parallel" if isinstance(s, Row) else "vocab_parallel"
+            if isinstance(s, Row) and s.split_input:
+                args.append(_kwarg("split_input", "True"))
+        args.append(_kwarg("tp", str(self.tp)))
+        self.needed_imports.add((TP_CONVERT, fn))
+        space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        self._edit(
+            value,
+            lambda n: cst.Call(
+                func=cst.Name(fn),
+                args=[
+                    cst.Arg(n, comma=space),
+                    *(a.with_changes(comma=space) for a in args[:-1]),
+                    args[-1],
+                ],
+            ),
+        )
+
     def _plan_constructor(self, s: object, call: cst.Call, kind: Optional[str] = None) -> None:
         tp = _kwarg("tp", str(self.tp))
         if isinstance(s, P):
@@ -751,6 +794,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
                 extra.append(_kwarg("gather", "True"))
         elif isinstance(s, Row):
             layer = row
+            if s.split_input:
+                extra.append(_kwarg("split_input", "True"))
         else:
             layer = "VocabParallelEmbedding"
         extra.append(tp)
@@ -819,6 +864,17 @@ class TensorParallelTransformer(cst.CSTTransformer):
                 )
             if params:
                 continue
+            divided = [self._reads_divided(a.node, self_name, names) for a in assignments]
+            if all(divided):
+                continue  # e.g. kv = self.n_head if ... else self.n_kv: already per rank
+            if any(divided):
+                a = assignments[divided.index(True)]
+                raise self.locate.error(
+                    a.node,
+                    f"{name} is a per-rank size (local=) that {where} assigns both from "
+                    "per-rank sizes of self (here) and from other values; annot cannot "
+                    "tell whether a read is already divided, so give one of them another name",
+                )
             for a in assignments:
                 for access in a.references:
                     if isinstance(access.node, cst.Name) and self._is_load(access.node):
@@ -842,6 +898,24 @@ class TensorParallelTransformer(cst.CSTTransformer):
                 continue
             seen.add(id(node))
             self._edit(node, self._divider(self._needs_parens(node)))
+
+    def _reads_divided(
+        self, target: cst.CSTNode, self_name: Optional[str], names: set[str]
+    ) -> bool:
+        """Whether the value assigned to ``target`` reads ``self.<name>`` for a
+        listed name (whose reads are divided already)."""
+        assert self.scopes is not None
+        node: Optional[cst.CSTNode] = target
+        while node is not None and not isinstance(node, (cst.Assign, cst.AnnAssign)):
+            if isinstance(node, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                return False
+            node = self.scopes.parent(node)
+        if node is None or node.value is None or self_name is None:
+            return False
+        listed = m.Attribute(
+            value=m.Name(self_name), attr=m.Name(value=m.MatchIfTrue(lambda v: v in names))
+        )
+        return bool(m.findall(node.value, listed))
 
     def _is_load(self, node: cst.CSTNode) -> bool:
         assert self.scopes is not None

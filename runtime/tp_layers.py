@@ -44,7 +44,14 @@ from torch import nn
 
 from annot.errors import HintError, MeshError
 from runtime.mesh import ParallelContext, current
-from runtime.tp_comm import _CopyToTP, _GatherFromTP, _ReduceFromTP, all_reduce_, split_local
+from runtime.tp_comm import (
+    _CopyToTP,
+    _GatherFromTP,
+    _ReduceFromTP,
+    _ScatterToTP,
+    all_reduce_,
+    split_local,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -153,11 +160,15 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
 
 
 def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
-    """Megatron's row block: sharded input, partial products all-reduced, the
-    bias added once after the reduction."""
+    """Megatron's row block: sharded input (split here first with
+    ``split_input``), partial products all-reduced, the bias added once after
+    the reduction."""
     if layer.tp == 1:
         return matmul(x, layer.weight, layer.bias)
-    group = _mesh_for(type(layer).__name__, layer.tp).tp_group
+    ctx = _mesh_for(type(layer).__name__, layer.tp)
+    group = ctx.tp_group
+    if layer.split_input:
+        x = _ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
     y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
     if y.requires_grad:
         y = _ReduceFromTP.apply(y, group, True)
@@ -253,6 +264,7 @@ class RowParallelLinear(nn.Module):
         device=None,
         dtype=None,
         *,
+        split_input: bool = False,
         tp: int = 1,
     ) -> None:
         super().__init__()
@@ -263,6 +275,7 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_local = in_features // tp
+        self.split_input = bool(split_input)
         self.tp = tp
         kw = _factory(device, dtype)
         self.weight = nn.Parameter(torch.empty((out_features, self.in_features_local), **kw))
@@ -284,8 +297,9 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, tp={self.tp}, "
-            f"local_weight={tuple(self.weight.shape)}"
+            f"bias={self.bias is not None}, "
+            + ("split_input=True, " if self.split_input else "")
+            + f"tp={self.tp}, local_weight={tuple(self.weight.shape)}"
         )
 
 
@@ -356,7 +370,7 @@ class RowParallelConv1D(nn.Module):
     and the bias is added once, after the reduction.
     """
 
-    def __init__(self, nf: int, nx: int, *, tp: int = 1) -> None:
+    def __init__(self, nf: int, nx: int, *, split_input: bool = False, tp: int = 1) -> None:
         super().__init__()
         name = type(self).__name__
         _check_degree(name, tp)
@@ -365,6 +379,7 @@ class RowParallelConv1D(nn.Module):
         self.nf = nf
         self.nx = nx
         self.nx_local = nx // tp
+        self.split_input = bool(split_input)
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(self.nx_local, nf))
         self.bias = nn.Parameter(torch.zeros(nf))

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import annot
 from annot import Col, HintError, Local, MeshError, PipelineError, Row, Vocab
-from annot.hints import resolve_external_hints, shard, stage
+from annot.hints import resolve_external_hints, resolve_hints, shard, stage
 from annot.microbatch import split_microbatches
 from annot.testing import RanksFailed, run_ranks
 from annot.verify import verify_shard_hints
@@ -142,8 +142,12 @@ def test_external_hint_matching_nothing():
     with pytest.raises(HintError) as err:
         resolve_external_hints(Net(), {"blocks.*.attn.qkv": Col()})
     assert "pattern 'blocks.*.attn.qkv' matches no submodule or parameter" in str(err.value)
-    with pytest.raises(HintError, match="instances of Attn get different hints"):
-        resolve_external_hints(Net(), {"blocks.0.qkv": Col(), "blocks.1.qkv": Row()})
+    # hints that differ between instances are applied by path, not rewritten per class
+    specs, paths = resolve_hints(Net(), {"blocks.0.qkv": Col(), "blocks.1.qkv": Row()})
+    assert Attn not in specs
+    assert paths == {"blocks.0.qkv": Col(), "blocks.1.qkv": Row()}
+    with pytest.raises(HintError, match="instances of Attn get different Local"):
+        resolve_external_hints(Net(), {"blocks.0": Local("n_head")})
     specs = resolve_external_hints(
         Net(), {"blocks.*.qkv": Col(chunks=3), "blocks.*": Local("n_head")}
     )

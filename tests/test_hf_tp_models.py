@@ -17,6 +17,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
+from annot.specs import Col, Local, Row  # noqa: E402
 from annot.testing import RanksFailed, run_ranks  # noqa: E402
 from tests.test_hf_gpt2 import LLAMA_KW  # noqa: E402
 
@@ -26,10 +27,51 @@ SMALL = {**LLAMA_KW, "head_dim": 8}  # the same small decoder, any family
 def _build(name: str):
     import transformers
 
+    if name == "falcon":  # no plan; its projections are FalconLinear, an nn.Linear subclass
+        cfg = transformers.FalconConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=False,
+            alibi=False,
+            bias=True,
+        )
+        return transformers.FalconForCausalLM, cfg
+    if name == "gptj":  # no plan; GPTJ_ATTENTION_CLASSES picks its attention class
+        cfg = transformers.GPTJConfig(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16
+        )
+        return transformers.GPTJForCausalLM, cfg
     cls, cfg_cls, extra = {
         "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
+        # plan + embedding_rowwise on Gemma3TextScaledWordEmbedding (an nn.Embedding
+        # subclass whose forward scales super().forward(ids))
+        "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 4}),
+        # colwise_gather_output then rowwise_split_input on fused qkv / gate_up
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0}),
     }[name]
     return getattr(transformers, cls), getattr(transformers, cfg_cls)(**SMALL, **extra)
+
+
+# At most 6 lines of hints for a model that ships no plan.
+HINTS = {
+    "falcon": lambda: {
+        "**.self_attention.query_key_value": Col(),  # per head q|k|v: a plain split keeps heads
+        "**.self_attention.dense": Row(),
+        "**.mlp.dense_h_to_4h": Col(),
+        "**.mlp.dense_4h_to_h": Row(),
+        "**.self_attention": Local("num_heads", "num_kv_heads"),
+    },
+    "gptj": lambda: {
+        "**.attn.[qkv]_proj": Col(),
+        "**.attn.out_proj": Row(),
+        "**.mlp.fc_in": Col(),
+        "**.mlp.fc_out": Row(),
+        "**.attn": Local("num_attention_heads"),
+    },
+}
 
 
 def _train(model, ref, what):
@@ -57,14 +99,23 @@ def _train(model, ref, what):
     compare_state(model, ref, f"{what} after 2 AdamW steps")
 
 
-def _parity(cache: str, name: str, hints=None):
+def _parity(cache: str, name: str, hints=None, built: bool = False):
+    """tp=2 against the single-device model; ``built``: hand annot the built
+    model (the instance path) instead of the class and its config."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
 
     cls, cfg = _build(name)
-    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(tp=2), seed=0, hints=hints, verify=True)
+    if hints is None and name in HINTS:
+        hints = HINTS[name]()
+    mesh = annot.Mesh(tp=2)
+    if built:
+        torch.manual_seed(0)
+        model = annot.parallelize(cls(cfg), mesh=mesh, hints=hints, verify=True)
+    else:
+        model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, hints=hints, verify=True)
     torch.manual_seed(0)
     ref = cls(cfg)
     _train(model, ref, f"{name} tp=2")
@@ -103,3 +154,18 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
         )
         assert "model.layers.0.self_attn.q_norm.weight (off by up to" in text
         assert "Replicate(sum_grad=True)" in text
+
+
+@pytest.mark.parametrize(
+    "name, built",
+    [
+        ("gemma3", False),  # zero hints: the plan, and the scaled embedding kept
+        ("phi3", False),  # zero hints: rowwise_split_input
+        ("falcon", False),  # FalconLinear by runtime type
+        ("falcon", True),
+        ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite
+        ("gptj", True),
+    ],
+)
+def test_tp2_parity_on_models_without_plain_layers(tmp_path, name, built):
+    run_ranks(_parity, 2, str(tmp_path), name, None, built, timeout=300)

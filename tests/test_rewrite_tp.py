@@ -413,6 +413,98 @@ def test_replicate_and_module_dict_entries():
     )
 
 
+def test_layers_built_by_subclasses_factories_and_partials_are_converted():
+    # What the call builds is decided at runtime (runtime.tp_convert), so the call stays.
+    assert_rewrite(
+        """
+        from functools import partial
+        import torch.nn as nn
+        from annot import shard, Col, Row, Vocab
+
+        LinearNoBias = partial(nn.Linear, bias=False)
+
+        class MyLinear(nn.Linear):
+            pass
+
+        @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab())
+        class M(nn.Module):
+            def __init__(self, d, linear_layer=nn.Linear):
+                super().__init__()
+                self.a = MyLinear(d, 4 * d)
+                self.b = linear_layer(4 * d, d, bias=False)
+                self.c = LinearNoBias(d, d)
+                self.e = make_embedding(10, d)
+        """,
+        """
+        from functools import partial
+        import torch.nn as nn
+        from annot import shard, Col, Row, Vocab
+        from runtime.tp_convert import column_parallel, row_parallel, vocab_parallel
+
+        LinearNoBias = partial(nn.Linear, bias=False)
+
+        class MyLinear(nn.Linear):
+            pass
+
+        # annot: @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab()) applied for tp=2
+        class M(nn.Module):
+            def __init__(self, d, linear_layer=nn.Linear):
+                super().__init__()
+                self.a = column_parallel(MyLinear(d, 4 * d), chunks=2, tp=2)
+                self.b = row_parallel(linear_layer(4 * d, d, bias=False), split_input=True, tp=2)
+                self.c = column_parallel(LinearNoBias(d, d), gather=True, tp=2)
+                self.e = vocab_parallel(make_embedding(10, d), tp=2)
+        """,
+    )
+
+
+def test_a_local_assigned_from_divided_sizes_is_not_divided_again():
+    # HF Falcon: num_kv_heads = self.num_heads if ... else self.num_kv_heads
+    assert_rewrite(
+        """
+        import torch.nn as nn
+        from annot import shard
+
+        @shard(local=("num_heads", "num_kv_heads"))
+        class A(nn.Module):
+            def forward(self, x, new):
+                num_kv_heads = self.num_heads if new else self.num_kv_heads
+                B, T, num_heads = x.shape
+                return x.view(B, num_kv_heads, -1), num_heads
+        """,
+        """
+        import torch.nn as nn
+        from annot import shard
+
+        # annot: @shard(local=("num_heads", "num_kv_heads")) applied for tp=2
+        class A(nn.Module):
+            def forward(self, x, new):
+                num_kv_heads = self.num_heads // 2 if new else self.num_kv_heads // 2
+                B, T, num_heads = x.shape
+                return x.view(B, num_kv_heads, -1), num_heads // 2
+        """,
+    )
+    err = refusal(
+        """
+        import torch.nn as nn
+        from annot import shard
+
+        @shard(local=("n",))
+        class A(nn.Module):
+            def forward(self, x):
+                n = self.n
+                if x.dim() > 2:
+                    n = x.size(-1)
+                return x.view(-1, n)
+        """
+    )
+    assert err.reason.startswith(
+        "n is a per-rank size (local=) that A.forward assigns both from per-rank sizes of "
+        "self (here) and from other values"
+    )
+    assert (err.line, err.col) == (7, 9)
+
+
 def test_multiline_calls_keep_their_layout():
     assert_rewrite(
         """
@@ -882,30 +974,6 @@ def test_refuses_hints_on_a_class_without_init():
 @pytest.mark.parametrize(
     "spec, ctor, reason",
     [
-        (
-            "Col()",
-            "MyLinear(4, 4)",
-            "c=Col(): self.c is MyLinear(...), which annot does not know how to shard; annot "
-            "shards nn.Linear (Col(), Row()), nn.Embedding (Vocab()) and nn.Parameter (P(...)); "
-            "Replicate() keeps any attribute whole. Build it with a supported layer, or hint it "
-            "Replicate()",
-        ),
-        (
-            "Row()",
-            "tnn.Conv2d(4, 4, 3)",
-            "c=Row(): self.c is tnn.Conv2d(...), which annot does not know how to shard; annot "
-            "shards nn.Linear (Col(), Row()), nn.Embedding (Vocab()) and nn.Parameter (P(...)); "
-            "Replicate() keeps any attribute whole. Build it with a supported layer, or hint it "
-            "Replicate()",
-        ),
-        (
-            "Col()",
-            "linear",
-            "c=Col(): self.c is linear, which annot does not know how to shard; annot "
-            "shards nn.Linear (Col(), Row()), nn.Embedding (Vocab()) and nn.Parameter (P(...)); "
-            "Replicate() keeps any attribute whole. Build it with a supported layer, or hint it "
-            "Replicate()",
-        ),
         (
             "Vocab()",
             "nn.Linear(4, 100)",

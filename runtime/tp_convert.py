@@ -1,0 +1,408 @@
+"""Built torch layers into their tensor-parallel forms, decided by runtime type.
+
+The rewriter swaps constructors it can name (``nn.Linear(...)`` ->
+``ColumnParallelLinear(...)``). Real models build their layers other ways: a
+subclass (HF Falcon's ``FalconLinear``, Gemma's scaled embedding), a factory
+passed in (timm's ``linear_layer(...)``), ``partial(nn.Linear, bias=False)``
+(x-transformers' ``LinearNoBias``), an entry of an ``nn.Sequential`` or
+``nn.ModuleDict``. For those the layer is built as written and converted here,
+by what it *is* at runtime:
+
+=================================  =========================================
+built layer                        becomes
+=================================  =========================================
+``nn.Linear`` or a subclass        ``ColumnParallelLinear`` / ``RowParallelLinear``
+HF ``Conv1D`` or a subclass        ``ColumnParallelConv1D`` / ``RowParallelConv1D``
+``nn.Embedding`` or a subclass     ``VocabParallelEmbedding``
+=================================  =========================================
+
+A subclass that overrides ``forward`` is taken only when annot can show the
+result is still right:
+
+- its forward returns the base layer's result computed another way
+  (``FalconLinear``: ``x @ self.weight.T + self.bias``): checked by running it
+  on a small random probe against ``F.linear`` / ``F.embedding``; or
+- its forward post-processes ``super().forward(...)``: its inputs go only
+  into that call, and it reads ``self.weight`` / ``self.bias`` only for
+  ``.dtype`` / ``.device`` (Gemma's
+  ``super().forward(ids) * self.embed_scale``), and the parallel layer's
+  output is the full tensor (``Vocab()``, ``Row()``, ``Col(gather=True)``):
+  the subclass's forward is kept, its ``super()`` now the parallel layer's,
+  and its other attributes and buffers come along.
+
+Anything else is refused with :class:`HintError`, naming the class and what
+to do. ``check_layer`` makes the same decision without building anything
+(on the meta reference, before any rank works); ``to_parallel`` builds. A
+layer with real values (not on the meta device) gives the parallel layer this
+rank's slice of them, so ``column_parallel(nn.Linear(...), tp=2)`` keeps the
+single-device initialization.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from annot.errors import HintError
+from annot.specs import Col, Row, Vocab
+from runtime import tp_layers as L
+from runtime.state_dict import load_full_state_dict
+
+__all__ = [
+    "check_layer",
+    "column_parallel",
+    "convert_hinted",
+    "is_parallel_layer",
+    "layer_kind",
+    "row_parallel",
+    "tied_names",
+    "to_parallel",
+    "vocab_parallel",
+]
+
+
+def _conv1d_base(module: nn.Module) -> Optional[type]:
+    for c in type(module).__mro__:
+        if c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils":
+            return c
+    return None
+
+
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """``"linear"`` / ``"conv1d"`` / ``"embedding"`` by runtime type (subclasses
+    included), or None for a module annot cannot shard as a layer."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if _conv1d_base(module) is not None:
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+def is_parallel_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is already one of annot's tp layers."""
+    return callable(getattr(module, "annot_shard_layout", None))
+
+
+def _base(module: nn.Module, kind: str) -> type:
+    return {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind) or _conv1d_base(module)
+
+
+def _forward_definers(cls: type, base: type) -> list[type]:
+    """The classes between ``cls`` and ``base`` (in MRO order) that define forward."""
+    mro = cls.__mro__
+    return [c for c in mro[: mro.index(base)] if "forward" in c.__dict__]
+
+
+@functools.cache
+def _reads_super(definer: type) -> Optional[str]:
+    """None when ``definer.forward`` post-processes zero-argument
+    ``super().forward(...)``: its inputs go only into that call, and it reads
+    ``self.weight`` / ``self.bias`` only for ``.dtype`` / ``.device``;
+    otherwise the reason it does not."""
+    fn = definer.__dict__["forward"]
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return "its source cannot be read"
+    func = tree.body[0]
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or not func.args.args:
+        return "it is not a plain method"
+    me = func.args.args[0].arg
+    inputs = {a.arg for a in func.args.args[1:] + func.args.kwonlyargs}
+    inputs |= {a.arg for a in (func.args.vararg, func.args.kwarg) if a is not None}
+    calls_super = False
+    allowed: set[int] = set()
+    passed: set[int] = set()  # nodes inside super().forward(...)'s arguments
+    for node in ast.walk(func):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("dtype", "device")
+            and isinstance(node.value, ast.Attribute)
+        ):
+            allowed.add(id(node.value))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "forward"
+            and isinstance(node.func.value, ast.Call)
+            and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super"
+            and not node.func.value.args
+        ):
+            calls_super = True
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                passed.update(id(n) for n in ast.walk(arg))
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name) and node.id in inputs and id(node) not in passed:
+            return f"it reads its input {node.id} outside super().forward(...)"
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("weight", "bias")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == me
+            and id(node) not in allowed
+        ):
+            return f"it reads {me}.{node.attr} (line {node.lineno} of its forward)"
+    return None if calls_super else "it does not call super().forward(...)"
+
+
+def _probe_equals_base(module: nn.Module, kind: str) -> Optional[str]:
+    """None when the module's forward equals its base layer's on a small random
+    probe with the module's own attributes; otherwise why not."""
+    extra = [n for n in module._parameters if n not in ("weight", "bias")]
+    extra += list(module._buffers) + list(module._modules)
+    if extra:
+        return f"it holds more than weight and bias ({', '.join(extra)})"
+    with torch.device("cpu"):  # whatever device the model is being built on
+        return _probe(module, kind)
+
+
+def _probe(module: nn.Module, kind: str) -> Optional[str]:
+    g = torch.Generator().manual_seed(0)
+    probe = type(module).__new__(type(module))
+    nn.Module.__init__(probe)
+    probe.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+    has_bias = getattr(module, "bias", None) is not None
+    if kind == "embedding":
+        n, d = 7, 4
+        probe.num_embeddings, probe.embedding_dim = n, d
+        probe.padding_idx = None
+        probe.weight = nn.Parameter(torch.randn(n, d, generator=g, dtype=torch.float64))
+        x = torch.randint(0, n, (2, 5), generator=g)
+        want = F.embedding(x, probe.weight)
+    else:
+        n_in, n_out = 5, 3
+        shape = (n_out, n_in) if kind == "linear" else (n_in, n_out)
+        probe.weight = nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64))
+        bias = torch.randn(n_out, generator=g, dtype=torch.float64) if has_bias else None
+        probe.bias = nn.Parameter(bias) if has_bias else None
+        if kind == "linear":
+            probe.in_features, probe.out_features = n_in, n_out
+            w = probe.weight
+        else:
+            probe.nx, probe.nf = n_in, n_out
+            w = probe.weight.t()
+        x = torch.randn(2, 4, n_in, generator=g, dtype=torch.float64)
+        want = F.linear(x, w, probe.bias)
+    try:
+        with torch.no_grad():
+            got = probe(x)
+    except Exception as err:  # noqa: BLE001 - any failure means "not provably the base layer"
+        return f"its forward failed on a probe ({type(err).__name__}: {err})"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return "its forward returns something other than the base layer's output"
+    if not torch.allclose(got, want, rtol=1e-9, atol=1e-9):
+        return "its forward computes something other than the base layer's output"
+    return None
+
+
+def _full_output(spec: object) -> bool:
+    return isinstance(spec, (Vocab, Row)) or (isinstance(spec, Col) and spec.gather)
+
+
+_WANT = {Col: ("linear", "conv1d"), Row: ("linear", "conv1d"), Vocab: ("embedding",)}
+
+
+def _plan(module: nn.Module, spec: object, where: str, what: str) -> tuple[str, Optional[type]]:
+    """(kind, the class whose forward to keep or None), or HintError.
+    ``where`` starts each message (the hint); ``what`` names the module."""
+    kind = layer_kind(module)
+    name = type(module).__name__
+    want = _WANT.get(type(spec))
+    if want is None:
+        raise HintError(f"{where}: {spec!r} does not shard a layer")
+    if kind not in want:
+        if kind is None:
+            raise HintError(
+                f"{where}: annot shards nn.Linear, HF Conv1D and nn.Embedding (and their "
+                f"subclasses) but {what} is a {name}; hint a layer inside it, or Replicate() it"
+            )
+        target, use = (
+            ("nn.Embedding", "use Col() or Row() for an nn.Linear")
+            if isinstance(spec, Vocab)
+            else ("nn.Linear", "use Vocab() for an nn.Embedding")
+        )
+        raise HintError(f"{where} applies to {target}, but {what} is a {name}; {use}")
+    base = _base(module, kind)
+    definers = _forward_definers(type(module), base)
+    if not definers:
+        return kind, None
+    same = _probe_equals_base(module, kind)
+    if same is None:
+        return kind, None
+    if len(definers) == 1 and _full_output(spec):
+        composed = _reads_super(definers[0])
+        if composed is None:
+            return kind, definers[0]
+        same = f"{same}, and {composed}"
+    raise HintError(
+        f"{where}: {what} is a {name}, and annot cannot show its own forward stays right when "
+        f"sharded ({same}). It takes a subclass whose forward equals the base "
+        f"{base.__name__}'s, or post-processes super().forward(...) without reading "
+        f"self.weight / self.bias (with Vocab(), Row() or Col(gather=True)). Hint a plain "
+        f"{base.__name__} instead, or Replicate() this layer"
+    )
+
+
+def check_layer(module: nn.Module, spec: object, where: str, what: str = "the layer") -> None:
+    """Raise :class:`HintError` if ``spec`` cannot shard ``module`` (nothing is
+    built). ``where`` starts the message (the hint), ``what`` names the module."""
+    _plan(module, spec, where, what)
+
+
+@functools.cache
+def _composed(parallel_cls: type, definer: type) -> type:
+    """``parallel_cls`` with ``definer``'s forward, whose zero-argument
+    ``super()`` resolves to ``parallel_cls``."""
+    cls = type(
+        f"{parallel_cls.__name__}_{definer.__name__}",
+        (parallel_cls,),
+        {"__module__": definer.__module__, "__doc__": definer.__doc__},
+    )
+    fn = definer.__dict__["forward"]
+    cells = tuple(
+        types.CellType(cls) if name == "__class__" else cell
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
+    )
+    forward = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    forward.__kwdefaults__ = fn.__kwdefaults__
+    forward.__qualname__ = f"{cls.__name__}.forward"
+    cls.forward = forward
+    return cls
+
+
+def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
+    w = module.weight
+    with torch.device(w.device):
+        if kind == "embedding":
+            layer = L.VocabParallelEmbedding(
+                module.num_embeddings,
+                module.embedding_dim,
+                padding_idx=module.padding_idx,
+                max_norm=module.max_norm,
+                norm_type=module.norm_type,
+                scale_grad_by_freq=module.scale_grad_by_freq,
+                sparse=module.sparse,
+                dtype=w.dtype,
+                tp=tp,
+            )
+        elif kind == "conv1d":
+            nx, nf = w.shape
+            if isinstance(spec, Col):
+                layer = L.ColumnParallelConv1D(
+                    nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp
+                )
+            else:
+                layer = L.RowParallelConv1D(nf, nx, split_input=spec.split_input, tp=tp)
+            layer.to(dtype=w.dtype)
+        else:
+            bias = module.bias is not None
+            args = (module.in_features, module.out_features)
+            if isinstance(spec, Col):
+                layer = L.ColumnParallelLinear(
+                    *args, bias=bias, dtype=w.dtype, chunks=spec.chunks, gather=spec.gather, tp=tp
+                )
+            else:
+                layer = L.RowParallelLinear(
+                    *args, bias=bias, dtype=w.dtype, split_input=spec.split_input, tp=tp
+                )
+    for name, p in module.named_parameters(recurse=False):
+        q = getattr(layer, name, None)
+        if isinstance(q, nn.Parameter):
+            q.requires_grad_(p.requires_grad)
+    return layer
+
+
+def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn.Module:
+    """The tp layer ``spec`` makes of the built ``module`` (see the module doc).
+    Call it under the mesh's context (``runtime.mesh.use(ctx)``)."""
+    where = where or f"{spec!r} on a {type(module).__name__}"
+    kind, keep = _plan(module, spec, where, "the layer")
+    layer = _build(module, spec, kind, tp)
+    if keep is not None:
+        layer.__class__ = _composed(type(layer), keep)
+        for k, v in module.__dict__.items():
+            if not k.startswith("_") and k not in layer.__dict__:
+                layer.__dict__[k] = v
+        for k, b in module._buffers.items():
+            layer.register_buffer(k, b, persistent=k not in module._non_persistent_buffers_set)
+        for k, sub in module._modules.items():
+            layer._modules[k] = sub
+        for k, p in module._parameters.items():
+            if k not in ("weight", "bias"):
+                layer._parameters[k] = p
+    if not module.weight.is_meta:
+        load_full_state_dict(layer, module.state_dict(), strict=False)
+    return layer
+
+
+def column_parallel(
+    layer: nn.Module, *, chunks: int = 1, gather: bool = False, tp: int = 1
+) -> nn.Module:
+    """``Col(chunks=, gather=)`` applied to a built layer (emitted by the rewriter
+    for a constructor it cannot name: ``column_parallel(linear_layer(d, h), tp=2)``)."""
+    return to_parallel(layer, Col(chunks=chunks, gather=gather), tp)
+
+
+def row_parallel(layer: nn.Module, *, split_input: bool = False, tp: int = 1) -> nn.Module:
+    """``Row(split_input=)`` applied to a built layer (see :func:`column_parallel`)."""
+    return to_parallel(layer, Row(split_input=split_input), tp)
+
+
+def vocab_parallel(layer: nn.Module, *, tp: int = 1) -> nn.Module:
+    """``Vocab()`` applied to a built layer (see :func:`column_parallel`)."""
+    return to_parallel(layer, Vocab(), tp)
+
+
+def convert_hinted(
+    model: nn.Module, paths: dict[str, object], tp: int, ties: list[list[str]]
+) -> None:
+    """Apply every hint of ``paths`` (``{"h.0.mlp.fc": Col(), "h.0.w": P("tp",
+    None)}``) that construction did not: a layer still a torch layer becomes
+    its tp form, a parameter not yet sharded becomes its shard. Then each
+    group of ``ties`` (parameter names that were one tensor in the reference)
+    is one tensor again. Call under the mesh's context."""
+    from annot.specs import P
+
+    for path, spec in sorted(paths.items()):
+        owner_path, _, name = path.rpartition(".")
+        owner = model.get_submodule(owner_path)
+        if isinstance(spec, P):
+            p = owner._parameters.get(name)
+            if p is not None and spec.split_dim is not None and not hasattr(p, "annot_shard_dim"):
+                owner._parameters[name] = L.shard_parameter(p, dim=spec.split_dim, tp=tp)
+            continue
+        sub = owner._modules.get(name)
+        if isinstance(spec, (Col, Row, Vocab)) and sub is not None and not is_parallel_layer(sub):
+            owner._modules[name] = to_parallel(sub, spec, tp, f"{path}: {spec!r}")
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for n in names[1:]:
+            owner_path, _, attr = n.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            if owner._parameters.get(attr) is first:
+                continue
+            if owner._parameters[attr].shape != first.shape:
+                raise HintError(
+                    f"{names[0]} and {n} are one tied weight but their hints shard them "
+                    "differently; give both the same split (e.g. Vocab() and Col())"
+                )
+            owner._parameters[attr] = first
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor in ``model``."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
