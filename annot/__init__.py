@@ -14,7 +14,7 @@ from annot.errors import (
 )
 from annot.hints import boundary, checkpoint, shard, stage
 from annot.mesh import Mesh
-from annot.specs import Col, Local, P, Replicate, Row, Vocab
+from annot.specs import Col, Local, P, Partial, Replicate, Row, Vocab
 
 __all__ = [
     "AnnotError",
@@ -26,6 +26,7 @@ __all__ = [
     "MeshError",
     "P",
     "ParallelModel",
+    "Partial",
     "PartitionError",
     "PipelineError",
     "RankFailure",

@@ -27,6 +27,9 @@ HF style                                           annot hint
 ``embedding_rowwise``                              ``Vocab()``
 ``packed_colwise`` (fused gate|up)                 ``Col(chunks=2)``
 ``replicated_with_grad_allreduce`` (q/k norms)      ``Replicate(sum_grad=True)``
+``moe_tp_experts`` (Mixtral's fused experts)        ``Partial()``; its ``packed_colwise``
+                                                   / ``rowwise`` weights ``P(...)``
+                                                   on their out / in dim
 ``replicate``, ``sequence_parallel``               left out: replicated, annot's
                                                    default (annot runs norms on
                                                    the full sequence)
@@ -60,7 +63,7 @@ import torch.nn as nn
 
 from annot.errors import HintError, PipelineError
 from annot.hints import _match
-from annot.specs import Col, Local, Replicate, Row, Spec, Vocab
+from annot.specs import Col, Local, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = [
     "ANNOT_PLANS",
@@ -87,6 +90,7 @@ _STYLES: dict[str, Optional[Spec]] = {
     "replicate": None,
     "replicated_with_grad_allreduce": Replicate(sum_grad=True),
     "rowwise_split_input": Row(split_input=True),
+    "moe_tp_experts": Partial(),
     "sequence_parallel": None,
 }
 
@@ -232,6 +236,13 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
         if isinstance(spec, Local):
             out[pattern] = spec
             continue
+        if phits and _inside_partial(phits[0], hints):
+            # MoE experts' fused weights (E, out, in): colwise splits out, rowwise in
+            t = params[phits[0]]
+            spec = _param_spec(spec, t.dim())
+            if spec is not None:
+                out[pattern] = spec
+            continue
         if phits:
             p = phits[0]
             raise HintError(
@@ -264,6 +275,37 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
             )
         out[pattern] = spec
     return out
+
+
+def _inside_partial(path: str, hints: dict[str, Hint]) -> bool:
+    """Whether a ``moe_tp_experts`` (``Partial()``) entry names a module above ``path``."""
+    return any(
+        isinstance(s, Partial) and path.startswith(_prefix_of(pattern, path))
+        for pattern, s in hints.items()
+    )
+
+
+def _prefix_of(pattern: str, path: str) -> str:
+    """The prefix of ``path`` that ``pattern`` matches as a whole module path
+    (``"\0"``, matching nothing, when none does)."""
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        head = ".".join(parts[:i])
+        if _match(pattern, head):
+            return head + "."
+    return "\0"
+
+
+def _param_spec(spec: Hint, ndim: int) -> Optional[P]:
+    """An HF plan style on a raw ``(..., out, in)`` weight as a partition spec:
+    colwise splits ``out`` (dim -2; a 1-D bias its only dim), rowwise splits
+    ``in`` (dim -1; a 1-D bias stays whole)."""
+    if isinstance(spec, Col):
+        dim = ndim - 2 if ndim >= 2 else 0
+        return P(*("tp" if i == dim else None for i in range(ndim)), chunks=spec.chunks)
+    if isinstance(spec, Row):
+        return None if ndim < 2 else P(*([None] * (ndim - 1)), "tp")
+    return None
 
 
 # ---- pipelines ---------------------------------------------------------------

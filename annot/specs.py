@@ -19,6 +19,9 @@ spec           applies to                             meaning (Megatron layout)
                                                       gradients summed over tp)
 ``P(...)``     an ``nn.Parameter`` attribute           one entry per tensor dim:
                                                       ``"tp"`` (split) or ``None``
+``Partial()``  any module (MoE experts)               output a partial sum:
+                                                      all-reduced; inputs'
+                                                      gradients all-reduced
 =============  =====================================  =========================
 """
 
@@ -31,7 +34,7 @@ from typeguard import TypeCheckError, check_type
 
 from annot.errors import HintError
 
-__all__ = ["Col", "Row", "Vocab", "Replicate", "P", "Local", "Spec", "TP_AXIS"]
+__all__ = ["Col", "Row", "Vocab", "Replicate", "P", "Partial", "Local", "Spec", "TP_AXIS"]
 
 TP_AXIS = "tp"
 
@@ -129,18 +132,25 @@ class P:
     ``"tp"`` to split that dim over the tp axis or ``None`` to keep it whole.
 
     ``P("tp", None)`` splits dim 0 of a 2-D parameter. At most one dim may be
-    split.
+    split. ``chunks`` > 1 reads the split dim as that many equal blocks (a
+    packed gate|up expert weight: ``P(None, "tp", None, chunks=2)``) and each
+    rank holds its ``1/tp`` of every block.
     """
 
     dims: tuple[Optional[str], ...]
+    chunks: int = 1
 
-    def __init__(self, *dims: Optional[str]) -> None:
+    def __init__(self, *dims: Optional[str], chunks: int = 1) -> None:
         for i, d in enumerate(dims):
             if d is not None and d != TP_AXIS:
                 raise HintError(f"P(...): dim {i} is {d!r}; each entry must be {TP_AXIS!r} or None")
         if sum(d == TP_AXIS for d in dims) > 1:
             raise HintError(f"P{dims!r}: at most one dim may be split over {TP_AXIS!r}")
+        _check("P", "chunks", chunks, int, "an int >= 1")
+        if isinstance(chunks, bool) or chunks < 1:
+            raise HintError(f"P(chunks={chunks!r}): chunks must be an int >= 1")
         object.__setattr__(self, "dims", tuple(dims))
+        object.__setattr__(self, "chunks", chunks)
 
     @property
     def split_dim(self) -> Optional[int]:
@@ -150,7 +160,22 @@ class P:
         return None
 
     def __repr__(self) -> str:
-        return f"P({', '.join(repr(d) for d in self.dims)})"
+        args = [repr(d) for d in self.dims]
+        if self.chunks != 1:
+            args.append(f"chunks={self.chunks}")
+        return f"P({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A module whose output is a partial sum on each tp rank: its parameters
+    are split Megatron-style *inside* it (``P(...)`` on them), as HF's MoE
+    experts hold every expert's weights in one module (``moe_tp_experts``).
+    Its floating-point tensor inputs enter a tp region (gradients all-reduced
+    in backward) and its output is all-reduced."""
+
+    def __repr__(self) -> str:
+        return "Partial()"
 
 
 @dataclass(frozen=True, init=False)
@@ -171,5 +196,5 @@ class Local:
         return f"Local({', '.join(repr(n) for n in self.names)})"
 
 
-Spec = Union[Col, Row, Vocab, Replicate, P]
-SPEC_TYPES = (Col, Row, Vocab, Replicate, P)
+Spec = Union[Col, Row, Vocab, Replicate, P, Partial]
+SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial)

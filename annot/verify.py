@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from annot.errors import HintError
 from annot.hints import ShardSpec, hinted_paths
-from annot.specs import Col, P, Replicate, Row, Spec, Vocab
+from annot.specs import Col, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = ["verify_shard_hints"]
 
@@ -78,10 +78,10 @@ def verify_shard_hints(
                     f"{tuple(param.shape)}); give one entry per dim"
                 )
             d = s.split_dim
-            if d is not None and param.shape[d] % tp:
+            if d is not None and param.shape[d] % (tp * s.chunks):
+                by = f"tp ({tp})" if s.chunks == 1 else f"tp ({tp}) * chunks ({s.chunks})"
                 raise HintError(
-                    f"{head}: dim {d} of {name} has size {param.shape[d]}, not divisible by "
-                    f"tp ({tp})"
+                    f"{head}: dim {d} of {name} has size {param.shape[d]}, not divisible by {by}"
                 )
             continue
         if sub is None:
@@ -91,7 +91,7 @@ def verify_shard_hints(
             if param is not None:
                 hint = f"; {name} is a parameter: use P(...) for parameters"
             raise HintError(f"{head} names no submodule of {cls}{hint}")
-        if isinstance(s, Replicate):
+        if isinstance(s, (Replicate, Partial)):
             continue
         check_layer(sub, s, head, f"{cls}.{name}")
         kind = layer_kind(sub)

@@ -45,7 +45,7 @@ from libcst.metadata import MetadataWrapper, QualifiedName, QualifiedNameProvide
 
 from annot.errors import HintError, RewriteError
 from annot.hints import ShardSpec, StageSpec, parse_bytes
-from annot.specs import SPEC_TYPES, Col, P, Replicate, Row, Vocab
+from annot.specs import SPEC_TYPES, Col, P, Partial, Replicate, Row, Vocab
 from rewriters.diagnostics import Locator, node_source, parse_source
 from rewriters.scopes import ModuleScopes
 
@@ -67,7 +67,7 @@ STAGE_NAMES = frozenset({"annot.stage", "annot.hints.stage"})
 BOUNDARY_NAMES = frozenset({"annot.boundary", "annot.hints.boundary"})
 SPEC_NAMES: dict[str, type] = {
     f"{mod}.{cls.__name__}": cls
-    for cls in (Col, Row, Vocab, Replicate, P)
+    for cls in (Col, Row, Vocab, Replicate, P, Partial)
     for mod in ("annot", "annot.specs")
 }
 
@@ -385,7 +385,10 @@ def format_hint(spec: Hint) -> str:
         args = []
         for name, s in spec.specs.items():
             if isinstance(s, P):
-                args.append(f"{name}=P({', '.join(_quote(d) for d in s.dims)})")
+                dims = [_quote(d) for d in s.dims]
+                if s.chunks != 1:
+                    dims.append(f"chunks={s.chunks}")
+                args.append(f"{name}=P({', '.join(dims)})")
             else:
                 args.append(f"{name}={s!r}")
         if spec.local:

@@ -26,6 +26,8 @@
 
        self.fc1 = linear_layer(d, h)       ->  column_parallel(linear_layer(d, h), tp=2)
 
+   ``Partial()`` (a module computing a partial sum, MoE experts) wraps the
+   call the same way: ``partial_module(Experts(config), tp=2)``.
    ``Replicate()`` leaves the attribute alone. A spec'd name may also be a key
    of an ``nn.ModuleDict(dict(wte=...))`` / ``nn.ModuleDict({"wte": ...})``
    assigned in ``__init__`` (nanoGPT's ``self.transformer``).
@@ -112,7 +114,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
-from annot.specs import Col, P, Replicate, Row, Vocab
+from annot.specs import Col, P, Partial, Replicate, Row, Vocab
 from rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
 from rewriters.hint_reader import find_hints, format_hint
 from rewriters.scopes import LOAD, Assignment, ModuleScopes
@@ -579,6 +581,10 @@ class TensorParallelTransformer(cst.CSTTransformer):
                 )
             if isinstance(s, Replicate):
                 continue
+            if isinstance(s, Partial):  # any module: its calls are wrapped, not swapped
+                for _, value in found:
+                    self._plan_conversion(s, value)
+                continue
             ctors = [(path, value, *self._constructor(value)) for path, value in found]
             _, first_value, first_kind, first_label = ctors[0]
             for _, value, kind, label in ctors[1:]:
@@ -744,6 +750,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
                 args.append(_kwarg("chunks", str(s.chunks)))
             if s.gather:
                 args.append(_kwarg("gather", "True"))
+        elif isinstance(s, Partial):
+            fn = "partial_module"
         else:
             fn = "row_parallel" if isinstance(s, Row) else "vocab_parallel"
             if isinstance(s, Row) and s.split_input:
@@ -776,8 +784,12 @@ class TensorParallelTransformer(cst.CSTTransformer):
                     func=cst.Name("shard_parameter"),
                     args=[
                         cst.Arg(n, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                        _kwarg("dim", str(dim)).with_changes(
-                            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                        *(
+                            a.with_changes(
+                                comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                            )
+                            for a in [_kwarg("dim", str(dim))]
+                            + ([_kwarg("chunks", str(s.chunks))] if s.chunks != 1 else [])
                         ),
                         tp,
                     ],

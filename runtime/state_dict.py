@@ -57,7 +57,7 @@ def shard_layouts(model: nn.Module) -> dict[int, Layout]:
     for name, p in model.named_parameters(remove_duplicate=False):
         dim = getattr(p, "annot_shard_dim", None)
         if dim is not None:
-            add(p, (dim, 1, getattr(p, "annot_tp", 1)), name)
+            add(p, (dim, getattr(p, "annot_shard_chunks", 1), getattr(p, "annot_tp", 1)), name)
     return {k: v[0] for k, v in found.items()}
 
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
-from annot.specs import Col, Row, Vocab
+from annot.specs import Col, Partial, Row, Vocab
 from runtime import tp_layers as L
 from runtime.state_dict import load_full_state_dict
 
@@ -62,6 +62,7 @@ __all__ = [
     "convert_hinted",
     "is_parallel_layer",
     "layer_kind",
+    "partial_module",
     "row_parallel",
     "tied_names",
     "to_parallel",
@@ -364,6 +365,43 @@ def vocab_parallel(layer: nn.Module, *, tp: int = 1) -> nn.Module:
     return to_parallel(layer, Vocab(), tp)
 
 
+class _PartialHooks:
+    """Forward hooks of a ``Partial()`` module: floating tensor inputs that
+    need a gradient enter the tp region, the output is all-reduced."""
+
+    @staticmethod
+    def enter(module, args, kwargs):
+        from runtime.tp_comm import copy_to_tp
+
+        def enter(x):
+            return copy_to_tp(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+
+    @staticmethod
+    def leave(module, args, kwargs, output):
+        from torch.utils._pytree import tree_map
+
+        from runtime.tp_comm import reduce_from_tp
+
+        def leave(y):
+            return reduce_from_tp(y) if isinstance(y, torch.Tensor) and y.is_floating_point() else y
+
+        return tree_map(leave, output)
+
+
+def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
+    """``Partial()`` applied to a built module: its output is summed over tp and
+    its inputs' gradients too (see :class:`annot.specs.Partial`). Returns
+    ``module`` itself, hooked once."""
+    L._mesh_for("partial_module", tp)
+    if tp > 1 and not getattr(module, "annot_partial", False):
+        module.register_forward_pre_hook(_PartialHooks.enter, with_kwargs=True)
+        module.register_forward_hook(_PartialHooks.leave, with_kwargs=True)
+        module.annot_partial = True
+    return module
+
+
 def convert_hinted(
     model: nn.Module, paths: dict[str, object], tp: int, ties: list[list[str]]
 ) -> None:
@@ -380,9 +418,14 @@ def convert_hinted(
         if isinstance(spec, P):
             p = owner._parameters.get(name)
             if p is not None and spec.split_dim is not None and not hasattr(p, "annot_shard_dim"):
-                owner._parameters[name] = L.shard_parameter(p, dim=spec.split_dim, tp=tp)
+                owner._parameters[name] = L.shard_parameter(
+                    p, dim=spec.split_dim, chunks=spec.chunks, tp=tp
+                )
             continue
         sub = owner._modules.get(name)
+        if isinstance(spec, Partial) and sub is not None:
+            partial_module(sub, tp=tp)
+            continue
         if isinstance(spec, (Col, Row, Vocab)) and sub is not None and not is_parallel_layer(sub):
             owner._modules[name] = to_parallel(sub, spec, tp, f"{path}: {spec!r}")
     for names in ties:

@@ -548,10 +548,13 @@ class ShardedParameter(nn.Parameter):
         )
 
 
-def shard_parameter(param: torch.Tensor, *, dim: int, tp: int = 1) -> ShardedParameter:
-    """This rank's contiguous ``1/tp`` slice of ``param`` along ``dim``, as a new
-    parameter (same ``requires_grad``) that records ``dim`` and ``tp`` for
-    ``runtime.state_dict``. The full ``param`` is not kept."""
+def shard_parameter(
+    param: torch.Tensor, *, dim: int, chunks: int = 1, tp: int = 1
+) -> ShardedParameter:
+    """This rank's contiguous ``1/tp`` slice of ``param`` along ``dim`` (of each
+    of ``chunks`` equal blocks), as a new parameter (same ``requires_grad``)
+    that records ``dim``, ``chunks`` and ``tp`` for ``runtime.state_dict``. The
+    full ``param`` is not kept."""
     name = "shard_parameter"
     _check_degree(name, tp)
     if not -param.dim() <= dim < param.dim():
@@ -561,16 +564,17 @@ def shard_parameter(param: torch.Tensor, *, dim: int, tp: int = 1) -> ShardedPar
         )
     dim %= param.dim()
     size = param.shape[dim]
-    if size % tp:
+    if size % (tp * chunks):
         raise HintError(
             f"{name}: dim {dim} of shape {tuple(param.shape)} has size {size}, which is not "
-            f"divisible by tp({tp}); split another dim or pad this one to a multiple of {tp}"
+            f"divisible by tp({tp}) * chunks({chunks}); split another dim or pad this one"
         )
     ctx = _mesh_for(name, tp)
     data = param.detach()
     if tp > 1:
-        data = split_local(data, dim, 1, tp, ctx.tp_rank).clone()
+        data = split_local(data, dim, chunks, tp, ctx.tp_rank).clone()
     out = ShardedParameter(data, requires_grad=param.requires_grad)
     out.annot_shard_dim = dim
+    out.annot_shard_chunks = chunks
     out.annot_tp = tp
     return out

@@ -51,6 +51,8 @@ def _build(name: str):
         "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {"sliding_window": 4}),
         # colwise_gather_output then rowwise_split_input on fused qkv / gate_up
         "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0}),
+        # moe_tp_experts: fused (E, 2I, H) / (E, H, I) expert weights split inside one module
+        "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 4}),
     }[name]
     return getattr(transformers, cls), getattr(transformers, cfg_cls)(**SMALL, **extra)
 
@@ -161,6 +163,7 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
     [
         ("gemma3", False),  # zero hints: the plan, and the scaled embedding kept
         ("phi3", False),  # zero hints: rowwise_split_input
+        ("mixtral", False),  # zero hints: MoE experts, router replicated
         ("falcon", False),  # FalconLinear by runtime type
         ("falcon", True),
         ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite

@@ -351,7 +351,7 @@ def test_parameter_partition_spec():
         from annot import shard, P
 
 
-        @shard(w=P("tp", None), b=P(None, "tp"), s=P(None))
+        @shard(w=P("tp", None, chunks=2), b=P(None, "tp"), s=P(None))
         class Scale(nn.Module):
             def __init__(self, n):
                 super().__init__()
@@ -366,11 +366,11 @@ def test_parameter_partition_spec():
         from runtime.tp_layers import shard_parameter
 
 
-        # annot: @shard(w=P("tp", None), b=P(None, "tp"), s=P(None)) applied for tp=2
+        # annot: @shard(w=P("tp", None, chunks=2), b=P(None, "tp"), s=P(None)) applied for tp=2
         class Scale(nn.Module):
             def __init__(self, n):
                 super().__init__()
-                self.w = shard_parameter(nn.Parameter(torch.randn(n, 4)), dim=0, tp=2)
+                self.w = shard_parameter(nn.Parameter(torch.randn(n, 4)), dim=0, chunks=2, tp=2)
                 self.b = shard_parameter(torch.nn.Parameter(torch.zeros(4, n), requires_grad=True), dim=1, tp=2)
                 self.s = nn.Parameter(torch.ones(4))
         """,
@@ -419,14 +419,14 @@ def test_layers_built_by_subclasses_factories_and_partials_are_converted():
         """
         from functools import partial
         import torch.nn as nn
-        from annot import shard, Col, Row, Vocab
+        from annot import shard, Col, Row, Vocab, Partial
 
         LinearNoBias = partial(nn.Linear, bias=False)
 
         class MyLinear(nn.Linear):
             pass
 
-        @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab())
+        @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab(), f=Partial())
         class M(nn.Module):
             def __init__(self, d, linear_layer=nn.Linear):
                 super().__init__()
@@ -434,19 +434,20 @@ def test_layers_built_by_subclasses_factories_and_partials_are_converted():
                 self.b = linear_layer(4 * d, d, bias=False)
                 self.c = LinearNoBias(d, d)
                 self.e = make_embedding(10, d)
+                self.f = Experts(d)
         """,
         """
         from functools import partial
         import torch.nn as nn
-        from annot import shard, Col, Row, Vocab
-        from runtime.tp_convert import column_parallel, row_parallel, vocab_parallel
+        from annot import shard, Col, Row, Vocab, Partial
+        from runtime.tp_convert import column_parallel, partial_module, row_parallel, vocab_parallel
 
         LinearNoBias = partial(nn.Linear, bias=False)
 
         class MyLinear(nn.Linear):
             pass
 
-        # annot: @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab()) applied for tp=2
+        # annot: @shard(a=Col(chunks=2), b=Row(split_input=True), c=Col(gather=True), e=Vocab(), f=Partial()) applied for tp=2
         class M(nn.Module):
             def __init__(self, d, linear_layer=nn.Linear):
                 super().__init__()
@@ -454,6 +455,7 @@ def test_layers_built_by_subclasses_factories_and_partials_are_converted():
                 self.b = row_parallel(linear_layer(4 * d, d, bias=False), split_input=True, tp=2)
                 self.c = column_parallel(LinearNoBias(d, d), gather=True, tp=2)
                 self.e = vocab_parallel(make_embedding(10, d), tp=2)
+                self.f = partial_module(Experts(d), tp=2)
         """,
     )
 
