@@ -270,7 +270,7 @@ class _HintReader(cst.CSTVisitor):
             raise self.locate.error(
                 expr,
                 f"{where}: {name}={node_source(expr)} is {what}; write one of "
-                "Col(), Row(), Vocab(), Replicate() or P(...) (imported from annot), "
+                "Col(), Row(), Vocab(), Replicate(), P(...) or Partial() (imported from annot), "
                 f"e.g. {name}=Col()",
             )
         args = []

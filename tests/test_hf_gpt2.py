@@ -400,8 +400,8 @@ def test_hints_from_hf_config_refusals():
     from annot.hf import hints_from_hf_config
 
     cfg = LlamaConfig(**LLAMA_KW)
-    cfg.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts"}
-    with pytest.raises(HintError, match=r"'layers.\*.mlp.experts': 'moe_tp_experts' has no annot"):
+    cfg.base_model_tp_plan = {"layers.*.mlp.experts": "ep_router"}
+    with pytest.raises(HintError, match=r"'layers.\*.mlp.experts': 'ep_router' has no annot"):
         hints_from_hf_config(cfg)
 
     model = _llama()

@@ -1131,13 +1131,13 @@ def test_refuses_syntax_errors_at_their_position():
             "@shard(c=make_spec())",
             10,
             "@shard on M: c=make_spec() is not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate() or P(...) (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...) or Partial() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col)",
             10,
             "@shard on M: c=Col is a spec class, not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate() or P(...) (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...) or Partial() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col(chunks=0))",
