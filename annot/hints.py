@@ -326,8 +326,8 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
     for cls, where in instances.items():
         if cls.__module__.split(".")[0] == "torch":
             continue  # a container: its entries are converted by path
-        given = [per_parent.get(w, {}) for w in where]
-        specs = {k: v for k, v in given[0].items() if all(g.get(k, None) == v for g in given[1:])}
+        at = [per_parent.get(w, {}) for w in where]  # each instance's entries
+        specs = {k: v for k, v in at[0].items() if all(a.get(k) == v for a in at[1:])}
         names = [tuple(dict.fromkeys(local.get(w, ()))) for w in where]
         if any(n != names[0] for n in names[1:]):
             odd = next(w for w, n in zip(where, names) if n != names[0])

@@ -32,6 +32,18 @@ def _features(sub: nn.Module, kind: str) -> tuple[int, int]:
     return sub.in_features, sub.out_features
 
 
+def _hint_owner(full: str, modules: dict, class_specs: dict) -> tuple[str, nn.Module]:
+    """(path, module) whose hint names ``full``: its parent, or the owner of an
+    ``nn.ModuleDict`` hinted with the dict's keys (nanoGPT's ``transformer.wte``)."""
+    parent_path, _, name = full.rpartition(".")
+    if isinstance(modules[parent_path], nn.ModuleDict) and parent_path:
+        owner_path = parent_path.rpartition(".")[0]
+        spec = class_specs.get(type(modules[owner_path]))
+        if spec is not None and name in spec.specs:
+            return owner_path, modules[owner_path]
+    return parent_path, modules[parent_path]
+
+
 def verify_shard_hints(
     model: nn.Module,
     class_specs: dict[type, ShardSpec],
@@ -52,15 +64,8 @@ def verify_shard_hints(
     params = dict(model.named_parameters(remove_duplicate=False))
     fused: dict[tuple[type, str], tuple[int, str]] = {}  # (class, name) -> (out, first path)
     for full, s in paths.items():
-        parent_path, _, name = full.rpartition(".")
-        parent = modules[parent_path]
-        if isinstance(parent, nn.ModuleDict) and parent_path.rpartition(".")[0] in modules:
-            owner_path = parent_path.rpartition(".")[0]  # nanoGPT's transformer.wte
-            if (
-                type(modules[owner_path]) in class_specs
-                and name in class_specs[type(modules[owner_path])].specs
-            ):
-                parent_path, parent = owner_path, modules[owner_path]
+        name = full.rpartition(".")[2]
+        parent_path, parent = _hint_owner(full, modules, class_specs)
         cls = type(parent).__name__
         where = f"{cls}" + (f" (at {parent_path})" if parent_path else "")
         head = f"@shard on {where}: argument {name}={s!r}"

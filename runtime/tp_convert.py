@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
-from annot.specs import Col, Partial, Row, Vocab
+from annot.specs import Col, P, Partial, Row, Vocab
 from runtime import tp_layers as L
 from runtime.state_dict import load_full_state_dict
 
@@ -410,8 +410,6 @@ def convert_hinted(
     its tp form, a parameter not yet sharded becomes its shard. Then each
     group of ``ties`` (parameter names that were one tensor in the reference)
     is one tensor again. Call under the mesh's context."""
-    from annot.specs import P
-
     for path, spec in sorted(paths.items()):
         owner_path, _, name = path.rpartition(".")
         owner = model.get_submodule(owner_path)

@@ -45,3 +45,27 @@ def compare_grads(model, ref, what: str) -> None:
         assert p.grad is not None, f"reference {k} has no grad"
         assert k in grads, f"{what}: no gradient for {k} in the parallel model"
         assert_close(grads[k], p.grad, f"{what}: grad {k}")
+
+
+def train_against_reference(model, ref, batches, run, what: str, lr: float) -> None:
+    """Step a parallel model and its single-device reference together with
+    AdamW. For each batch ``run(m, batch)`` returns ``(loss, {name: output})``
+    for either model; the loss, every named output and every gradient are
+    compared at each step, every parameter after the last."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    step = -1
+    for step, batch in enumerate(batches):
+        loss, outputs = run(model, batch)
+        model.backward(loss)
+        ref_loss, ref_outputs = run(ref, batch)
+        ref_loss.backward()
+        assert_close(loss, ref_loss, f"{what} step {step}: loss")
+        for name, value in outputs.items():
+            assert_close(value, ref_outputs[name], f"{what} step {step}: {name}")
+        compare_grads(model, ref, f"{what} step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, f"{what} after {step + 1} AdamW steps")

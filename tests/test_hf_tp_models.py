@@ -79,26 +79,15 @@ HINTS = {
 def _train(model, ref, what):
     import torch
 
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_against_reference
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    def run(m, ids):
+        out = m(ids, labels=ids, use_cache=False)
+        return out.loss, {"logits": out.logits}
+
     g = torch.Generator().manual_seed(3)
-    for step in range(2):
-        ids = torch.randint(0, SMALL["vocab_size"], (2, 8), generator=g)
-        kw = dict(labels=ids, use_cache=False)
-        out = model(ids, **kw)
-        model.backward(out.loss)
-        r = ref(ids, **kw)
-        r.loss.backward()
-        assert_close(out.loss, r.loss, f"{what} step {step}: loss")
-        assert_close(out.logits, r.logits, f"{what} step {step}: logits")
-        compare_grads(model, ref, f"{what} step {step}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, f"{what} after 2 AdamW steps")
+    batches = [torch.randint(0, SMALL["vocab_size"], (2, 8), generator=g) for _ in range(2)]
+    train_against_reference(model, ref, batches, run, what, lr=1e-3)
 
 
 def _parity(cache: str, name: str, hints=None, built: bool = False):

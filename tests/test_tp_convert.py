@@ -111,7 +111,7 @@ def test_converted_layers_keep_values_buffers_and_forward():
 def _parity(cache: str, built: bool):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_against_reference
 
     mesh = annot.Mesh(tp=2)
     if built:
@@ -122,22 +122,9 @@ def _parity(cache: str, built: bool):
     torch.manual_seed(0)
     ref = StyledLM()
     kinds = {n: type(m).__name__ for n, m in model.module.named_modules()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    for step in range(2):
-        ids = torch.randint(0, 32, (2, 6), generator=g)
-        loss = model(ids, ids)
-        model.backward(loss)
-        r = ref(ids, ids)
-        r.backward()
-        assert_close(loss, r, f"step {step}: loss")
-        compare_grads(model, ref, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, "after 2 AdamW steps")
+    batches = [torch.randint(0, 32, (2, 6), generator=g) for _ in range(2)]
+    train_against_reference(model, ref, batches, lambda m, ids: (m(ids, ids), {}), "tp=2", 1e-2)
     return kinds
 
 
