@@ -14,7 +14,7 @@ from annot.errors import (
 )
 from annot.hints import boundary, checkpoint, shard, stage
 from annot.mesh import Mesh
-from annot.specs import Col, Local, P, Partial, Replicate, Row, Vocab
+from annot.specs import Col, Heads, Local, P, Partial, Replicate, Row, Vocab
 
 __all__ = [
     "AnnotError",
@@ -27,6 +27,7 @@ __all__ = [
     "P",
     "ParallelModel",
     "Partial",
+    "Heads",
     "PartitionError",
     "PipelineError",
     "RankFailure",

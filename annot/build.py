@@ -11,7 +11,10 @@ Steps (each logged at debug level):
    rewritten classes: each rank constructs only its tp shard;
 5. give each shard its part of the reference weights, computed tensor by
    tensor (deferred initialization: no rank ever holds the full model); wrap
-   ``@checkpoint`` classes for activation checkpointing.
+   ``@checkpoint`` classes for activation checkpointing;
+6. at tp > 1, run the model once on meta tensors of a sample's shapes and
+   refuse hints that would crash (:mod:`annot.preflight`; on the first call
+   when no sample is known).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from annot.errors import HintError
 from annot.hints import ShardSpec, get_shard_spec, hinted_paths, resolve_hints
 from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
+from runtime.deferred_init import meta_copy
 
 __all__ = ["parallelize"]
 
@@ -245,6 +249,12 @@ def parallelize(
         )
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
+    check = None
+    if mesh.tp > 1 and n_stages == 1:
+        from annot.preflight import preflight
+
+        twin = ref if instance is None else meta_copy(instance)
+        check = functools.partial(preflight, ref=twin, ctx=ctx, specs=specs, paths=paths)
     if instance is not None:
         _materialize_from(local, instance, ctx)
     else:
@@ -259,7 +269,7 @@ def parallelize(
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
 
-    return ParallelModel(
+    built = ParallelModel(
         local,
         ctx,
         pipeline=plan,
@@ -267,6 +277,26 @@ def parallelize(
         autocast=autocast,
         verify=verify,
     )
+    if check is not None:
+        from annot.hf import sample_inputs
+
+        probe = sample if sample is not None else sample_inputs(check.keywords["ref"])
+        if probe is None:  # checked on the first call, with its shapes
+            built.preflight = check
+        else:
+            args_, kwargs_ = _as_call(probe)
+            with built.forward_context():
+                check(local, args_, kwargs_)
+        log.debug("annot: step 6: pre-flight %s", "deferred" if probe is None else "passed")
+    return built
+
+
+def _as_call(sample: Any) -> tuple[tuple, dict]:
+    """One microbatch of forward's arguments (a dict, a tuple or one value) as
+    ``(args, kwargs)``."""
+    if isinstance(sample, dict):
+        return (), sample
+    return (sample if isinstance(sample, tuple) else (sample,)), {}
 
 
 def _mark_grad_sums(local: nn.Module, paths: dict) -> None:
@@ -293,13 +323,7 @@ def _adopt(instance: nn.Module, mapping: dict) -> nn.Module:
     meta device whose modules take their rewritten classes (forward reads the
     per-rank sizes). Its hinted layers are converted afterwards, as every
     layer construction did not shard is (``convert_hinted``)."""
-    import copy
-
-    memo: dict = {}
-    for t in list(instance.parameters()) + list(instance.buffers()):
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    local = copy.deepcopy(instance, memo)
+    local = meta_copy(instance)
     for mod in local.modules():
         if type(mod) in mapping:
             mod.__class__ = mapping[type(mod)]

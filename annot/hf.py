@@ -259,8 +259,9 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
             else:
                 raise HintError(
                     f"{where}: tp plan entry {pattern!r} splits the embedding {hits[0]} on "
-                    "its hidden dim (colwise); annot splits embeddings on the vocabulary "
-                    "(Vocab()) only: give hints= by hand"
+                    "its hidden dim (colwise), and the plan does not say who reads the "
+                    "sharded output: give hints= by hand, Col(gather=True) for a full output "
+                    "or Col() where the reader is split the same way"
                 )
         elif isinstance(spec, (Col, Row)) and layer_kind(m) not in ("linear", "conv1d"):
             raise HintError(

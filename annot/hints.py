@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from annot.errors import HintError
-from annot.specs import SPEC_TYPES, Local, Spec
+from annot.specs import SPEC_TYPES, Heads, Local, Spec
 
 __all__ = [
     "ShardSpec",
@@ -304,7 +304,11 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
                 local[p] = local.get(p, ()) + value.names
             continue
         _check_spec("hints", repr(pattern), value)
-        hits = [p for p in list(modules) + sorted(params) if p and _match(pattern, p)]
+        if isinstance(value, Heads):  # names an argument of the module's forward
+            owner, _, arg = pattern.rpartition(".")
+            hits = [f"{p}.{arg}" for p in modules if p and _match(owner, p)]
+        else:
+            hits = [p for p in list(modules) + sorted(params) if p and _match(pattern, p)]
         if not hits:
             raise HintError(_no_match(pattern, modules))
         for p in hits:

@@ -32,6 +32,7 @@ class ParallelModel(nn.Module):
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
         self._step = None  # the active jit step (set by annot.jit while it runs)
+        self.preflight = None  # annot.preflight's check, run on the first call when set
 
     def forward_context(self):
         """The autocast region forward and the loss run in (a no-op in fp32)."""
@@ -50,6 +51,10 @@ class ParallelModel(nn.Module):
         return self.ctx.mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.preflight is not None:  # once, before any collective
+            check, self.preflight = self.preflight, None
+            with self.forward_context():
+                check(self.module, args, kwargs)
         if self._step is not None:
             return self._step.call(*args, **kwargs)
         if self.pipeline is not None and self.pipeline.num_stages > 1:

@@ -22,6 +22,9 @@ spec           applies to                             meaning (Megatron layout)
 ``Partial()``  any module (MoE experts)               output a partial sum:
                                                       all-reduced; inputs'
                                                       gradients all-reduced
+``Heads()``    a tensor argument of a module's        per-head, built for all
+               forward (Bloom's ALiBi)                heads: each rank keeps
+                                                      its own heads of it
 =============  =====================================  =========================
 """
 
@@ -34,7 +37,18 @@ from typeguard import TypeCheckError, check_type
 
 from annot.errors import HintError
 
-__all__ = ["Col", "Row", "Vocab", "Replicate", "P", "Partial", "Local", "Spec", "TP_AXIS"]
+__all__ = [
+    "Col",
+    "Row",
+    "Vocab",
+    "Replicate",
+    "P",
+    "Partial",
+    "Heads",
+    "Local",
+    "Spec",
+    "TP_AXIS",
+]
 
 TP_AXIS = "tp"
 
@@ -178,6 +192,37 @@ class Partial:
         return "Partial()"
 
 
+@dataclass(frozen=True)
+class Heads:
+    """A per-head tensor argument of a module whose heads are split over tp,
+    built for all heads outside it (Bloom's ALiBi bias, made once in the parent
+    for every head): where it enters the module, each rank keeps its own heads.
+    The hint names the argument like an attribute of the module::
+
+        {"transformer.h.*.self_attention.alibi": Heads(dim=0, heads=cfg.n_head)}
+
+    ``dim`` is the head dim. ``heads=n`` reads it as blocks of ``n`` heads (a
+    flattened ``(batch * heads, ...)`` tensor: Bloom's ALiBi is ``(batch *
+    n_head, 1, k)``); without it the dim holds exactly the heads. A dim of size
+    1 broadcasts over the heads and is kept. Its gradient, if any, is
+    all-gathered in backward."""
+
+    dim: int = 1
+    heads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check("Heads", "dim", self.dim, int, "an int")
+        _check("Heads", "heads", self.heads, Optional[int], "an int >= 1 or None")
+        if self.heads is not None and (isinstance(self.heads, bool) or self.heads < 1):
+            raise HintError(f"Heads(heads={self.heads!r}): heads must be an int >= 1")
+
+    def __repr__(self) -> str:
+        args = [f"dim={self.dim}"]
+        if self.heads is not None:
+            args.append(f"heads={self.heads}")
+        return f"Heads({', '.join(args)})"
+
+
 @dataclass(frozen=True, init=False)
 class Local:
     """External-hint form of ``@shard(local=...)``: names of attributes (or
@@ -196,5 +241,5 @@ class Local:
         return f"Local({', '.join(repr(n) for n in self.names)})"
 
 
-Spec = Union[Col, Row, Vocab, Replicate, P, Partial]
-SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial)
+Spec = Union[Col, Row, Vocab, Replicate, P, Partial, Heads]
+SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial, Heads)

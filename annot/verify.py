@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from annot.errors import HintError
 from annot.hints import ShardSpec, hinted_paths
-from annot.specs import Col, P, Partial, Replicate, Row, Spec, Vocab
+from annot.specs import Col, Heads, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = ["verify_shard_hints"]
 
@@ -69,6 +69,9 @@ def verify_shard_hints(
         cls = type(parent).__name__
         where = f"{cls}" + (f" (at {parent_path})" if parent_path else "")
         head = f"@shard on {where}: argument {name}={s!r}"
+        if isinstance(s, Heads):
+            _check_heads(parent, name, s, tp, head, cls)
+            continue
         sub = modules.get(full)
         param = None if sub is not None else params.get(full)
         if isinstance(s, P):
@@ -100,11 +103,14 @@ def verify_shard_hints(
             continue
         check_layer(sub, s, head, f"{cls}.{name}")
         kind = layer_kind(sub)
-        if isinstance(s, Vocab):
-            if sub.num_embeddings % tp:
-                raise HintError(
-                    f"{head}: num_embeddings={sub.num_embeddings} is not divisible by tp ({tp})"
-                )
+        if kind == "embedding":
+            size, what = (
+                (sub.num_embeddings, "num_embeddings")
+                if isinstance(s, Vocab)
+                else (sub.embedding_dim, "embedding_dim")
+            )
+            if size % tp:
+                raise HintError(f"{head}: {what}={size} is not divisible by tp ({tp})")
             continue
         in_features, out_features = _features(sub, kind)
         if isinstance(s, Col) and s.chunks > 1:
@@ -146,3 +152,17 @@ def verify_shard_hints(
                     f"@shard on {where}: local={spec.local!r}: {cls}.{name}={value} is not "
                     f"divisible by tp ({tp})"
                 )
+
+
+def _check_heads(module, name: str, s: Heads, tp: int, head: str, cls: str) -> None:
+    """``Heads()`` names an argument of the module's forward, and its heads divide."""
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    if name not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise HintError(
+            f"{head}: {cls}.forward has no argument {name!r} (its arguments: "
+            f"{', '.join(params) or 'none'}); Heads() names a tensor argument of forward"
+        )
+    if s.heads is not None and s.heads % tp:
+        raise HintError(f"{head}: heads={s.heads} is not divisible by tp ({tp})")

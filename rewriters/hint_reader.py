@@ -45,7 +45,7 @@ from libcst.metadata import MetadataWrapper, QualifiedName, QualifiedNameProvide
 
 from annot.errors import HintError, RewriteError
 from annot.hints import ShardSpec, StageSpec, parse_bytes
-from annot.specs import SPEC_TYPES, Col, P, Partial, Replicate, Row, Vocab
+from annot.specs import SPEC_TYPES, Col, Heads, P, Partial, Replicate, Row, Vocab
 from rewriters.diagnostics import Locator, node_source, parse_source
 from rewriters.scopes import ModuleScopes
 
@@ -67,7 +67,7 @@ STAGE_NAMES = frozenset({"annot.stage", "annot.hints.stage"})
 BOUNDARY_NAMES = frozenset({"annot.boundary", "annot.hints.boundary"})
 SPEC_NAMES: dict[str, type] = {
     f"{mod}.{cls.__name__}": cls
-    for cls in (Col, Row, Vocab, Replicate, P, Partial)
+    for cls in (Col, Row, Vocab, Replicate, P, Partial, Heads)
     for mod in ("annot", "annot.specs")
 }
 
@@ -270,7 +270,7 @@ class _HintReader(cst.CSTVisitor):
             raise self.locate.error(
                 expr,
                 f"{where}: {name}={node_source(expr)} is {what}; write one of "
-                "Col(), Row(), Vocab(), Replicate(), P(...) or Partial() (imported from annot), "
+                "Col(), Row(), Vocab(), Replicate(), P(...), Partial() or Heads() (imported from annot), "
                 f"e.g. {name}=Col()",
             )
         args = []

@@ -114,7 +114,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
-from annot.specs import Col, P, Partial, Replicate, Row, Vocab
+from annot.specs import Col, Heads, P, Partial, Replicate, Row, Vocab
 from rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
 from rewriters.hint_reader import find_hints, format_hint
 from rewriters.scopes import LOAD, Assignment, ModuleScopes
@@ -158,7 +158,7 @@ _KIND_NAMES = {
 }
 # (HF transformers' Conv1D is accepted wherever nn.Linear is; the message keeps to torch's layers)
 _SUPPORTED = (
-    "annot shards nn.Linear (Col(), Row()), nn.Embedding (Vocab()) and nn.Parameter "
+    "annot shards nn.Linear (Col(), Row()), nn.Embedding (Vocab(), Col()) and nn.Parameter "
     "(P(...)); Replicate() keeps any attribute whole"
 )
 # (Col / Row layer) for each linear-like kind
@@ -569,6 +569,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
         sites, assigned = self._init_sites(init, first.name.value, spec)
         col_paths: set[tuple[str, ...]] = set()
         for name, s in spec.specs.items():
+            if isinstance(s, Heads):  # a forward argument: sliced at runtime, by path
+                continue
             found = sites.get(name, [])
             if not found:
                 where = self._hint_arg(decorator, name) or cls.name
@@ -702,6 +704,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
         want = {Col: "linear", Row: "linear", Vocab: "embedding", P: "parameter"}[type(s)]
         if kind == want or (want == "linear" and kind == "conv1d"):
             return
+        if isinstance(s, Col) and kind == "embedding" and s.chunks == 1:
+            return  # its columns: ColumnParallelEmbedding
         if kind is None and want != "parameter":
             return  # built as written, converted by its runtime type (runtime.tp_convert)
         head = f"{name}={s!r}: "
@@ -730,7 +734,7 @@ class TensorParallelTransformer(cst.CSTTransformer):
         elif kind == "embedding":
             reason = (
                 f"{s!r} splits an nn.Linear, but self.{name} is an nn.Embedding; "
-                "use Vocab() to split its rows"
+                "use Vocab() to split its rows, or Col() (no chunks) its columns"
             )
         else:
             reason = (
@@ -798,6 +802,8 @@ class TensorParallelTransformer(cst.CSTTransformer):
             return
         extra = []
         col, row = _LAYERS["conv1d" if kind == "conv1d" else "linear"]
+        if kind == "embedding":
+            col = "ColumnParallelEmbedding"  # Col() on an embedding: its columns
         if isinstance(s, Col):
             layer = col
             if s.chunks != 1:

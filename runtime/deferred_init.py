@@ -67,7 +67,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from annot.errors import AnnotError
 
-__all__ = ["DeferredInitError", "deferred_reference", "materialize_", "shard_slicers"]
+__all__ = [
+    "DeferredInitError",
+    "deferred_reference",
+    "materialize_",
+    "meta_copy",
+    "shard_slicers",
+]
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 Wanted = Callable[[str], Optional[Slicer]]
@@ -159,6 +165,18 @@ class _Storage:
     numel: int
     meta: Any  # the meta untyped storage, kept alive so its address is not reused
     versions: list  # versions[v] is the _Op that made version v
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device
+    (structure, no memory; tied tensors stay tied; other attributes copied)."""
+    import copy
+
+    memo: dict = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 def _user_frame() -> str:

@@ -207,14 +207,16 @@ def gather_from_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _GatherFromTP.apply(x, group, size, rank, dim, 1)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Keep this rank's contiguous ``1/tp`` slice of ``x`` along ``dim``;
-    backward all-gathers the gradient. ``x.shape[dim]`` must divide by tp."""
+def scatter_to_tp(x: torch.Tensor, dim: int = -1, chunks: int = 1) -> torch.Tensor:
+    """Keep this rank's contiguous ``1/tp`` slice of ``x`` along ``dim`` (of each
+    of ``chunks`` equal blocks along it); backward all-gathers the gradient.
+    ``x.shape[dim]`` must divide by ``tp * chunks``."""
     group, size, rank = tp_env()
     if size == 1:
         return x
-    if x.shape[dim] % size:
+    if x.shape[dim] % (size * chunks):
         raise HintError(
-            f"scatter_to_tp: dim {dim} of size {x.shape[dim]} is not divisible by tp({size})"
+            f"scatter_to_tp: dim {dim} of size {x.shape[dim]} is not divisible by "
+            f"tp({size}) * chunks({chunks})"
         )
-    return _ScatterToTP.apply(x, group, size, rank, dim, 1)
+    return _ScatterToTP.apply(x, group, size, rank, dim, chunks)

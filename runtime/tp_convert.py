@@ -13,7 +13,8 @@ built layer                        becomes
 =================================  =========================================
 ``nn.Linear`` or a subclass        ``ColumnParallelLinear`` / ``RowParallelLinear``
 HF ``Conv1D`` or a subclass        ``ColumnParallelConv1D`` / ``RowParallelConv1D``
-``nn.Embedding`` or a subclass     ``VocabParallelEmbedding``
+``nn.Embedding`` or a subclass     ``VocabParallelEmbedding`` (``Vocab()``),
+                                   ``ColumnParallelEmbedding`` (``Col()``)
 =================================  =========================================
 
 A subclass that overrides ``forward`` is taken only when annot can show the
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
-from annot.specs import Col, P, Partial, Row, Vocab
+from annot.specs import Col, Heads, P, Partial, Row, Vocab
 from runtime import tp_layers as L
 from runtime.state_dict import load_full_state_dict
 
@@ -64,6 +65,7 @@ __all__ = [
     "layer_kind",
     "partial_module",
     "row_parallel",
+    "slice_heads",
     "tied_names",
     "to_parallel",
     "vocab_parallel",
@@ -211,7 +213,11 @@ def _full_output(spec: object) -> bool:
     return isinstance(spec, (Vocab, Row)) or (isinstance(spec, Col) and spec.gather)
 
 
-_WANT = {Col: ("linear", "conv1d"), Row: ("linear", "conv1d"), Vocab: ("embedding",)}
+_WANT = {
+    Col: ("linear", "conv1d", "embedding"),
+    Row: ("linear", "conv1d"),
+    Vocab: ("embedding",),
+}
 
 
 def _plan(module: nn.Module, spec: object, where: str, what: str) -> tuple[str, Optional[type]]:
@@ -231,9 +237,11 @@ def _plan(module: nn.Module, spec: object, where: str, what: str) -> tuple[str, 
         target, use = (
             ("nn.Embedding", "use Col() or Row() for an nn.Linear")
             if isinstance(spec, Vocab)
-            else ("nn.Linear", "use Vocab() for an nn.Embedding")
+            else ("nn.Linear", "use Vocab() (rows) or Col() (columns) for an nn.Embedding")
         )
         raise HintError(f"{where} applies to {target}, but {what} is a {name}; {use}")
+    if kind == "embedding" and isinstance(spec, Col) and spec.chunks != 1:
+        raise HintError(f"{where}: Col() on an nn.Embedding splits its columns; drop chunks=")
     base = _base(module, kind)
     definers = _forward_definers(type(module), base)
     if not definers:
@@ -286,7 +294,12 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
     w = module.weight
     with torch.device(w.device):
         if kind == "embedding":
-            layer = L.VocabParallelEmbedding(
+            cls, extra = (
+                (L.ColumnParallelEmbedding, {"gather": spec.gather})
+                if isinstance(spec, Col)
+                else (L.VocabParallelEmbedding, {})
+            )
+            layer = cls(
                 module.num_embeddings,
                 module.embedding_dim,
                 padding_idx=module.padding_idx,
@@ -296,6 +309,7 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
                 sparse=module.sparse,
                 dtype=w.dtype,
                 tp=tp,
+                **extra,
             )
         elif kind == "conv1d":
             nx, nf = w.shape
@@ -402,6 +416,46 @@ def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
     return module
 
 
+def slice_heads(module: nn.Module, name: str, spec: Heads, tp: int, where: str = "") -> None:
+    """``Heads()`` on argument ``name`` of a built module: a forward pre-hook
+    gives its forward this rank's heads of that argument (see
+    :class:`annot.specs.Heads`). Hooked once per argument."""
+    L._mesh_for("slice_heads", tp)
+    done = module.__dict__.setdefault("annot_heads", set())
+    if tp == 1 or name in done:
+        return
+    done.add(name)
+    order = list(inspect.signature(module.forward).parameters)
+    index = order.index(name) if name in order else None
+    where = where or f"{type(module).__name__}.forward({name}=)"
+
+    def own(x):
+        from runtime.tp_comm import scatter_to_tp
+
+        if not isinstance(x, torch.Tensor):
+            return x
+        size = x.shape[spec.dim]
+        if size == 1 and spec.heads is None:
+            return x  # broadcast over the heads
+        heads = spec.heads or size
+        if size % heads or heads % tp:
+            raise HintError(
+                f"{where}: {spec!r} reads dim {spec.dim} (size {size}) as blocks of {heads} "
+                f"heads split over tp={tp}; that does not divide. Give heads= the number of "
+                "heads in that dim"
+            )
+        return scatter_to_tp(x, spec.dim, size // heads)
+
+    def enter(mod, args, kwargs):
+        if name in kwargs:
+            kwargs[name] = own(kwargs[name])
+        elif index is not None and index < len(args):
+            args = (*args[:index], own(args[index]), *args[index + 1 :])
+        return args, kwargs
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+
+
 def convert_hinted(
     model: nn.Module, paths: dict[str, object], tp: int, ties: list[list[str]]
 ) -> None:
@@ -419,6 +473,9 @@ def convert_hinted(
                 owner._parameters[name] = L.shard_parameter(
                     p, dim=spec.split_dim, chunks=spec.chunks, tp=tp
                 )
+            continue
+        if isinstance(spec, Heads):
+            slice_heads(owner, name, spec, tp, f"{path}: {spec!r}")
             continue
         sub = owner._modules.get(name)
         if isinstance(spec, Partial) and sub is not None:

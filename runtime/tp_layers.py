@@ -6,6 +6,7 @@ rewriter input                  emitted (``tp=N`` is the degree rewritten for)
 ``Col()`` on ``nn.Linear``      ``ColumnParallelLinear(..., chunks=, gather=, tp=N)``
 ``Row()`` on ``nn.Linear``      ``RowParallelLinear(..., tp=N)``
 ``Vocab()`` on ``nn.Embedding`` ``VocabParallelEmbedding(..., tp=N)``
+``Col()`` on ``nn.Embedding``   ``ColumnParallelEmbedding(..., gather=, tp=N)``
 ``P("tp", None)`` on a param    ``shard_parameter(nn.Parameter(...), dim=0, tp=N)``
 ``Col()`` on HF ``Conv1D``      ``ColumnParallelConv1D(nf, nx, chunks=, gather=, tp=N)``
 ``Row()`` on HF ``Conv1D``      ``RowParallelConv1D(nf, nx, tp=N)``
@@ -59,6 +60,7 @@ __all__ = [
     "ColumnParallelConv1D",
     "RowParallelConv1D",
     "VocabParallelEmbedding",
+    "ColumnParallelEmbedding",
     "ShardedParameter",
     "shard_parameter",
 ]
@@ -518,6 +520,96 @@ class VocabParallelEmbedding(nn.Module):
         return (
             f"{s}, tp={self.tp}, local_weight={tuple(self.weight.shape)}, "
             f"rows=[{self.vocab_start}, {self.vocab_start + self.num_embeddings_local})"
+        )
+
+
+class ColumnParallelEmbedding(nn.Module):
+    """``nn.Embedding`` split on the embedding dim: rank ``r`` holds columns
+    ``[r * D/tp, (r + 1) * D/tp)`` of every row, and its lookup is that slice of
+    the full lookup (DTensor's ``ColwiseParallel`` on an embedding). Made for a
+    per-head table whose columns are heads (T5's relative-position bias), read
+    by the rank's own heads. ``gather=True`` all-gathers the output. Ids carry
+    no gradient, so nothing is communicated unless gathered.
+
+    ``max_norm`` is refused with tp > 1 (it renormalizes whole rows).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Optional[torch.Tensor] = None,
+        _freeze: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        gather: bool = False,
+        tp: int = 1,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_degree(name, tp)
+        if tp > 1 and max_norm is not None:
+            raise HintError(
+                f"{name}: max_norm={max_norm!r} renormalizes whole rows, which no rank holds "
+                "with tp > 1; drop max_norm, or leave this embedding unsharded (Replicate())"
+            )
+        _check_divisible(name, "embedding_dim", embedding_dim, tp)
+        ctx = _mesh_for(name, tp)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self.gather = gather
+        self.tp = tp
+        local = embedding_dim // tp
+        if _weight is None:
+            shape = (num_embeddings, local)
+            self.weight = nn.Parameter(torch.empty(shape, **_factory(device, dtype)))
+            self.reset_parameters()
+        else:
+            rank = ctx.tp_rank if ctx is not None else 0
+            cut = _weight if tp == 1 else _weight.narrow(1, rank * local, local).detach().clone()
+            self.weight = nn.Parameter(cut)
+        self.weight.requires_grad_(not _freeze)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            if self.padding_idx is not None:
+                self.weight[self.padding_idx].fill_(0)
+
+    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
+        return {"weight": (1, 1)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(
+            ids,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+        if self.gather and self.tp > 1:
+            ctx = _mesh_for(type(self).__name__, self.tp)
+            out = _GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
+        return out
+
+    def extra_repr(self) -> str:
+        gather = ", gather=True" if self.gather else ""
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}{gather}, tp={self.tp}, "
+            f"local_weight={tuple(self.weight.shape)}"
         )
 
 

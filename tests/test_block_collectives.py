@@ -19,7 +19,10 @@ def _block_counts(cache: str):
 
     cfg = GPTConfig(n_head=4, n_embd=16, dropout=0.0)
     # verify=False: verification's own collectives would be counted; it runs below.
-    block = annot.parallelize(Block, cfg, mesh=annot.Mesh(tp=2), seed=0, verify=False)
+    # sample=: the pre-flight runs at build, not inside the first (counted) call.
+    block = annot.parallelize(
+        Block, cfg, mesh=annot.Mesh(tp=2), seed=0, verify=False, sample=(torch.zeros(2, 5, 16),)
+    )
     torch.manual_seed(0)
     ref = Block(cfg)
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)

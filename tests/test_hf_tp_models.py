@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.specs import Col, Local, Row  # noqa: E402
+from annot.specs import Col, Heads, Local, Row  # noqa: E402
 from annot.testing import RanksFailed, run_ranks  # noqa: E402
 from tests.test_hf_gpt2 import LLAMA_KW  # noqa: E402
 
@@ -44,6 +44,22 @@ def _build(name: str):
             vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16
         )
         return transformers.GPTJForCausalLM, cfg
+    if name == "bloom":  # no plan; ALiBi built for all heads in BloomModel.forward
+        cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+        return transformers.BloomForCausalLM, cfg
+    if name == "t5":  # no plan; relative-position bias made once, shared by every layer
+        cfg = transformers.T5Config(
+            vocab_size=64,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        return transformers.T5ForConditionalGeneration, cfg
     cls, cfg_cls, extra = {
         "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {}),
         # plan + embedding_rowwise on Gemma3TextScaledWordEmbedding (an nn.Embedding
@@ -72,6 +88,22 @@ HINTS = {
         "**.mlp.fc_in": Col(),
         "**.mlp.fc_out": Row(),
         "**.attn": Local("num_attention_heads"),
+    },
+    "bloom": lambda: {
+        "**.self_attention.query_key_value": Col(),  # per head q|k|v, as Falcon
+        "**.self_attention.dense": Row(),
+        "**.mlp.dense_h_to_4h": Col(),
+        "**.mlp.dense_4h_to_h": Row(),
+        "**.self_attention": Local("num_heads"),
+        "**.self_attention.alibi": Heads(dim=0, heads=4),  # (batch * n_head, 1, k)
+    },
+    "t5": lambda: {
+        "**.[qkv]": Col(),
+        "**.o": Row(),
+        "**.relative_attention_bias": Col(),  # (buckets, n_heads): its columns are heads
+        "**.DenseReluDense.wi": Col(),
+        "**.DenseReluDense.wo": Row(),
+        "**.*Attention": Local("n_heads", "inner_dim"),
     },
 }
 
@@ -157,7 +189,29 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
         ("falcon", True),
         ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite
         ("gptj", True),
+        ("bloom", False),  # ALiBi: each rank's heads of it, where it enters the attention
+        ("bloom", True),
+        ("t5", False),  # the relative-position table split by heads, read by own heads
+        ("t5", True),
     ],
 )
 def test_tp2_parity_on_models_without_plain_layers(tmp_path, name, built):
     run_ranks(_parity, 2, str(tmp_path), name, None, built, timeout=300)
+
+
+def _bloom_without_heads(cache: str):
+    hints = {k: v for k, v in HINTS["bloom"]().items() if not isinstance(v, Heads)}
+    return _parity(cache, "bloom", hints)
+
+
+def test_bloom_alibi_left_whole_is_refused_before_training(tmp_path):
+    """Without Heads(), each rank's attention gets ALiBi for all heads: the
+    pre-flight refuses, naming the attention module, before any step."""
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_bloom_without_heads, 2, str(tmp_path), timeout=300)
+    for text in err.value.failures.values():
+        assert (
+            "HintError: tp pre-flight: at tp=2, this rank's model fails in "
+            "'transformer.h.0.self_attention' (BloomAttention)" in text
+        )
+        assert "transformer.h.0.self_attention: Local('num_heads')" in text

@@ -507,6 +507,42 @@ def test_a_local_assigned_from_divided_sizes_is_not_divided_again():
     assert (err.line, err.col) == (7, 9)
 
 
+def test_per_head_table_and_per_head_argument():
+    # T5: the relative-position table is (buckets, n_heads), split by columns
+    # (heads); Bloom: Heads() names a forward argument, sliced at runtime.
+    assert_rewrite(
+        """
+        import torch.nn as nn
+        from annot import shard, Col, Heads
+
+        @shard(bias=Col(), alibi=Heads(dim=0, heads=4), local=("n_heads",))
+        class Attention(nn.Module):
+            def __init__(self, n_heads):
+                super().__init__()
+                self.n_heads = n_heads
+                self.bias = nn.Embedding(32, self.n_heads)
+
+            def forward(self, x, alibi):
+                return x.view(-1, self.n_heads) + alibi
+        """,
+        """
+        import torch.nn as nn
+        from annot import shard, Col, Heads
+        from runtime.tp_layers import ColumnParallelEmbedding
+
+        # annot: @shard(bias=Col(), alibi=Heads(dim=0, heads=4), local=("n_heads",)) applied for tp=2
+        class Attention(nn.Module):
+            def __init__(self, n_heads):
+                super().__init__()
+                self.n_heads = n_heads
+                self.bias = ColumnParallelEmbedding(32, self.n_heads, tp=2)
+
+            def forward(self, x, alibi):
+                return x.view(-1, self.n_heads // 2) + alibi
+        """,
+    )
+
+
 def test_multiline_calls_keep_their_layout():
     assert_rewrite(
         """

@@ -60,6 +60,26 @@ def test_two_patterns_giving_one_path_different_specs_are_refused():
     )
 
 
+def test_heads_names_a_forward_argument():
+    from annot.hints import resolve_hints
+    from annot.specs import Heads
+    from annot.verify import verify_shard_hints
+
+    model = StyledLM()
+    specs, paths = resolve_hints(model, {"blocks.*.attn.x": Heads(dim=1)})
+    assert paths["blocks.0.attn.x"] == Heads(dim=1)
+    verify_shard_hints(model, specs, 2, paths)
+    specs, paths = resolve_hints(model, {"blocks.*.attn.mask": Heads(dim=1)})
+    with pytest.raises(HintError) as err:
+        verify_shard_hints(model, specs, 2, paths)
+    assert "Attention.forward has no argument 'mask' (its arguments: x); Heads() names" in str(
+        err.value
+    )
+    specs, paths = resolve_hints(model, {"blocks.*.attn.x": Heads(dim=0, heads=3)})
+    with pytest.raises(HintError, match=r"heads=3 is not divisible by tp \(2\)"):
+        verify_shard_hints(model, specs, 2, paths)
+
+
 def test_kind_is_the_runtime_type():
     assert layer_kind(FusedLinear(4, 4)) == "linear"
     assert layer_kind(partial(nn.Linear, bias=False)(4, 4)) == "linear"

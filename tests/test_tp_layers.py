@@ -22,6 +22,7 @@ from annot.testing import run_ranks
 from runtime.mesh import ParallelContext, use
 from runtime.tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, split_local
 from runtime.tp_layers import (
+    ColumnParallelEmbedding,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -298,6 +299,45 @@ def _mlp_and_embedding(tp):
             from_full = VocabParallelEmbedding(vocab, 6, _weight=ref.weight, _freeze=True, tp=tp)
             assert not from_full.weight.requires_grad
             _close(from_full(ids), ref(ids), "embedding from a full _weight")
+
+        # Column-parallel embedding (a per-head table: its columns are heads).
+        ref = nn.Embedding(5, 2 * tp, padding_idx=0)
+        for gather in (False, True):
+            emb = ColumnParallelEmbedding(5, 2 * tp, padding_idx=0, gather=gather, tp=tp)
+            load_full_state_dict(emb, ref.state_dict())
+            ids = torch.tensor([[0, 1, 4], [3, 2, 1]])
+            out, out_ref = emb(ids), ref(ids)
+            mine = out_ref if gather else out_ref[..., 2 * rank : 2 * rank + 2]
+            _close(out, mine, f"column embedding output (gather={gather})")
+            g = torch.randn_like(out_ref)
+            out.backward(g if gather else g[..., 2 * rank : 2 * rank + 2])
+            ref.weight.grad = None
+            out_ref.backward(g)
+            _close(full_grads(emb)["weight"], ref.weight.grad, f"column embedding grad ({gather})")
+
+        # Heads(): a per-head argument made for all heads outside the module.
+        from annot.specs import Heads
+        from runtime.tp_convert import slice_heads
+
+        class Scores(nn.Module):
+            def forward(self, x, bias=None):
+                return x + bias
+
+        batch, heads = 2, 2 * tp
+        mod = Scores()
+        slice_heads(mod, "bias", Heads(dim=0, heads=heads), tp)
+        flat = torch.randn(batch * heads, 1, 3, requires_grad=True)  # Bloom's (b * h, 1, k)
+        mine = flat.view(batch, heads, 1, 3)[:, 2 * rank : 2 * rank + 2].reshape(-1, 1, 3)
+        out = mod(torch.zeros(batch * 2, 1, 3), flat)
+        _close(out, mine, "Heads(dim=0, heads=) slice")
+        out.sum().backward()
+        _close(flat.grad, torch.ones_like(flat), "Heads() gradient (all-gathered)")
+        mod = Scores()
+        slice_heads(mod, "bias", Heads(dim=1), tp)
+        full = torch.randn(1, heads, 3, 3)
+        _close(mod(torch.zeros(1, 2, 3, 3), bias=full), full[:, 2 * rank : 2 * rank + 2], "dim=1")
+        one = torch.randn(1, 1, 3, 3)  # broadcast over the heads: kept
+        _close(mod(torch.zeros(1, 2, 3, 3), bias=one), one.expand(1, 2, 3, 3), "broadcast")
 
         # scatter / gather round trip and their backward.
         x = torch.randn(3, 4 * tp, requires_grad=True)

@@ -1,0 +1,134 @@
+"""Pre-flight: each rank's model runs once on meta tensors before it trains.
+
+A hint that cannot work at tp > 1 shows up as a shape error deep in a rank's
+traceback: a ``Col()`` / ``Row()`` pair swapped, a head count left global, a
+per-head tensor built for all heads outside the sharded module (Bloom's ALiBi,
+T5's relative-position bias). The pre-flight finds it first. It runs this
+rank's model on the sample's shapes on the meta device (no FLOPs, and no
+communication: a tp collective on a meta tensor only shapes its result) and,
+when that fails where the single-device model runs, refuses the model with a
+:class:`HintError` naming the module that failed and the hints around it.
+
+It runs at the end of :func:`annot.parallelize` when a sample is known
+(``sample=``, or a tiny input made from a transformers config), otherwise on
+the model's first call, with that call's shapes. Every tp rank has the same
+shapes, so every rank refuses alike, before any collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from annot.errors import AnnotError, HintError
+
+__all__ = ["preflight", "hints_near"]
+
+log = logging.getLogger("annot")
+
+
+def _failure(root: nn.Module, args: tuple, kwargs: dict, ctx) -> Optional[tuple[str, Exception]]:
+    """``(path of the innermost module running, the exception)`` when one meta
+    forward of ``root(*args, **kwargs)`` fails; None when it runs."""
+    from runtime import mesh as rmesh
+    from runtime.replay import shape_run
+
+    names = {id(m): path for path, m in root.named_modules()}
+    stack: list[str] = []
+
+    def enter(mod, args) -> None:
+        stack.append(names[id(mod)])
+
+    def leave(mod, args, out) -> None:  # returns None: the output stays
+        stack.pop()
+
+    handles = []
+    for m in root.modules():
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with rmesh.use(ctx):
+            shape_run(lambda: root(*args, **kwargs), ())
+    except AnnotError:
+        raise  # annot's own refusal says what to do already
+    except Exception as exc:  # noqa: BLE001 - any failure is reported below
+        return (stack[-1] if stack else ""), exc
+    finally:
+        for h in handles:
+            h.remove()
+    return None
+
+
+def _twin(model: nn.Module) -> nn.Module:
+    """A meta copy of ``model`` to run: forward's side effects (a cached tensor
+    attribute moved to the input's device, GPT-J's ``embed_positions``) land on
+    the copy, and only annot's own hooks run (a user's hooks never see the
+    pre-flight)."""
+    from runtime.deferred_init import meta_copy
+
+    twin = meta_copy(model)
+    for m in twin.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, h in hooks.items() if not _is_annots(h)]:
+                del hooks[key]
+    return twin
+
+
+def _is_annots(hook) -> bool:
+    return getattr(hook, "__module__", "").split(".")[0] in ("annot", "runtime", "rewriters")
+
+
+def hints_near(path: str, ref: nn.Module, specs: dict, paths: dict) -> list[str]:
+    """The hints at the innermost module on ``path`` (itself or an ancestor)
+    that has any, one line each: the specs given by path under it and the
+    per-rank sizes its class names."""
+    parts = path.split(".") if path else []
+    for n in range(len(parts), -1, -1):
+        at = ".".join(parts[:n])
+        prefix = f"{at}." if at else ""
+        lines = [f"{p}: {s!r}" for p, s in paths.items() if p.startswith(prefix)]
+        try:
+            spec = specs.get(type(ref.get_submodule(at)))
+        except AttributeError:
+            spec = None
+        if spec is not None and spec.local:
+            lines.append(f"{at or '<root>'}: Local({', '.join(map(repr, spec.local))})")
+        if lines:
+            return lines[:8]
+    return []
+
+
+def preflight(
+    local: nn.Module, args: tuple, kwargs: dict, *, ref: nn.Module, ctx, specs: dict, paths: dict
+) -> None:
+    """Refuse ``local`` (this rank's model) when a meta forward on ``args`` and
+    ``kwargs`` fails where the single-device ``ref`` runs; see the module
+    docstring."""
+    args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    failed = _failure(_twin(local), args, kwargs, ctx)
+    if failed is None:
+        return
+    where, exc = failed
+    if _failure(ref, args, kwargs, None) is not None:
+        log.debug("annot: pre-flight skipped: the single-device model fails on meta too (%s)", exc)
+        return
+    tp = ctx.mesh.tp
+    try:
+        cls = type(local.get_submodule(where)).__name__
+    except AttributeError:
+        cls = "?"
+    near = hints_near(where, ref, specs, paths)
+    shown = "\n".join(f"    {line}" for line in near) or "    (no hints there)"
+    raise HintError(
+        f"tp pre-flight: at tp={tp}, this rank's model fails in {where or '<root>'!r} ({cls}) "
+        f"on meta tensors of the sample's shapes, where the single-device model runs:\n"
+        f"    {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+        f"The hints there:\n{shown}\n"
+        "Check them: a Col()/Row() pair in the wrong order, a size that each rank holds "
+        "1/tp of but forward reads whole (name it in Local(...) / @shard(local=...)), or a "
+        "per-head tensor built for all heads outside the sharded module (shard what builds it, "
+        "or slice it with Heads(...) where it enters)."
+    ) from exc
