@@ -6,9 +6,11 @@
     annot rewrite model.py --tp 2 --in-place      # overwrite model.py itself
     annot plan model.py:GPT --pp 4 --input idx=int64[8,256]:vocab=50304 \
         --init 'GPTConfig(n_layer=8)'             # balanced stage boundaries, as a table
+    annot verify model.py:GPT --tp 2 --input idx=int64[2,16]:64 \
+        --hints hints.py:HINTS                    # tp=2 on gloo ranks vs one device
     annot --version
 
-Exit status: 0 on success, 2 on any error (a refusal prints
+Exit status: 0 on success (``verify``: 1 on a mismatch), 2 on any error (a refusal prints
 ``file:line:col: reason`` on stderr). On an error nothing is written. Files
 are read as bytes and written back with their own encoding, BOM and line
 endings; writes are atomic (a temporary file, then ``os.replace``).
@@ -23,20 +25,17 @@ import argparse
 import contextlib
 import io
 import os
-import re
 import sys
 import tempfile
 import tokenize
 from collections.abc import Sequence
 from typing import Optional
 
+from annot.cli_inputs import Refusal, build_model, describe, import_target, parse_inputs
+from annot.cli_verify import add_verify
 from annot.errors import AnnotError, PartitionError, RewriteError
 
 __all__ = ["build_parser", "main", "rewrite_source"]
-
-
-class _Refusal(Exception):
-    """A command-line mistake: printed as ``annot <command>: <message>``, exit 2."""
 
 
 def _version() -> str:
@@ -67,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_rewrite(sub)
     _add_plan(sub)
+    add_verify(sub)
     return parser
 
 
@@ -149,21 +149,21 @@ def rewrite_source(
         boundaries = None
         if split is not None:
             if not classes:
-                raise _Refusal(
+                raise Refusal(
                     f"{path}: --split needs a @stage class to split in source, and this file "
                     "has none. For a model you cannot edit, annot cuts the stages at run time "
                     "(boundaries at any depth, no source change): see them with annot plan "
                     "MODULE:CLASS --pp N, and pass split=[...] to annot.parallelize"
                 )
             if len(classes) != 1:
-                raise _Refusal(
+                raise Refusal(
                     f"{path}: --split needs exactly one @stage class, found {len(classes)}"
                 )
             boundaries = {classes[0]: split}
         text, splits = split_decorated(text, path=path, boundaries=boundaries)
         for name, sp in splits.items():
             if len(sp.stages) != pp:
-                raise _Refusal(
+                raise Refusal(
                     f"{path}: {name} splits into {len(sp.stages)} stages but --pp is {pp}; "
                     "give --split with pp - 1 module paths"
                 )
@@ -190,15 +190,15 @@ def _run_rewrite(args: argparse.Namespace) -> int:
     try:
         if args.split and args.pp == 1:
             n = len(args.split.split(",")) + 1
-            raise _Refusal(f"--split {args.split} cuts pipeline stages: give --pp {n} with it")
+            raise Refusal(f"--split {args.split} cuts pipeline stages: give --pp {n} with it")
         if args.force and args.outdir is None:
-            raise _Refusal("--force only applies to -o OUTDIR")
+            raise Refusal("--force only applies to -o OUTDIR")
         for path in args.files:
             try:
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError as exc:
-                raise _Refusal(f"{path}: cannot read: {exc.strerror or exc}") from None
+                raise Refusal(f"{path}: cannot read: {exc.strerror or exc}") from None
             try:
                 results.append(
                     (
@@ -226,7 +226,7 @@ def _run_rewrite(args: argparse.Namespace) -> int:
             _write_in_place(results)
         else:
             _print_sources(results)
-    except (_Refusal, AnnotError, OSError) as exc:
+    except (Refusal, AnnotError, OSError) as exc:
         print(f"annot rewrite: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -263,19 +263,19 @@ def _destination(outdir: str, path: str) -> str:
     OUTDIR or on the input file."""
     name = os.path.basename(path)
     if name in ("", ".", "..") or os.path.isabs(name) or os.sep in name:
-        raise _Refusal(f"{path}: cannot name an output file after it")
+        raise Refusal(f"{path}: cannot name an output file after it")
     root = os.path.realpath(outdir)
     if os.path.exists(root) and not os.path.isdir(root):
-        raise _Refusal(f"-o {outdir}: exists and is not a directory")
+        raise Refusal(f"-o {outdir}: exists and is not a directory")
     dest = os.path.join(root, name)
     real = os.path.realpath(dest)
     if os.path.dirname(real) != root:
-        raise _Refusal(
+        raise Refusal(
             f"-o {outdir}: {dest} is a link to {real}, outside {outdir}; annot writes only "
             "inside OUTDIR, so remove the link or pick another directory"
         )
     if os.path.realpath(path) == real or (os.path.exists(dest) and os.path.samefile(path, dest)):
-        raise _Refusal(
+        raise Refusal(
             f"-o {outdir}: writing {dest} would overwrite the input {path}; pick another "
             "directory, or use --in-place to rewrite the file itself"
         )
@@ -289,12 +289,12 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
     for path, data, out in results:
         dest = _destination(args.outdir, path)
         if dest in plan:
-            raise _Refusal(
+            raise Refusal(
                 f"-o {args.outdir}: {plan[dest][0]} and {path} would both be written to {dest}; "
                 "rewrite them into different directories"
             )
         if os.path.exists(dest) and not args.force and not _annot_wrote(dest):
-            raise _Refusal(
+            raise Refusal(
                 f"-o {args.outdir}: {dest} exists and annot did not write it (no @generated "
                 "header); nothing the user wrote is overwritten: pick another directory, "
                 "move the file, or pass --force"
@@ -387,29 +387,6 @@ times are not scaled).
 Prints the table (or with --json the plan as JSON) and writes no file.
 Exit status 2 on an error (a bad spec, a memory budget no split fits)."""
 
-_DTYPES = {
-    "float32": "float32",
-    "float": "float32",
-    "float16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "float64": "float64",
-    "double": "float64",
-    "int64": "int64",
-    "long": "int64",
-    "int32": "int32",
-    "int": "int32",
-    "int16": "int16",
-    "int8": "int8",
-    "uint8": "uint8",
-    "bool": "bool",
-}
-
-_INPUT = re.compile(
-    r"^(?P<name>[A-Za-z_]\w*)=(?P<dtype>\w+)\[(?P<shape>[\d,\s]*)\]"
-    r"(?::(?:(?P<label>[A-Za-z_]\w*)=)?(?P<high>\d+))?$"
-)
-
 
 def _add_plan(sub) -> None:
     p = sub.add_parser(
@@ -464,287 +441,32 @@ def _add_plan(sub) -> None:
     p.set_defaults(run=_run_plan)
 
 
-def _import_file(path: str):
-    """FILE as a fresh module (its top-level code runs), registered in sys.modules."""
-    import hashlib
-    import importlib.util
-
-    if not os.path.isfile(path):
-        raise _Refusal(f"{path}: no such file")
-    real = os.path.realpath(path)
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(real))[0])
-    name = f"annot_plan_{stem}_{hashlib.sha256(real.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, real)
-    if spec is None or spec.loader is None:
-        raise _Refusal(f"{path}: cannot import it as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    folder = os.path.dirname(real)
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(name, None)
-        raise _Refusal(f"{path}: importing it raised {_describe(exc)}") from None
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(folder)
-    return module
-
-
-def _import_target(path: str):
-    """FILE, or an installed module by its dotted name
-    (``transformers.models.llama.modeling_llama``): its source is read, never
-    written."""
-    import importlib
-
-    if os.path.isfile(path) or path.endswith(".py"):
-        return _import_file(path)
-    try:
-        return importlib.import_module(path)
-    except ImportError as exc:
-        raise _Refusal(
-            f"{path}: no such file, and importing it as a module failed: {exc}"
-        ) from None
-
-
-def _describe(exc: BaseException) -> str:
-    """``TypeError: message (at model.py:12)``: the innermost frame of the
-    user's code (not of torch or annot); in a planned stage, its line."""
-    import traceback
-
-    import annot
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(annot.__file__)))
-    skip = [os.path.join(root, pkg) + os.sep for pkg in ("annot", "runtime", "rewriters")]
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and getattr(torch_mod, "__file__", None):
-        skip.append(os.path.dirname(os.path.abspath(torch_mod.__file__)) + os.sep)
-    frames = traceback.extract_tb(exc.__traceback__)
-    theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(tuple(skip))]
-    frame = (theirs or frames or [None])[-1]
-    if frame is None:
-        where = ""
-    elif frame.filename.startswith("<annot plan"):
-        where = f" (in forward, at `{(frame.line or '').strip()}`)"
-    else:
-        where = f" (at {frame.filename}:{frame.lineno})"
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _defined_names(module) -> set[str]:
-    """Classes and functions defined by top-level statements of the module's file
-    (and still bound to them): what --init may call."""
-    import ast
-
-    with open(module.__file__, "rb") as f:
-        tree = ast.parse(f.read(), module.__file__)
-    names = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
-    return {
-        n for n in names if getattr(getattr(module, n, None), "__module__", None) == module.__name__
-    }
-
-
-def _literal(node, text: str):
-    import ast
-
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        raise _Refusal(
-            f"--init {text!r}: {ast.unparse(node)!r} is not a literal; arguments may be "
-            "numbers, strings, True/False/None, tuples, lists, dicts, or calls of classes "
-            "defined in FILE"
-        ) from None
-
-
-def _init_value(node, module, allowed: set[str], text: str):
-    """Evaluate a checked --init node: calls of allowed names, literal arguments."""
-    import ast
-
-    if isinstance(node, ast.Call):
-        if not isinstance(node.func, ast.Name):
-            raise _Refusal(
-                f"--init {text!r}: refused {ast.unparse(node.func)!r}: --init may only call "
-                "classes and functions defined at the top level of FILE, by their plain name "
-                f"({', '.join(sorted(allowed)) or 'FILE defines none'})"
-            )
-        if node.func.id not in allowed:
-            raise _Refusal(
-                f"--init {text!r}: refused {node.func.id!r}: it is not a class or function "
-                f"defined in FILE; --init may call {', '.join(sorted(allowed)) or 'nothing'}"
-            )
-        if any(isinstance(a, ast.Starred) for a in node.args) or any(
-            k.arg is None for k in node.keywords
-        ):
-            raise _Refusal(f"--init {text!r}: *args and **kwargs are not accepted")
-        args = [_init_value(a, module, allowed, text) for a in node.args]
-        kwargs = {k.arg: _init_value(k.value, module, allowed, text) for k in node.keywords}
-        return getattr(module, node.func.id)(*args, **kwargs)
-    return _literal(node, text)
-
-
-def _check_tree(root, allowed: set[str], text: str) -> None:
-    """Refuse, before anything is called, any call that is not of an allowed name."""
-    import ast
-
-    for node in ast.walk(root):
-        if isinstance(node, ast.Call) and not (
-            isinstance(node.func, ast.Name) and node.func.id in allowed
-        ):
-            raise _Refusal(
-                f"--init {text!r}: refused {ast.unparse(node.func)!r}: --init may only call "
-                "classes and functions defined at the top level of FILE "
-                f"({', '.join(sorted(allowed)) or 'FILE defines none'})"
-            )
-        if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Attribute, ast.Subscript)):
-            raise _Refusal(
-                f"--init {text!r}: {ast.unparse(node)!r} is not accepted; use calls of "
-                "classes defined in FILE with literal arguments"
-            )
-
-
-def _config_json(text: str) -> dict:
-    import json
-
-    raw = text
-    if not text.lstrip().startswith("{"):
-        try:
-            with open(text, encoding="utf-8") as f:
-                raw = f.read()
-        except OSError as exc:
-            raise _Refusal(f"--config-json {text}: cannot read: {exc.strerror or exc}") from None
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise _Refusal(f"--config-json: not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise _Refusal("--config-json: expected a JSON object of keyword arguments")
-    return value
-
-
-def _build_model(module, cls: type, init: Optional[str], config: Optional[str]):
-    import ast
-
-    kwargs = _config_json(config) if config is not None else None
-    allowed = _defined_names(module)
-    if init is None:
-        config_class = getattr(cls, "config_class", None)  # a transformers model
-        if isinstance(config_class, type):
-            return cls(config_class(**(kwargs or {})))
-        return cls(**(kwargs or {}))
-    try:
-        tree = ast.parse(init.strip(), mode="eval").body
-    except SyntaxError as exc:
-        raise _Refusal(f"--init {init!r}: not a Python expression: {exc.msg}") from None
-    _check_tree(tree, allowed, init)
-    if isinstance(tree, ast.Name):  # --init GPTConfig [--config-json ...]
-        if tree.id not in allowed:
-            raise _Refusal(
-                f"--init {init!r}: {tree.id!r} is not a class or function defined in FILE; "
-                f"--init may call {', '.join(sorted(allowed)) or 'nothing'}"
-            )
-        value = getattr(module, tree.id)(**(kwargs or {}))
-    elif isinstance(tree, ast.Call):
-        if kwargs is not None:
-            raise _Refusal(
-                "--init with a call and --config-json both give arguments; use --init NAME "
-                "--config-json JSON, or put the arguments in the --init call"
-            )
-        value = _init_value(tree, module, allowed, init)
-    else:
-        raise _Refusal(
-            f"--init {init!r}: expected a call such as 'Config(n_layer=8)' or a class name"
-        )
-    return value if isinstance(value, cls) else cls(value)
-
-
-def _sample(specs: Sequence[str], cls: type) -> Optional[dict]:
-    import inspect
-
-    import torch
-
-    if not specs:
-        return None
-    sig = inspect.signature(cls.forward)
-    params = list(sig.parameters.values())[1:]
-    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    open_kw = any(p.kind == p.VAR_KEYWORD for p in params)
-    sample: dict = {}
-    for spec in specs:
-        m = _INPUT.match(spec.strip())
-        if m is None:
-            raise _Refusal(
-                f"--input {spec!r}: expected NAME=DTYPE[D0,D1,...] with an optional :HIGH for "
-                "ints, e.g. x=float32[4,16] or idx=int64[8,256]:vocab=50304"
-            )
-        name, dtype = m["name"], _DTYPES.get(m["dtype"].lower())
-        if dtype is None:
-            raise _Refusal(
-                f"--input {spec!r}: unknown dtype {m['dtype']!r}; expected one of "
-                f"{', '.join(sorted(set(_DTYPES.values())))}"
-            )
-        if name not in named and not open_kw:
-            raise _Refusal(
-                f"--input {spec!r}: {cls.__name__}.forward has no argument {name!r}; its "
-                f"arguments: {', '.join(p.name for p in params) or 'none'}"
-            )
-        if name in sample:
-            raise _Refusal(f"--input {name}= is given twice")
-        shape = [int(d) for d in m["shape"].replace(" ", "").split(",") if d]
-        dt = getattr(torch, dtype)
-        high = int(m["high"]) if m["high"] else None
-        if dt.is_floating_point:
-            if high is not None:
-                raise _Refusal(f"--input {spec!r}: a range (:{high}) is for integer inputs")
-            sample[name] = torch.randn(shape, dtype=dt)
-        elif dt is torch.bool:
-            sample[name] = torch.randint(0, 2, shape).bool()
-        else:
-            if high is not None and high < 1:
-                raise _Refusal(f"--input {spec!r}: HIGH must be >= 1 (ints in [0, HIGH))")
-            sample[name] = torch.randint(0, high or 2, shape, dtype=dt)
-    missing = [
-        p.name
-        for p in params
-        if p.default is p.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and p.name not in sample
-    ]
-    if missing:
-        raise _Refusal(
-            f"{cls.__name__}.forward needs {', '.join(missing)}: add --input "
-            + " --input ".join(f"{n}=DTYPE[SHAPE]" for n in missing)
-        )
-    return sample
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     try:
         path, sep, name = args.target.rpartition(":")
         if not sep or not path or not name:
-            raise _Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
+            raise Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
         if args.fit and args.memory is None:
-            raise _Refusal("--fit needs --memory (the budget the stages must fit)")
+            raise Refusal("--fit needs --memory (the budget the stages must fit)")
         memory = None
         if args.memory is not None:
             from annot.hints import parse_bytes
 
             memory = parse_bytes(args.memory, "--memory")
-        module = _import_target(path)
+        module = import_target(path)
         cls = module
         for part in name.split("."):
             cls = getattr(cls, part, None)
         import torch.nn as nn
 
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise _Refusal(f"{path}: defines no nn.Module class {name!r}")
+            raise Refusal(f"{path}: defines no nn.Module class {name!r}")
         import torch
 
         torch.manual_seed(0)
         try:
-            model = _build_model(module, cls, args.init, args.config_json)
-        except (_Refusal, AnnotError):
+            model = build_model(module, cls, args.init, args.config_json)
+        except (Refusal, AnnotError):
             raise
         except Exception as exc:
             how = (
@@ -753,10 +475,10 @@ def _run_plan(args: argparse.Namespace) -> int:
                 if args.init is None
                 else ""
             )
-            raise _Refusal(f"building {name} raised {_describe(exc)}{how}") from None
+            raise Refusal(f"building {name} raised {describe(exc)}{how}") from None
         if not isinstance(model, cls):
-            raise _Refusal(f"--init built a {type(model).__name__}, not a {name}")
-        sample = _sample(args.input, cls)
+            raise Refusal(f"--init built a {type(model).__name__}, not a {name}")
+        sample = parse_inputs(args.input, cls)
         from annot.hints import get_stage_spec
 
         nested = get_stage_spec(cls) is None and not os.path.isfile(path)
@@ -786,8 +508,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         except AnnotError:
             raise
         except Exception as exc:
-            raise _Refusal(f"running {name} on the sample raised {_describe(exc)}") from None
-    except (_Refusal, AnnotError, OSError) as exc:
+            raise Refusal(f"running {name} on the sample raised {describe(exc)}") from None
+    except (Refusal, AnnotError, OSError) as exc:
         print(f"annot plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
