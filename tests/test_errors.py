@@ -91,11 +91,14 @@ def test_missing_submodule_names_what_exists():
 
 def test_spec_on_an_unsupported_module():
     with pytest.raises(HintError) as err:
-        _verify(emb=Col())
+        _verify(emb=Row())
     assert str(err.value) == (
-        "@shard on Attn (at blocks.0): argument emb=Col() applies to nn.Linear, but Attn.emb "
-        "is a Embedding; use Vocab() for an nn.Embedding"
+        "@shard on Attn (at blocks.0): argument emb=Row() applies to nn.Linear, but Attn.emb "
+        "is a Embedding; use Vocab() (rows) or Col() (columns) for an nn.Embedding"
     )
+    _verify(emb=Col())  # its columns: ColumnParallelEmbedding
+    with pytest.raises(HintError, match=r"Col\(\) on an nn.Embedding splits its columns"):
+        _verify(emb=Col(chunks=2))
     with pytest.raises(HintError, match=r"argument qkv=Vocab\(\) applies to nn.Embedding"):
         _verify(qkv=Vocab())
 
@@ -126,7 +129,7 @@ def test_bad_hint_arguments_name_class_and_argument():
         shard(c_attn=3)(Attn)
     assert str(err.value).startswith(
         "@shard on Attn: argument c_attn=3 is a int; expected a spec: Col(), Row(), Vocab(), "
-        "Replicate(), P(...) or Partial()"
+        "Replicate(), P(...), Partial() or Heads()"
     )
     with pytest.raises(HintError, match=r"Col\(chunks=0\): chunks must be an int >= 1"):
         Col(chunks=0)

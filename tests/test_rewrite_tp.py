@@ -1019,16 +1019,16 @@ def test_refuses_hints_on_a_class_without_init():
             "use Col() (its output feeds vocab_parallel_cross_entropy) or Row()",
         ),
         (
-            "Col()",
+            "Col(chunks=2)",
             "nn.Embedding(100, 4)",
-            "c=Col(): Col() splits an nn.Linear, but self.c is an nn.Embedding; use Vocab() to "
-            "split its rows",
+            "c=Col(chunks=2): Col(chunks=2) splits an nn.Linear, but self.c is an nn.Embedding; "
+            "use Vocab() to split its rows, or Col() (no chunks) its columns",
         ),
         (
             "Row()",
             "tnn.Embedding(100, 4)",
             "c=Row(): Row() splits an nn.Linear, but self.c is an nn.Embedding; use Vocab() to "
-            "split its rows",
+            "split its rows, or Col() (no chunks) its columns",
         ),
         (
             'P("tp", None)',
@@ -1167,13 +1167,13 @@ def test_refuses_syntax_errors_at_their_position():
             "@shard(c=make_spec())",
             10,
             "@shard on M: c=make_spec() is not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate(), P(...) or Partial() (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...), Partial() or Heads() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col)",
             10,
             "@shard on M: c=Col is a spec class, not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate(), P(...) or Partial() (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...), Partial() or Heads() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col(chunks=0))",
