@@ -284,19 +284,12 @@ def parallelize(
         if probe is None:  # checked on the first call, with its shapes
             built.preflight = check
         else:
-            args_, kwargs_ = _as_call(probe)
+            from runtime.replay import call_with
+
             with built.forward_context():
-                check(local, args_, kwargs_)
+                call_with(lambda *a, **k: check(local, a, k), probe)
         log.debug("annot: step 6: pre-flight %s", "deferred" if probe is None else "passed")
     return built
-
-
-def _as_call(sample: Any) -> tuple[tuple, dict]:
-    """One microbatch of forward's arguments (a dict, a tuple or one value) as
-    ``(args, kwargs)``."""
-    if isinstance(sample, dict):
-        return (), sample
-    return (sample if isinstance(sample, tuple) else (sample,)), {}
 
 
 def _mark_grad_sums(local: nn.Module, paths: dict) -> None:

@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         f"(seed {args.seed}, eval mode: dropout off)"
     )
     try:
-        rows = run_ranks(_rank, args.tp, vars(_Plain(args)), timeout=600)[0]
+        rows = run_ranks(_rank, args.tp, vars(args), timeout=600)[0]
     except RanksFailed as exc:
         print(f"annot verify: a rank failed:\n{exc}", file=sys.stderr)
         return 1
@@ -92,14 +92,6 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(f"all {len(rows)} checks equal the single-device run (rtol {RTOL}, atol {ATOL})")
     return 0
-
-
-class _Plain:
-    """The arguments a rank needs, picklable."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.target, self.init, self.config_json = args.target, args.init, args.config_json
-        self.input, self.hints, self.seed, self.tp = args.input, args.hints, args.seed, args.tp
 
 
 def _model(args: Any):

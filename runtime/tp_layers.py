@@ -402,6 +402,19 @@ class RowParallelConv1D(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
+def _lookup(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``F.embedding`` of ``layer``'s whole weight with its ``nn.Embedding`` options."""
+    return F.embedding(
+        ids,
+        layer.weight,
+        layer.padding_idx,
+        layer.max_norm,
+        layer.norm_type,
+        layer.scale_grad_by_freq,
+        layer.sparse,
+    )
+
+
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` split on the vocabulary: rank ``r`` holds the contiguous
     rows ``[r * V/tp, (r + 1) * V/tp)``. Ids outside the block look up zeros and
@@ -494,15 +507,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return F.embedding(
-                ids,
-                self.weight,
-                self.padding_idx,
-                self.max_norm,
-                self.norm_type,
-                self.scale_grad_by_freq,
-                self.sparse,
-            )
+            return _lookup(self, ids)
         group = _mesh_for(type(self).__name__, self.tp).tp_group
         start = self.vocab_start
         outside = (ids < start) | (ids >= start + self.num_embeddings_local)
@@ -591,15 +596,7 @@ class ColumnParallelEmbedding(nn.Module):
         return {"weight": (1, 1)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = F.embedding(
-            ids,
-            self.weight,
-            self.padding_idx,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        out = _lookup(self, ids)
         if self.gather and self.tp > 1:
             ctx = _mesh_for(type(self).__name__, self.tp)
             out = _GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
