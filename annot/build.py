@@ -28,10 +28,17 @@ import torch
 import torch.nn as nn
 
 from annot.errors import HintError
-from annot.hints import ShardSpec, get_shard_spec, hinted_paths, resolve_hints
+from annot.hints import (
+    ShardSpec,
+    checkpointed_classes,
+    get_shard_spec,
+    hinted_paths,
+    resolve_hints,
+    stage_checkpoint,
+)
 from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
-from runtime.deferred_init import meta_copy
+from annot.runtime.deferred_init import meta_copy
 
 __all__ = ["parallelize"]
 
@@ -130,8 +137,8 @@ def parallelize(
     """
     from annot.compiler import compile_classes
     from annot.precision import parse_precision
+    from annot.runtime import mesh as rmesh
     from annot.verify import verify_shard_hints
-    from runtime import mesh as rmesh
 
     autocast = parse_precision(precision)
     mesh = mesh or Mesh()
@@ -170,7 +177,7 @@ def parallelize(
         hints = hints_from_hf_config(ref, tp=mesh.tp) or None
     specs, paths = _class_specs(ref, hints)
     verify_shard_hints(ref, specs, mesh.tp, paths)
-    from runtime.tp_convert import convert_hinted, tied_names
+    from annot.runtime.tp_convert import convert_hinted, tied_names
 
     ties = tied_names(ref)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
@@ -202,13 +209,13 @@ def parallelize(
     splits: dict = {}
 
     def transform(source: str, path: str, module) -> str:
-        from rewriters.tensor_parallel import rewrite_tensor_parallel
+        from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
         out = rewrite_tensor_parallel(
             source, mesh.tp, path=path, extra_hints=_external_for_module(specs, module)
         )
         if n_stages > 1 and not replay and module.__name__ == model.__module__:
-            from rewriters.stage_split import split_stages
+            from annot.rewriters.stage_split import split_stages
 
             split = split_stages(out, model.__qualname__, list(boundaries), path=path)
             splits["split"] = split
@@ -233,10 +240,10 @@ def parallelize(
 
     plan = None
     if n_stages > 1:
-        from runtime.stages import build_plan
+        from annot.runtime.stages import build_plan
 
         split = None if replay else splits.get("split") or _resplit(model, boundaries)
-        from runtime.stages import stage_calls
+        from annot.runtime.stages import stage_calls
 
         seq = calls() if replay else None
         plan = build_plan(
@@ -246,6 +253,7 @@ def parallelize(
             chunks=chunks,
             boundaries=boundaries,
             calls=stage_calls(seq, boundaries) if seq is not None else None,
+            checkpoint=stage_checkpoint(type(local)),
         )
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
 
@@ -262,7 +270,7 @@ def parallelize(
     del ref, calls
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
-    from runtime.checkpointing import apply_activation_checkpointing, checkpointed_classes
+    from annot.runtime.checkpointing import apply_activation_checkpointing
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
     _mark_grad_sums(local, paths)
@@ -284,10 +292,10 @@ def parallelize(
         if probe is None:  # checked on the first call, with its shapes
             built.preflight = check
         else:
-            from runtime.replay import call_with
+            from annot.runtime.replay import call_with
 
             with built.forward_context():
-                call_with(lambda *a, **k: check(local, a, k), probe)
+                built.dropout = call_with(lambda *a, **k: check(local, a, k), probe)
         log.debug("annot: step 6: pre-flight %s", "deferred" if probe is None else "passed")
     return built
 
@@ -325,14 +333,14 @@ def _adopt(instance: nn.Module, mapping: dict) -> nn.Module:
 
 def _materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
     """Cut this rank's shards out of a built model's own weights."""
-    from runtime import mesh as rmesh
-    from runtime.deferred_init import _named_tensors, materialize_, shard_slicers
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.deferred_init import materialize_, named_tensors, shard_slicers
 
     with rmesh.use(ctx):
         wanted = shard_slicers(local)
-    have = _named_tensors(local)
+    have = named_tensors(local)
     values = {}
-    for name, t in _named_tensors(instance).items():
+    for name, t in named_tensors(instance).items():
         cut = wanted(name) if name in have else None
         if cut is not None:
             values[name] = cut(t.detach())
@@ -342,13 +350,13 @@ def _materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
 def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     """Give ``local`` (built on meta) this rank's part of the reference weights:
     the values of ``torch.manual_seed(seed); model(*args)``, computed tensor by
-    tensor without ever holding the full model (runtime.deferred_init). A model
+    tensor without ever holding the full model (annot.runtime.deferred_init). A model
     whose construction deferred init cannot replay is built in full instead,
     with a warning saying why. With ``seed`` the random state afterwards is
     the reference's after its construction, the same on every rank, so random
     ops in replicated regions (dropout) draw what the single-device run draws."""
-    from runtime import mesh as rmesh
-    from runtime.deferred_init import (
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.deferred_init import (
         DeferredInitError,
         deferred_reference,
         materialize_,
@@ -377,7 +385,7 @@ def _materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
         if seed is not None:
             torch.random.set_rng_state(after)
         return
-    from runtime.state_dict import load_full_state_dict
+    from annot.runtime.state_dict import load_full_state_dict
 
     with torch.random.fork_rng():
         if seed is not None:
@@ -400,7 +408,7 @@ def _record_calls(ref: nn.Module, sample: Any) -> Optional[list]:
     order. None when there is no sample or the meta forward fails: modules
     then go by registration order."""
     from annot.hf import sample_inputs
-    from runtime.stages import record_calls
+    from annot.runtime.stages import record_calls
 
     probe = sample if sample is not None else sample_inputs(ref)
     if probe is None:
@@ -426,7 +434,7 @@ def _module_boundaries(ref: nn.Module, n_stages: int, calls: Optional[list], rep
 
 
 def _needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool:
-    """Whether the stages are cut at run time (:mod:`runtime.replay`): a
+    """Whether the stages are cut at run time (:mod:`annot.runtime.replay`): a
     boundary the stage-split rewriter cannot place in the root's ``forward``
     (inside a nested forward, a helper method, a container called whole).
     Boundaries that name no submodule are refused here, listing the options."""
@@ -456,11 +464,11 @@ def _resplit(cls: type, boundaries: tuple[str, ...]):
     source, which the tensor-parallel rewrite does not rename, so split that."""
     import inspect
 
-    from annot.compiler import _read_source
-    from rewriters.stage_split import split_stages
+    from annot.compiler import read_source
+    from annot.rewriters.stage_split import split_stages
 
     path = inspect.getfile(cls)
-    return split_stages(_read_source(path), cls.__qualname__, list(boundaries), path=path)
+    return split_stages(read_source(path), cls.__qualname__, list(boundaries), path=path)
 
 
 def _choose_boundaries(
@@ -483,12 +491,12 @@ def _choose_boundaries(
     (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``)."""
     import inspect
 
-    from annot.compiler import _read_source
+    from annot.compiler import read_source
     from annot.hints import StageSpec, get_stage_spec
-    from rewriters.stage_split import split_stages
+    from annot.rewriters.stage_split import split_stages
 
     path = inspect.getfile(cls)
-    markers = len(split_stages(_read_source(path), cls.__qualname__, [], path=path).stages) - 1
+    markers = len(split_stages(read_source(path), cls.__qualname__, [], path=path).stages) - 1
     if markers:
         if markers != n_stages - 1:
             raise HintError(

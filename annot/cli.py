@@ -22,11 +22,9 @@ Subcommands are argparse sub-parsers: a new one (``annot plan``) is a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import os
 import sys
-import tempfile
 import tokenize
 from collections.abc import Sequence
 from typing import Optional
@@ -34,6 +32,7 @@ from typing import Optional
 from annot.cli_inputs import Refusal, build_model, describe, import_target, parse_inputs
 from annot.cli_verify import add_verify
 from annot.errors import AnnotError, PartitionError, RewriteError
+from annot.files import atomic_write
 
 __all__ = ["build_parser", "main", "rewrite_source"]
 
@@ -134,14 +133,14 @@ def rewrite_source(
     class into N stages (its ``split=[...]``, ``annot.boundary()`` markers, or
     ``split`` given here).
     """
-    from rewriters.tensor_parallel import rewrite_tensor_parallel
+    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
     out = source
     if tp > 1:
         out = rewrite_tensor_parallel(out, tp, path=path)
     if pp > 1:
-        from rewriters.hint_reader import read_stage_hints
-        from rewriters.stage_split import split_decorated
+        from annot.rewriters.hint_reader import read_stage_hints
+        from annot.rewriters.stage_split import split_decorated
 
         encoding, _ = tokenize.detect_encoding(io.BytesIO(out).readline)
         text = out.decode(encoding)
@@ -250,7 +249,7 @@ def _write_stdout(data: bytes) -> None:
 
 
 def _print_diffs(results: list[tuple[str, bytes, bytes]], args: argparse.Namespace) -> None:
-    from rewriters.diagnostics import unified_diff
+    from annot.rewriters.diagnostics import unified_diff
 
     label = f"annot tp={args.tp}" + (f" pp={args.pp}" if args.pp > 1 else "")
     for path, data, out in results:
@@ -283,7 +282,7 @@ def _destination(outdir: str, path: str) -> str:
 
 
 def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namespace) -> None:
-    from rewriters.codegen import add_generated_header, generated_header
+    from annot.rewriters.codegen import add_generated_header, generated_header
 
     plan: dict[str, tuple[str, bytes]] = {}
     for path, data, out in results:
@@ -305,7 +304,7 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
         plan[dest] = (path, content)
     os.makedirs(args.outdir, exist_ok=True)
     for dest, (_, content) in plan.items():
-        _atomic_write(dest, content)
+        atomic_write(dest, content)
         print(
             f"annot rewrite: wrote {os.path.join(args.outdir, os.path.basename(dest))}",
             file=sys.stderr,
@@ -314,7 +313,7 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
 
 def _annot_wrote(path: str) -> bool:
     """True if ``path`` carries annot's @generated header in its first lines."""
-    from rewriters.codegen import GENERATED_PREFIX
+    from annot.rewriters.codegen import GENERATED_PREFIX
 
     try:
         with open(path, "rb") as f:
@@ -327,33 +326,8 @@ def _annot_wrote(path: str) -> bool:
 def _write_in_place(results: list[tuple[str, bytes, bytes]]) -> None:
     for path, data, out in results:
         if out != data:
-            _atomic_write(path, out)
+            atomic_write(path, out)
             print(f"annot rewrite: rewrote {path}", file=sys.stderr)
-
-
-def _atomic_write(dest: str, data: bytes) -> None:
-    """Write ``data`` to ``dest`` through a temporary file in the same directory
-    and ``os.replace``: readers see the old file or the new one, never half."""
-    try:
-        mode = os.stat(dest).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=os.path.dirname(dest) or "."
-    )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # ---- annot plan -------------------------------------------------------------
@@ -527,7 +501,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
     parts, in call order."""
     from annot.hf import sample_inputs
     from annot.module_plan import call_order, plan_module_boundaries
-    from runtime.stages import record_calls
+    from annot.runtime.stages import record_calls
 
     if memory is not None or args.cost == "flops" or args.tp != 1:
         print(

@@ -173,7 +173,7 @@ def _rank(args: dict) -> list[tuple[str, Optional[float], bool]]:
     mine, theirs = _leaves(out), _leaves(ref_out)
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if a.dim() and a.shape[:-1] == b.shape[:-1] and a.shape[-1] * args.tp == b.shape[-1]:
-            from runtime.tp_comm import gather_full  # sharded logits: compare them whole
+            from annot.runtime.tp_comm import gather_full  # sharded logits: compare them whole
 
             a = gather_full(a.detach(), -1, 1, args.tp, par.ctx.tp_group)
         rows.append(_row(f"output {i} {tuple(b.shape)}", a, b))

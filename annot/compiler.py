@@ -20,7 +20,6 @@ import hashlib
 import inspect
 import os
 import sys
-import tempfile
 import time
 import types
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import Optional
 import torch.nn as nn
 
 from annot.errors import AnnotError, RewriteError
+from annot.files import atomic_write
 
 __all__ = ["CompiledModule", "cache_dir", "compile_classes"]
 
@@ -38,7 +38,7 @@ __all__ = ["CompiledModule", "cache_dir", "compile_classes"]
 def _rewriter_fingerprint() -> str:
     """A hash of the rewriters' own source: a cache entry written by another
     version of the rewriters is never reused."""
-    import rewriters
+    from annot import rewriters
 
     h = hashlib.sha256()
     for f in sorted(Path(rewriters.__file__).parent.glob("*.py")):
@@ -73,7 +73,7 @@ class CompiledModule:
     classes: dict[str, type] = field(default_factory=dict)
 
 
-def _read_source(path: Path) -> str:
+def read_source(path: Path) -> str:
     import tokenize
 
     with tokenize.open(path) as f:  # honours a coding cookie / BOM
@@ -94,19 +94,6 @@ def _model_modules(classes: list[type]) -> list[types.ModuleType]:
             )
         mods[modname] = mod
     return list(mods.values())
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _module_classes(mod: types.ModuleType) -> dict[str, type]:
@@ -182,7 +169,7 @@ def compile_classes(
     for mod in _model_modules(classes):
         t0 = time.perf_counter()
         src_path = Path(inspect.getfile(mod)).resolve()
-        source = _read_source(src_path)
+        source = read_source(src_path)
         digest = hashlib.sha256(
             "\0".join([REWRITE_VERSION, key, str(src_path), source]).encode()
         ).hexdigest()[:20]
@@ -196,7 +183,7 @@ def compile_classes(
                 text = transform(source, str(src_path), mod)
             except RewriteError:
                 raise
-            _atomic_write(cache_path, text)
+            atomic_write(cache_path, text)
         ns = _load(mod, text, cache_path, f"annot_jit.{stem}_{digest}")
         new_classes = _module_classes(ns)
         for name, orig in _module_classes(mod).items():

@@ -93,7 +93,7 @@ MARKER = "annot-complete.json"  # written last: its presence means complete
 INFO = "annot-info.pt"
 METADATA = ".metadata"  # DCP's
 
-Layout = tuple[int, int, int]  # (dim, chunks, tp), as in runtime.state_dict
+Layout = tuple[int, int, int]  # (dim, chunks, tp), as in annot.runtime.state_dict
 
 
 # --------------------------------------------------------------------------- #
@@ -105,7 +105,7 @@ class _Shard:
     """This rank's shard ``local`` of a tensor of full shape ``full``: the full
     tensor cut along ``dim`` into ``chunks`` equal blocks, of each of which
     this rank holds the ``rank``-th of ``tp`` slices (the layout of
-    ``runtime.tp_comm.split_local``). Speaks DCP's chunk protocol."""
+    ``annot.runtime.tp_comm.split_local``). Speaks DCP's chunk protocol."""
 
     def __init__(self, local: torch.Tensor, layout: Layout, rank: int):
         dim, chunks, tp = layout
@@ -404,7 +404,7 @@ class _SafeReader(dcp.FileSystemReader):
 @dataclass
 class _Target:
     module: nn.Module
-    plan: Any  # runtime.stages.PipelinePlan or None
+    plan: Any  # annot.runtime.stages.PipelinePlan or None
     tp: int
     tp_rank: int
     distributed: bool
@@ -423,7 +423,7 @@ class _Target:
                 ctx.rank, (m.dp, m.pp, m.tp),
             )  # fmt: skip
         if isinstance(model, nn.Module):
-            from runtime.mesh import current
+            from annot.runtime.mesh import current
 
             ctx = current()
             on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -448,7 +448,7 @@ class _View:
 
 
 def _view(target: _Target) -> _View:
-    from runtime.state_dict import shard_layouts
+    from annot.runtime.state_dict import shard_layouts
 
     by_id = shard_layouts(target.module)
     tie = {n: t.names[0] for t in getattr(target.plan, "ties", ()) for n in t.names}

@@ -45,7 +45,7 @@ holds annot's own for it (fused ``c_attn`` as ``Col(chunks=3)``, ``Local(
 "split_size")``, its ``Conv1D`` projections, the tied ``wte`` / ``lm_head``).
 
 Pipelines: an HF model's blocks are looped over inside the base model's
-forward (``LlamaModel.forward``); :mod:`runtime.replay` cuts stages there.
+forward (``LlamaModel.forward``); :mod:`annot.runtime.replay` cuts stages there.
 :func:`stages_from_hf_config` spreads the blocks the pp plan names evenly
 over the stages, and :func:`sample_inputs` makes the tiny input the meta
 probe of call order runs on. Under a pipeline the KV cache cannot cross a
@@ -62,7 +62,7 @@ from typing import Any, Optional, Union
 import torch.nn as nn
 
 from annot.errors import HintError, PipelineError
-from annot.hints import _match
+from annot.hints import path_matches
 from annot.specs import Col, Local, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = [
@@ -221,15 +221,15 @@ def _plan_of(model: Optional[nn.Module], config: Any, base: str) -> dict[str, An
 
 def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
     """Drop entries that match nothing in ``model``; check the rest fit their targets."""
-    from runtime.tp_convert import layer_kind
+    from annot.runtime.tp_convert import layer_kind
 
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Hint] = {}
     where = type(model).__name__
     for pattern, spec in hints.items():
-        hits = [p for p in modules if p and _match(pattern, p)]
-        phits = [p for p in params if _match(pattern, p)]
+        hits = [p for p in modules if p and path_matches(pattern, p)]
+        phits = [p for p in params if path_matches(pattern, p)]
         if not hits and not phits:
             log.debug("annot: %s: tp plan entry %r matches nothing; dropped", where, pattern)
             continue
@@ -292,7 +292,7 @@ def _prefix_of(pattern: str, path: str) -> str:
     parts = path.split(".")
     for i in range(1, len(parts)):
         head = ".".join(parts[:i])
-        if _match(pattern, head):
+        if path_matches(pattern, head):
             return head + "."
     return "\0"
 
@@ -360,7 +360,7 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
         return []
     blocks = _nested_blocks(model)
     if blocks is not None:
-        # balance the blocks, wherever they sit (runtime.replay cuts nested forwards)
+        # balance the blocks, wherever they sit (annot.runtime.replay cuts nested forwards)
         n = len(model.get_submodule(blocks))
         if n < n_stages:
             raise HintError(

@@ -27,6 +27,9 @@ __all__ = [
     "get_shard_spec",
     "get_stage_spec",
     "get_checkpoint",
+    "checkpointed_classes",
+    "stage_checkpoint",
+    "path_matches",
     "resolve_external_hints",
     "resolve_hints",
     "hinted_paths",
@@ -247,7 +250,18 @@ def get_checkpoint(cls: type) -> bool:
     return bool(cls.__dict__.get(CHECKPOINT_ATTR, False))
 
 
-def _match(pattern: str, path: str) -> bool:
+def checkpointed_classes(model) -> set[type]:
+    """The classes of ``model``'s modules that carry ``@checkpoint``."""
+    return {type(m) for m in model.modules() if get_checkpoint(type(m))}
+
+
+def stage_checkpoint(cls: type) -> bool:
+    """Whether ``@stage(checkpoint=True)`` is on ``cls`` or a base class of it."""
+    spec = next((s for c in cls.__mro__ if (s := get_stage_spec(c)) is not None), None)
+    return spec is not None and spec.checkpoint
+
+
+def path_matches(pattern: str, path: str) -> bool:
     """``*`` matches exactly one path component; ``**`` any number."""
     pat = pattern.split(".")
     parts = path.split(".")
@@ -297,7 +311,7 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
         if not isinstance(pattern, str):
             raise HintError(f"hints: key {pattern!r} must be a module-path pattern string")
         if isinstance(value, Local):
-            hits = [p for p in modules if p and _match(pattern, p)]
+            hits = [p for p in modules if p and path_matches(pattern, p)]
             if not hits:
                 raise HintError(_no_match(pattern, modules))
             for p in hits:
@@ -306,9 +320,9 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
         _check_spec("hints", repr(pattern), value)
         if isinstance(value, Heads):  # names an argument of the module's forward
             owner, _, arg = pattern.rpartition(".")
-            hits = [f"{p}.{arg}" for p in modules if p and _match(owner, p)]
+            hits = [f"{p}.{arg}" for p in modules if p and path_matches(owner, p)]
         else:
-            hits = [p for p in list(modules) + sorted(params) if p and _match(pattern, p)]
+            hits = [p for p in list(modules) + sorted(params) if p and path_matches(pattern, p)]
         if not hits:
             raise HintError(_no_match(pattern, modules))
         for p in hits:

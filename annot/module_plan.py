@@ -1,12 +1,12 @@
 """Automatic pipeline boundaries over a model's modules, at any depth.
 
-With stages cut at run time (:mod:`runtime.replay`) any module call can begin
+With stages cut at run time (:mod:`annot.runtime.replay`) any module call can begin
 a stage, so the candidates are every block of the model's block lists
 (``model.layers.3``) and, inside a block, each of its parts with weights
 (``model.layers.3.mlp``: attention | MLP), plus the modules with weights
 outside the blocks (embeddings, final norm, head), in the order forward calls
 them. Each candidate *unit* runs until the next one begins; its cost is its
-parameter count, or its measured time. :func:`runtime.partition.partition`
+parameter count, or its measured time. :func:`annot.runtime.partition.partition`
 then gives the exact min-bottleneck contiguous split::
 
     plan = plan_module_boundaries(model, 4, sample={"input_ids": ids}, cost="time")
@@ -70,7 +70,7 @@ class ModulePlan:
 
 def call_order(calls: list[tuple[str, ...]]) -> list[str]:
     """Module paths in the order forward first calls them, from
-    :func:`runtime.stages.record_calls`; every path of a shared module is
+    :func:`annot.runtime.stages.record_calls`; every path of a shared module is
     listed at its first call."""
     return list(dict.fromkeys(p for paths in calls for p in paths))
 
@@ -124,7 +124,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
 def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
     """Median forward time of each unit over ``repeats`` forwards (a unit runs
     from its call until the next unit's call), times 3 for forward+backward."""
-    from runtime.replay import call_with
+    from annot.runtime.replay import call_with
 
     starts = {u.path: i for i, u in enumerate(found)}
     modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
@@ -171,8 +171,8 @@ def plan_module_boundaries(
     (``model`` with real weights and ``sample``, one microbatch of forward's
     arguments: a dict, a tuple or a tensor). ``order``: module paths in call
     order (default: the call order on ``sample``, else registration order)."""
-    from runtime.partition import partition
-    from runtime.stages import record_calls
+    from annot.runtime.partition import partition
+    from annot.runtime.stages import record_calls
 
     if cost not in ("params", "time"):
         raise HintError(f"plan_module_boundaries: cost={cost!r}; expected 'params' or 'time'")

@@ -5,7 +5,7 @@ split into ``n`` stages so that the slowest stage is as fast as possible and
 every stage fits in memory?" in four steps:
 
 1. **Split points.** :func:`split_points` lists every place
-   :func:`rewriters.stage_split.split_stages` can begin a stage: before each
+   :func:`annot.rewriters.stage_split.split_stages` can begin a stage: before each
    top-level statement of forward that calls a ``self.<submodule>`` (named by
    that submodule, e.g. ``"ln_f"``), and before each iteration of a top-level
    loop over an ``nn.ModuleList`` / ``nn.Sequential`` (``"h.0"`` .. ``"h.7"``).
@@ -17,7 +17,7 @@ every stage fits in memory?" in four steps:
    segment. The rewritten class is compiled from that source in a copy of the
    model module's namespace and bound to a shallow copy of the built model, so
    each segment runs the model's *real* code on its real weights.
-3. **Costs.** With a sample input, :func:`runtime.cost.profile_segments` runs
+3. **Costs.** With a sample input, :func:`annot.runtime.cost.profile_segments` runs
    the segments in turn (forward + backward): time, FLOPs, activation bytes,
    bytes crossing to the next segment. Parameter, gradient and optimizer-state
    bytes are counted from the segments' modules; a parameter several segments
@@ -29,8 +29,8 @@ every stage fits in memory?" in four steps:
    a stage holding a large layer (an LM head) can run somewhat slower whole
    than its segments add up to: :func:`measure_split` times the stages of a
    given split whole, to check a plan or compare it with a hand split.
-4. **Partition.** :func:`runtime.partition.partition` (exact min-bottleneck,
-   per-device ``memory`` budget), or :func:`runtime.partition.fit` for the
+4. **Partition.** :func:`annot.runtime.partition.partition` (exact min-bottleneck,
+   per-device ``memory`` budget), or :func:`annot.runtime.partition.fit` for the
    fewest stages that fit (:func:`fit_stages`, RaNNC's memory-fit mode).
 
 A single segment costlier than a whole mean stage (total / ``n_stages``)
@@ -64,8 +64,9 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PartitionError, RewriteError
-from rewriters.stage_split import _chain, _loop_target
-from runtime.cost import format_bytes, format_count, format_seconds
+from annot.files import atomic_write
+from annot.rewriters.stage_split import Use, Uses, place_boundary
+from annot.runtime.cost import format_bytes, format_count, format_seconds
 
 __all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
 
@@ -81,158 +82,14 @@ _COST_WORDS = {
 # ---- step 1: split points, from the source --------------------------------------------
 
 
-def _self_paths(node: cst.CSTNode, self_name: str) -> list[str]:
-    """The ``self`` attribute paths an expression mentions (slices dropped)."""
-    found: list[str] = []
-
-    class _Find(cst.CSTVisitor):
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            path = _chain(n, self_name)
-            if path is not None:
-                found.append(path)
-                return False
-            return True
-
-    node.visit(_Find())
-    return found
-
-
-@dataclass(frozen=True)
-class _Use:
-    """A ``self`` path used by top-level statement ``item`` of forward:
-    ``call`` (``self.p(...)``), ``loop`` (``for b in self.p`` /
-    ``enumerate(self.p)``) or ``loop-other`` (a loop over another form)."""
-
-    kind: str
-    path: str
-    item: int
-    nested: bool
-    start: Optional[int] = 0  # enumerate's start (None: not an int literal)
-    breaks: bool = False  # the loop body has its own `break`
-
-
-def _has_break(body: cst.CSTNode) -> bool:
-    """Whether a loop body has its own ``break`` (stage_split's rule)."""
-    from rewriters.stage_split import _Breaks
-
-    finder = _Breaks()
-    body.visit(finder)
-    return bool(finder.breaks)
-
-
-class _Uses(cst.CSTVisitor):
-    """The uses of one top-level statement, in the order stage_split sees them."""
-
-    def __init__(self, self_name: str, item: int) -> None:
-        super().__init__()
-        self.self_name, self.item, self.depth = self_name, item, 0
-        self.uses: list[_Use] = []
-
-    def _add(self, kind: str, path: str, **kw: Any) -> None:
-        self.uses.append(_Use(kind, path, self.item, self.depth > 0, **kw))
-
-    def _nested(self, *parts: Optional[cst.CSTNode]) -> None:
-        self.depth += 1
-        for p in parts:
-            if p is not None:
-                p.visit(self)
-        self.depth -= 1
-
-    def _loop(self, iter_: cst.BaseExpression, body: Optional[cst.CSTNode]) -> None:
-        breaks = body is not None and _has_break(body)
-        hit = _loop_target(iter_, self.self_name)  # self.h or enumerate(self.h, k)
-        if hit is not None:
-            self._add("loop", hit[0], start=hit[1], breaks=breaks)
-            return
-        for p in dict.fromkeys(_self_paths(iter_, self.self_name)):
-            self._add("loop-other", p)
-
-    def visit_Call(self, node: cst.Call) -> None:
-        path = _chain(node.func, self.self_name)
-        if path is not None:
-            self._add("call", path)
-
-    def visit_If(self, node: cst.If) -> bool:
-        node.test.visit(self)
-        self._nested(node.body, node.orelse)
-        return False
-
-    def visit_For(self, node: cst.For) -> bool:
-        self._loop(node.iter, node.body)
-        node.iter.visit(self)
-        self._nested(node.body, node.orelse)
-        return False
-
-    def visit_While(self, node: cst.While) -> bool:
-        self._nested(node.test, node.body, node.orelse)
-        return False
-
-    def visit_With(self, node: cst.With) -> bool:
-        for item in node.items:
-            item.visit(self)
-        self._nested(node.body)
-        return False
-
-    def visit_Try(self, node: cst.Try) -> bool:
-        self._nested(node.body, *node.handlers, node.orelse, node.finalbody)
-        return False
-
-    def visit_TryStar(self, node: cst.TryStar) -> bool:
-        self._nested(node.body, *node.handlers, node.orelse, node.finalbody)
-        return False
-
-    def visit_Match(self, node: cst.Match) -> bool:
-        node.subject.visit(self)
-        self._nested(*node.cases)
-        return False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self._nested(*node.children)
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        self._nested(*node.children)
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        self._nested(*node.children)
-        return False
-
-    def _comprehension(self, node: cst.CSTNode) -> bool:
-        self.depth += 1
-        comp = node.for_in
-        while comp is not None:
-            self._loop(comp.iter, None)
-            comp = comp.inner_for_in
-        for child in node.children:
-            child.visit(self)
-        self.depth -= 1
-        return False
-
-    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _comprehension
-
-
-def _resolve(uses: Sequence[_Use], path: str) -> Optional[tuple[int, int]]:
+def _resolve(uses: Sequence[Use], path: str) -> Optional[tuple[int, int]]:
     """Where split_stages begins a stage for boundary ``path``: (item, element),
-    or None where it would refuse it."""
-    for u in uses:
-        element = None
-        if u.kind == "call" and u.path == path:
-            element = 0
-        elif u.kind in ("loop", "loop-other"):
-            rest = path[len(u.path) + 1 :]
-            if path == u.path:
-                element = 0
-            elif path.startswith(u.path + ".") and rest.isdigit():
-                if u.kind == "loop-other":
-                    return None
-                element = int(rest)
-        if element is None:
-            continue
-        if u.nested or (element and (u.start is None or u.breaks)):
-            return None
-        return (u.item, element)
-    return None
+    or None where it would refuse it (stage_split's own rule, and a loop with a
+    ``break`` is never split)."""
+    found = place_boundary(uses, path)
+    if found is None or found.problem or (found.element and found.use.breaks):
+        return None
+    return found.use.item, found.element
 
 
 def _find_class(module: cst.Module, qualname: str) -> cst.ClassDef:
@@ -296,14 +153,14 @@ def _proposals(source: str, qualname: str, model: nn.Module) -> list[tuple[str, 
     """(path, (item, element), group) for every split point, in forward order."""
     module = cst.parse_module(source)
     self_name, items = _forward_items(_find_class(module, qualname))
-    uses: list[_Use] = []
+    uses: list[Use] = []
     for i, stmt in enumerate(items):
-        finder = _Uses(self_name, i)
+        finder = Uses(self_name, i, qnames={})
         stmt.visit(finder)
         uses += finder.uses
     out: dict[tuple[int, int], tuple[str, tuple]] = {}
     for i in range(len(items)):
-        mine = [u for u in uses if u.item == i and not u.nested]
+        mine = [u for u in uses if u.item == i and u.context is None]
         for u in mine:  # a stage beginning before statement i
             path = {"call": u.path, "loop": f"{u.path}.0", "loop-other": u.path}[u.kind]
             if i > 0 and _resolve(uses, path) == (i, 0):
@@ -328,7 +185,7 @@ def _split(source: str, qualname: str, paths: Sequence[str], path: str):
 def _split_cached(source: str, qualname: str, paths: tuple[str, ...], path: str):
     """split_stages, remembered: planning the same class again (another stage
     count, a memory-fit run) does not parse it again. StageSplit is immutable."""
-    from rewriters.stage_split import split_stages
+    from annot.rewriters.stage_split import split_stages
 
     return split_stages(source, qualname, list(paths), path=path)
 
@@ -450,7 +307,7 @@ def _compile_class(text: str, qualname: str, cls: type, label: str) -> type:
 
 
 def _stage_fn(stage, first: bool, kwargs: bool):
-    """A segment callable in runtime.cost's convention: the first one takes the
+    """A segment callable in annot.runtime.cost's convention: the first one takes the
     sample (spread when a tuple), each next one the dict the stage before returned.
     ``__wrapped__`` is the stage method, so the profile cache keys on its code."""
     if first and not kwargs:
@@ -505,7 +362,7 @@ def _costs(
 ):
     """One SegmentCost per segment: parameter-side bytes counted here (shared
     parameters keyed by their name in the model), the rest from ``measured``."""
-    from runtime.cost import SegmentCost
+    from annot.runtime.cost import SegmentCost
 
     qual = {id(p): n for n, p in model.named_parameters()}
     sharded = _sharded_ids(model) if tp > 1 else set()
@@ -567,7 +424,7 @@ def _costs(
 # ---- the result ----------------------------------------------------------------------------
 
 
-# Units, shared with runtime.cost's table.
+# Units, shared with annot.runtime.cost's table.
 _bytes, _count, _seconds = format_bytes, format_count, format_seconds
 
 
@@ -576,11 +433,11 @@ class StagePlanResult:
     """A plan: ``boundaries`` (module paths where stages 1.. begin, for
     ``split_stages`` / ``parallelize(split=...)``), the ``partition`` over
     the ``segments`` (their names: the split point each begins at) and their
-    ``costs`` (:class:`runtime.cost.SegmentCost`)."""
+    ``costs`` (:class:`annot.runtime.cost.SegmentCost`)."""
 
     class_name: str
     boundaries: tuple[str, ...]
-    partition: Any  # runtime.partition.Partition
+    partition: Any  # annot.runtime.partition.Partition
     segments: tuple[str, ...]
     costs: tuple[Any, ...]
     cost: str
@@ -736,7 +593,7 @@ def _measure(
     rounds: int = 5,
     points: Optional[Sequence[str]] = None,
 ) -> _Measured:
-    from runtime.cost import Segment
+    from annot.runtime.cost import Segment
 
     if not isinstance(model, cls):
         raise PartitionError(
@@ -805,17 +662,16 @@ def _measure(
 
 
 def _profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: int) -> list:
-    """runtime.cost.profile_segments, ``rounds`` times over all the segments;
+    """annot.runtime.cost.profile_segments, ``rounds`` times over all the segments;
     each segment keeps its fastest round (the median of ``repeats`` runs).
     A burst of load elsewhere on the machine slows a few consecutive segments
     of one round; across rounds it lands on different ones. Cached as JSON
-    in ``cache_dir`` under runtime.cost.cache_key (plus the round count)."""
+    in ``cache_dir`` under annot.runtime.cost.cache_key (plus the round count)."""
     import json
-    import os
     from dataclasses import asdict
     from pathlib import Path
 
-    from runtime.cost import SegmentCost, cache_key, profile_segments
+    from annot.runtime.cost import SegmentCost, cache_key, profile_segments
 
     path = None
     if cache_dir is not None:
@@ -834,10 +690,7 @@ def _profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds:
     ]
     out = [min(column, key=lambda c: c.time) for column in zip(*runs)]
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps([asdict(c) for c in out]))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps([asdict(c) for c in out]))
     return out
 
 
@@ -912,8 +765,8 @@ def plan_stages(
     ``repeats`` runs of each: on a busy machine a run is often preempted, and
     the fastest is the closest to its cost. Profiles are cached in ``cache_dir``.
     """
-    from runtime.cost import partition_args
-    from runtime.partition import partition
+    from annot.runtime.cost import partition_args
+    from annot.runtime.partition import partition
 
     m = _measure(
         model,
@@ -954,8 +807,8 @@ def fit_stages(
     """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
     default one per segment) whose every stage fits ``memory`` bytes, split
     as :func:`plan_stages` would; ``.n_stages`` is the count."""
-    from runtime.cost import partition_args
-    from runtime.partition import fit
+    from annot.runtime.cost import partition_args
+    from annot.runtime.partition import fit
 
     m = _measure(
         model,
@@ -991,7 +844,7 @@ def measure_split(
 ) -> list[Any]:
     """Profile the stages of a given split (``boundaries`` as for
     ``split_stages``, e.g. a hand-written ``@stage(split=...)`` or another
-    tool's choice): one :class:`runtime.cost.SegmentCost` per stage, each
+    tool's choice): one :class:`annot.runtime.cost.SegmentCost` per stage, each
     stage run whole on the sample, the output of the stage before it."""
     if sample is None:
         raise PartitionError("measure_split runs the stages: pass sample=(x, ...)")

@@ -81,7 +81,7 @@ class Step:
 
     def _build(self) -> None:
         if self.pipelined:
-            from runtime.pipeline import PipelineExecutor
+            from annot.runtime.pipeline import PipelineExecutor
 
             plan = self.model.pipeline
             self._executor = PipelineExecutor(
@@ -101,7 +101,7 @@ class Step:
         mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
         if self.compiles == 0:
             self._build()
-        from runtime.mesh import use
+        from annot.runtime.mesh import use
 
         self.model._step = self
         with use(self.model.ctx):
@@ -161,7 +161,7 @@ class Step:
 
         import torch.distributed as dist
 
-        from runtime.trace import write_chrome_trace
+        from annot.runtime.trace import write_chrome_trace
 
         events = self.trace_events()
         ctx = self.model.ctx

@@ -2,7 +2,7 @@
 
 ``@shard`` only records; this module verifies, in the torchgpipe habit of
 ``verify_skippables``: every hinted name exists, has a type the spec applies
-to (decided by runtime type, :func:`runtime.tp_convert.check_layer`), and
+to (decided by runtime type, :func:`annot.runtime.tp_convert.check_layer`), and
 every size tp must divide is divisible. Errors name the class, the argument
 and what was expected.
 """
@@ -56,7 +56,7 @@ def verify_shard_hints(
     ``paths`` every hint by the path it applies to (default: the class specs
     at every instance, :func:`annot.hints.hinted_paths`).
     """
-    from runtime.tp_convert import check_layer, layer_kind
+    from annot.runtime.tp_convert import check_layer, layer_kind
 
     modules = dict(model.named_modules())
     if paths is None:

@@ -261,10 +261,11 @@ def _rank_steps(cfg: UnevenConfig, splits: dict[str, list[str]], pp: int, batch:
 
 
 def main() -> None:
+    from annot.runtime.partition import evaluate, partition
+
     from annot.planner import plan_stages
     from annot.testing import run_ranks
     from benchmarks.partition_speed import median_time
-    from runtime.partition import evaluate, partition
 
     torch.set_num_threads(1)
     cfg = UnevenConfig()

@@ -4,7 +4,7 @@ torch.distributed.pipelining with the same uniform split done by hand.
     python benchmarks/pp_llama.py        # a few minutes on 2 CPU cores
 
 The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
-cuts it inside the nested ``LlamaModel.forward`` (runtime.replay). Per pp
+cuts it inside the nested ``LlamaModel.forward`` (annot.runtime.replay). Per pp
 (2 and 4), three systems, steps interleaved (annot-auto, annot-uniform,
 torch, ...), 1F1B, 8 microbatches:
 

@@ -27,7 +27,7 @@ Entry points::
 ``Decorator`` nodes of the tree it was given, so they can be edited or pointed
 at in errors. Given a ``MetadataWrapper`` it asks libcst's
 ``QualifiedNameProvider``; given a ``Module`` it resolves names with
-:class:`rewriters.scopes.ModuleScopes` (the module's own bindings), which
+:class:`annot.rewriters.scopes.ModuleScopes` (the module's own bindings), which
 costs a fraction of that on a large file.
 :data:`BOUNDARY_NAMES` and :func:`has_qualified_name` let the stage splitter
 recognise ``annot.boundary()`` the same way.
@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import libcst as cst
+from annot.rewriters.diagnostics import Locator, node_source, parse_source
+from annot.rewriters.scopes import ModuleScopes
 from libcst.metadata import MetadataWrapper, QualifiedName, QualifiedNameProvider
 
 from annot.errors import HintError, RewriteError
 from annot.hints import ShardSpec, StageSpec, parse_bytes
 from annot.specs import SPEC_TYPES, Col, Heads, P, Partial, Replicate, Row, Vocab
-from rewriters.diagnostics import Locator, node_source, parse_source
-from rewriters.scopes import ModuleScopes
 
 __all__ = [
     "BOUNDARY_NAMES",

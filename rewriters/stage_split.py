@@ -27,7 +27,7 @@ a module path where a new stage begins:
 * or an ``annot.boundary()`` statement in forward (matched by qualified
   name), which is then left out of the stage code.
 
-What crosses a boundary is computed by :mod:`rewriters.liveness`: the names
+What crosses a boundary is computed by :mod:`annot.rewriters.liveness`: the names
 defined before it and read after it, in order of first use after it.
 Whatever cannot be split safely is refused with a :class:`RewriteError` at
 ``file:line:col`` that says how to fix it, never turned into wrong code.
@@ -45,18 +45,15 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, QualifiedNameProvider
-
-from annot.errors import RewriteError
-from rewriters.diagnostics import Locator, node_source, parse_source
-from rewriters.hint_reader import (
+from annot.rewriters.diagnostics import Locator, node_source, parse_source
+from annot.rewriters.hint_reader import (
     BOUNDARY_NAMES,
     STAGE_NAMES,
     find_hints,
     format_hint,
     has_qualified_name,
 )
-from rewriters.liveness import (
+from annot.rewriters.liveness import (
     Crossing,
     Effects,
     block_effects,
@@ -69,6 +66,9 @@ from rewriters.liveness import (
     statement_effects,
     target_effects,
 )
+from libcst.metadata import MetadataWrapper, QualifiedNameProvider
+
+from annot.errors import RewriteError
 
 __all__ = ["StagePlan", "StageSplit", "split_decorated", "split_stages"]
 
@@ -130,7 +130,7 @@ def _int_index(node: cst.Subscript) -> Optional[int]:
     return None
 
 
-def _chain(node: cst.CSTNode, self_name: str, *, ints: bool = True) -> Optional[str]:
+def self_path(node: cst.CSTNode, self_name: str, *, ints: bool = True) -> Optional[str]:
     """``self.a.b`` -> ``"a.b"`` (``self.h[2]`` -> ``"h.2"`` when ``ints``)."""
     parts: list[str] = []
     while True:
@@ -174,7 +174,7 @@ class _SelfPaths(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> bool:
         if isinstance(node.func, cst.Subscript):
-            path = _chain(node.func, self.self_name)
+            path = self_path(node.func, self.self_name)
             if path is not None:  # self.h[2](x)
                 self.found[path] = None
                 for arg in node.args:
@@ -183,7 +183,7 @@ class _SelfPaths(cst.CSTVisitor):
         return True
 
     def visit_Subscript(self, node: cst.Subscript) -> bool:
-        base = _chain(node.value, self.self_name, ints=False)
+        base = self_path(node.value, self.self_name, ints=False)
         sl = _int_slice(node)
         if base is not None and sl is not None:
             self.found[base + sl] = None
@@ -191,7 +191,7 @@ class _SelfPaths(cst.CSTVisitor):
         return True
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
-        path = _chain(node, self.self_name, ints=False)
+        path = self_path(node, self.self_name, ints=False)
         if path is not None:
             self.found[path] = None
             return False
@@ -202,7 +202,7 @@ class _SelfPaths(cst.CSTVisitor):
 
 
 @dataclass(frozen=True, eq=False)
-class _Use:
+class Use:
     """One use of a ``self`` path in forward that a boundary may name.
 
     ``kind``: ``call`` (``self.p(...)``), ``loop`` (``for b in self.p`` or
@@ -216,11 +216,12 @@ class _Use:
     item: int
     context: Optional[str]
     start: Optional[int] = 0  # enumerate's start (None: not a literal)
+    breaks: bool = False  # a loop whose body has its own ``break``
 
 
-def _loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str, Optional[int]]]:
+def loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str, Optional[int]]]:
     """``self.h`` -> ("h", 0); ``enumerate(self.h, 1)`` -> ("h", 1); else None."""
-    path = _chain(iter_, self_name)
+    path = self_path(iter_, self_name)
     if path is not None:
         return path, 0
     if (
@@ -232,7 +233,7 @@ def _loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[st
         and not iter_.args[0].star
         and len(iter_.args) <= 2
     ):
-        path = _chain(iter_.args[0].value, self_name)
+        path = self_path(iter_.args[0].value, self_name)
         if path is None:
             return None
         if len(iter_.args) == 1:
@@ -246,8 +247,8 @@ def _loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[st
     return None
 
 
-class _Uses(cst.CSTVisitor):
-    """Collect the :class:`_Use` records of one top-level statement of forward,
+class Uses(cst.CSTVisitor):
+    """Collect the :class:`Use` records of one top-level statement of forward,
     each with the construct it is nested in (None at the top level)."""
 
     def __init__(self, self_name: str, item: int, qnames: Mapping) -> None:
@@ -256,13 +257,15 @@ class _Uses(cst.CSTVisitor):
         self.item = item
         self.qnames = qnames
         self.ctx: list[str] = []
-        self.uses: list[_Use] = []
+        self.uses: list[Use] = []
 
     def _context(self) -> Optional[str]:
         return self.ctx[-1] if self.ctx else None
 
-    def _add(self, kind: str, path: str, node: cst.CSTNode, start: Optional[int] = 0) -> None:
-        self.uses.append(_Use(kind, path, node, self.item, self._context(), start))
+    def _add(
+        self, kind: str, path: str, node: cst.CSTNode, start: Optional[int] = 0, breaks=False
+    ) -> None:
+        self.uses.append(Use(kind, path, node, self.item, self._context(), start, breaks))
 
     def _nested(self, what: str, *parts: Optional[cst.CSTNode]) -> None:
         self.ctx.append(what)
@@ -272,9 +275,10 @@ class _Uses(cst.CSTVisitor):
         self.ctx.pop()
 
     def _loop(self, node: cst.CSTNode, iter_: cst.BaseExpression) -> None:
-        hit = _loop_target(iter_, self.self_name)
+        hit = loop_target(iter_, self.self_name)
         if hit is not None:
-            self._add("loop", hit[0], node, hit[1])
+            breaks = isinstance(node, cst.For) and bool(loop_breaks(node.body))
+            self._add("loop", hit[0], node, hit[1], breaks)
             return
         paths = _SelfPaths(self.self_name)
         iter_.visit(paths)
@@ -285,7 +289,7 @@ class _Uses(cst.CSTVisitor):
         if has_qualified_name(_qualified(self.qnames, node.func), BOUNDARY_NAMES):
             self._add("marker", "", node)
             return
-        path = _chain(node.func, self.self_name)
+        path = self_path(node.func, self.self_name)
         if path is not None:
             self._add("call", path, node)
 
@@ -357,6 +361,46 @@ class _Uses(cst.CSTVisitor):
 
     def visit_GeneratorExp(self, node: cst.GeneratorExp) -> bool:
         return self._comprehension(node)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a boundary naming a module path would begin a stage: before top-level
+    statement ``use.item`` (``element`` 0) or at iteration ``element`` of the loop
+    ``use`` is. ``problem`` says why it cannot: ``loop-other`` (the loop iterates
+    another form of the list), ``nested`` (first used inside a branch, loop, ...),
+    ``start`` (enumerate's start is not an int literal); None when it can."""
+
+    use: Use
+    element: int
+    problem: Optional[str] = None
+
+
+def place_boundary(uses: Sequence[Use], path: str) -> Optional[Placement]:
+    """The rule that decides where forward can be cut, shared by the splitter
+    (which refuses a problem with its reason) and the planner (which proposes
+    only the paths that have none): the first use of ``path``, or of the module
+    list whose element it names. None: forward never uses it."""
+    for use in uses:
+        element: Optional[int] = None
+        if use.kind == "call" and use.path == path:
+            element = 0
+        elif use.kind in ("loop", "loop-other"):
+            rest = path[len(use.path) + 1 :]
+            if path == use.path:
+                element = 0
+            elif path.startswith(use.path + ".") and rest.isdigit():
+                element = int(rest)
+                if use.kind == "loop-other":
+                    return Placement(use, element, "loop-other")
+        if element is None:
+            continue
+        if use.context is not None:
+            return Placement(use, element, "nested")
+        if element and use.start is None:
+            return Placement(use, element, "start")
+        return Placement(use, element)
+    return None
 
 
 class _Scope(cst.CSTVisitor):
@@ -437,6 +481,13 @@ class _Breaks(cst.CSTVisitor):
 
     def visit_Break(self, node: cst.Break) -> None:
         self.breaks.append(node)
+
+
+def loop_breaks(body: cst.CSTNode) -> list[cst.Break]:
+    """The ``break`` statements of one loop body (not of loops nested in it)."""
+    finder = _Breaks()
+    body.visit(finder)
+    return finder.breaks
 
 
 class _Closures(cst.CSTVisitor):
@@ -582,7 +633,7 @@ class _Splitter:
         }
         params = param_names(self.forward.params)
         self.params = tuple(p for p in params if p != self.self_name)
-        self.uses: list[_Use] = []  # filled by _items_and_markers
+        self.uses: list[Use] = []  # filled by _items_and_markers
 
     def error(self, node: Optional[cst.CSTNode], reason: str) -> RewriteError:
         return self.locate.error(node if node is not None else self.forward, reason)
@@ -620,7 +671,7 @@ class _Splitter:
         moved: dict[int, list[cst.EmptyLine]] = {}  # comments of removed markers
         pending: list[cst.EmptyLine] = []
         for stmt in stmts:
-            collector = _Uses(self.self_name, len(items), self.qnames)
+            collector = Uses(self.self_name, len(items), self.qnames)
             stmt.visit(collector)
             marks = [u for u in collector.uses if u.kind == "marker"]
             lone = (
@@ -657,26 +708,18 @@ class _Splitter:
 
     def _resolve(self, path: str, node: Optional[cst.CSTNode]) -> _Cut:
         """Where the stage named by boundary ``path`` begins (its first use in forward)."""
-        for use in self.uses:
-            element: Optional[int] = None
-            if use.kind == "call" and use.path == path:
-                element = 0
-            elif use.kind in ("loop", "loop-other"):
-                if path == use.path:
-                    element = 0
-                elif path.startswith(use.path + ".") and path[len(use.path) + 1 :].isdigit():
-                    element = int(path[len(use.path) + 1 :])
-                    if use.kind == "loop-other":
-                        raise self.error(
-                            use.node,
-                            f"boundary {path!r}: forward loops over `{node_source(use.node)}`; "
-                            "annot can cut a loop only when it iterates the module list "
-                            f"itself: write `for block in self.{use.path}:` or `for i, block "
-                            f"in enumerate(self.{use.path}):` (annot slices it per stage)",
-                        )
-            if element is None:
-                continue
-            if use.context is not None:
+        found = place_boundary(self.uses, path)
+        if found is not None:
+            use, element = found.use, found.element
+            if found.problem == "loop-other":
+                raise self.error(
+                    use.node,
+                    f"boundary {path!r}: forward loops over `{node_source(use.node)}`; "
+                    "annot can cut a loop only when it iterates the module list "
+                    f"itself: write `for block in self.{use.path}:` or `for i, block "
+                    f"in enumerate(self.{use.path}):` (annot slices it per stage)",
+                )
+            if found.problem == "nested":
                 what = "called" if use.kind == "call" else "looped over"
                 raise self.error(
                     use.node,
@@ -685,7 +728,7 @@ class _Splitter:
                     "at a module called at the top level of forward, or put "
                     "`annot.boundary()` on its own line before the enclosing statement",
                 )
-            if use.kind == "loop" and element and use.start is None:
+            if found.problem == "start":
                 raise self.error(
                     use.node,
                     f"boundary {path!r}: the loop over self.{use.path} uses enumerate() with a "
@@ -693,8 +736,6 @@ class _Splitter:
                     f"slice, so write `enumerate(self.{use.path})` or `enumerate(self.{use.path}, "
                     "1)`",
                 )
-            if use.kind == "call" or not element:
-                return _Cut(use.item, 0, path, node)
             return _Cut(use.item, element, path, node)
         called = []
         for u in self.uses:
@@ -797,11 +838,10 @@ class _Splitter:
         return units, starts
 
     def _check_split_loop(self, loop: cst.For) -> None:
-        jumps = _Breaks()
-        loop.body.visit(jumps)
-        if jumps.breaks:
+        breaks = loop_breaks(loop.body)
+        if breaks:
             raise self.error(
-                jumps.breaks[0],
+                breaks[0],
                 "`break` in a loop that is split into stages: a later stage would still run "
                 "its part of the loop. Split the loop only if it always runs to the end, or "
                 "place the boundary outside this loop",

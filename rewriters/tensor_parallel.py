@@ -3,7 +3,7 @@
 ``rewrite_tensor_parallel(source, tp)`` returns the source every tp rank runs
 (Megatron's layout). For each hinted class:
 
-1. Its hints are read from the decorator as literals (:mod:`rewriters.hint_reader`),
+1. Its hints are read from the decorator as literals (:mod:`annot.rewriters.hint_reader`),
    or taken from ``extra_hints`` for a class the user cannot decorate.
 2. In ``__init__``, each spec'd attribute's constructor is swapped, keeping the
    user's arguments as written::
@@ -22,7 +22,7 @@
    Any other constructor (a subclass such as ``FalconLinear(...)``, a factory
    ``linear_layer(...)``, ``partial(nn.Linear, bias=False)(...)``) is kept as
    written and what it builds is converted by its runtime type
-   (:mod:`runtime.tp_convert`)::
+   (:mod:`annot.runtime.tp_convert`)::
 
        self.fc1 = linear_layer(d, h)       ->  column_parallel(linear_layer(d, h), tp=2)
 
@@ -95,7 +95,7 @@ collapse to one comment line.
 Cost: one parse, a walk of the module's top level, of the hinted classes'
 constructors and of the methods where sizes are divided or losses looked for,
 and a transform that enters only the statements it changes; names are
-resolved by :mod:`rewriters.scopes` (libcst's scope rules, one method at a
+resolved by :mod:`annot.rewriters.scopes` (libcst's scope rules, one method at a
 time) and positions are computed only for a refusal. On a large model file
 this is about the cost of libcst's own parse and codegen (``benchmarks/tp.py``
 row (c)).
@@ -109,21 +109,21 @@ from typing import Optional, Union
 
 import libcst as cst
 import libcst.matchers as m
+from annot.rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
+from annot.rewriters.hint_reader import find_hints, format_hint
+from annot.rewriters.scopes import LOAD, Assignment, ModuleScopes
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
 from annot.specs import Col, Heads, P, Partial, Replicate, Row, Vocab
-from rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
-from rewriters.hint_reader import find_hints, format_hint
-from rewriters.scopes import LOAD, Assignment, ModuleScopes
 
 __all__ = ["TensorParallelTransformer", "rewrite_tensor_parallel"]
 
-TP_LAYERS = "runtime.tp_layers"
-VOCAB_LOSS = "runtime.vocab_loss"
-TP_CONVERT = "runtime.tp_convert"
+TP_LAYERS = "annot.runtime.tp_layers"
+VOCAB_LOSS = "annot.runtime.vocab_loss"
+TP_CONVERT = "annot.runtime.tp_convert"
 
 LINEAR = frozenset({"torch.nn.Linear", "torch.nn.modules.linear.Linear"})
 EMBEDDING = frozenset({"torch.nn.Embedding", "torch.nn.modules.sparse.Embedding"})
@@ -394,7 +394,7 @@ class TensorParallelTransformer(cst.CSTTransformer):
     result needs are left in :attr:`needed_imports` for ``AddImportsVisitor``
     (``context`` is where the caller gathers them).
 
-    ``scopes`` is the module's :class:`~rewriters.scopes.ModuleScopes` (built
+    ``scopes`` is the module's :class:`~annot.rewriters.scopes.ModuleScopes` (built
     from the visited module when not given); ``text`` its source, used to skip
     what cannot apply (no ``CrossEntropyLoss`` in the file: no loss module).
     """
@@ -707,7 +707,7 @@ class TensorParallelTransformer(cst.CSTTransformer):
         if isinstance(s, Col) and kind == "embedding" and s.chunks == 1:
             return  # its columns: ColumnParallelEmbedding
         if kind is None and want != "parameter":
-            return  # built as written, converted by its runtime type (runtime.tp_convert)
+            return  # built as written, converted by its runtime type (annot.runtime.tp_convert)
         head = f"{name}={s!r}: "
         if kind is None:
             what = f"{label}(...)" if isinstance(value, cst.Call) else label
@@ -1394,7 +1394,7 @@ class TensorParallelTransformer(cst.CSTTransformer):
         loop around the read that does not hold that last one. A read from a
         nested scope (a closure) keeps them all.
 
-        Scopes come from :mod:`rewriters.scopes` (the method being planned is
+        Scopes come from :mod:`annot.rewriters.scopes` (the method being planned is
         analysed on the first call); "before" compares the numbers it gives
         the nodes of one function, in source order.
         """

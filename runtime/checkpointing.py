@@ -4,7 +4,7 @@ keeping its activations (memory for compute, as in Megatron and torchtitan).
 Two ways in:
 
 - ``@checkpoint`` on a class (:mod:`annot.hints`):
-  ``apply_activation_checkpointing(model, checkpointed_classes(model))``
+  the build calls ``apply_activation_checkpointing(model, classes)``, which
   wraps the forward of every instance of those classes;
 - ``@stage(checkpoint=True)``: :func:`checkpoint_stage` wraps each pipeline
   stage's function.
@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from annot.errors import HintError
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_stage", "checkpointed_classes"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_stage"]
 
 
 def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -61,13 +61,6 @@ class _CheckpointedForward:
 
 def _is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
-
-
-def checkpointed_classes(model: nn.Module) -> set[type]:
-    """The classes of ``model``'s modules that carry ``@checkpoint``."""
-    from annot.hints import get_checkpoint
-
-    return {type(m) for m in model.modules() if get_checkpoint(type(m))}
 
 
 def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type]) -> int:

@@ -37,7 +37,7 @@ For each segment :func:`profile_segments` reports (:class:`SegmentCost`):
 
 ``cost`` picks the scalar the partitioner balances: "time", "flops" or
 "params" (bytes). :func:`partition_args` turns the list into the arguments of
-:func:`runtime.partition.partition`. Results are cached as JSON in
+:func:`annot.runtime.partition.partition`. Results are cached as JSON in
 ``cache_dir`` under :func:`cache_key`, so a second run does not re-profile.
 """
 
@@ -481,7 +481,7 @@ def profile_segments(
 def partition_args(
     costs: Sequence[SegmentCost], *, bandwidth: Optional[float] = None
 ) -> dict[str, Any]:
-    """The keyword arguments of :func:`runtime.partition.partition` / ``fit``
+    """The keyword arguments of :func:`annot.runtime.partition.partition` / ``fit``
     for these measurements: ``partition(**partition_args(costs), n_stages=4,
     memory_budget=...)``. Shared parameters leave the per-segment memories and
     become ``shared`` groups; with ``bandwidth`` (bytes per second when the

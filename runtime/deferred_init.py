@@ -194,7 +194,7 @@ def _geometry(t: torch.Tensor) -> Geometry:
     return tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes, tied ones under every name."""
     out: dict[str, torch.Tensor] = {}
     for name, t in model.named_parameters(remove_duplicate=False):
@@ -530,7 +530,7 @@ def deferred_reference(
         )
     by_sid: dict[int, list[tuple[str, Slicer, Geometry]]] = {}
     values: dict[str, torch.Tensor] = {}
-    for name, t in _named_tensors(module).items():
+    for name, t in named_tensors(module).items():
         rec = recorder.record(t)
         if t.is_meta and rec is None:
             raise DeferredInitError(
@@ -572,20 +572,17 @@ def shard_slicers(local: nn.Module) -> Wanted:
     ``shard_parameter``) give this rank's ``split_local`` slice; the rest whole.
 
     ``local`` may be on the meta device (built under ``torch.device("meta")``
-    and pruned to this rank's stages). Call inside ``runtime.mesh.use(ctx)``.
+    and pruned to this rank's stages). Call inside ``annot.runtime.mesh.use(ctx)``.
     """
-    from annot.errors import MeshError
+    from annot.runtime.state_dict import shard_layouts
+    from annot.runtime.tp_comm import split_local, tp_env
 
-    try:
-        from runtime.state_dict import shard_layouts
-    except ImportError:  # its name before it was made public
-        from runtime.state_dict import _layouts as shard_layouts
-    from runtime.tp_comm import split_local, tp_env
+    from annot.errors import MeshError
 
     layouts = shard_layouts(local)
     _, size, rank = tp_env()
     table: dict[str, Slicer] = {}
-    for name, t in _named_tensors(local).items():
+    for name, t in named_tensors(local).items():
         layout = layouts.get(id(t))
         if layout is None:
             table[name] = _identity
@@ -594,7 +591,7 @@ def shard_slicers(local: nn.Module) -> Wanted:
         if tp != size:
             raise MeshError(
                 f"{name} is sharded for tp={tp} but the current tp degree is {size}; call "
-                "shard_slicers inside runtime.mesh.use(ctx) with the mesh the model was built for"
+                "shard_slicers inside annot.runtime.mesh.use(ctx) with the mesh the model was built for"
             )
         table[name] = functools.partial(split_local, dim=dim, chunks=chunks, size=tp, rank=rank)
     return table.get
@@ -635,7 +632,7 @@ def materialize_(
     have a value of its shape, else :class:`DeferredInitError` lists them.
     ``values`` are used in place when already on ``device`` with the dtype."""
     device = torch.device(device or "cpu")
-    tensors = _named_tensors(model)
+    tensors = named_tensors(model)
     missing = [n for n in tensors if n not in values]
     wrong = [
         f"{n}: value {tuple(values[n].shape)}, model {tuple(t.shape)}"

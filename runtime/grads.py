@@ -91,7 +91,7 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
     """
     if ctx is None or not ctx.distributed or ctx.mesh.tp == 1:
         return
-    from runtime.state_dict import shard_layouts
+    from annot.runtime.state_dict import shard_layouts
 
     sharded = shard_layouts(module)
     params = [(n, p) for n, p in _unique_params(module) if id(p) not in sharded]
@@ -152,7 +152,7 @@ def clip_grad_norm_(
             if q is not None and min(tie.stages) not in mine:
                 skip.add(id(q))
     distributed = ctx is not None and ctx.distributed
-    from runtime.state_dict import shard_layouts
+    from annot.runtime.state_dict import shard_layouts
 
     sharded = shard_layouts(module) if distributed and ctx.mesh.tp > 1 else {}
     counted_rep = not distributed or ctx.tp_rank == 0

@@ -5,7 +5,7 @@ style). Inside it, ``model(...)`` maps to a :class:`ModelCall`: on the rank
 holding the first stage it runs stage 0 on the body's arguments; on the rank
 holding the last stage it runs that stage on the activations received and
 returns the real outputs; ``model.backward(loss)`` registers the loss. The
-executor walks this rank's list of :class:`~runtime.schedules.Action` and
+executor walks this rank's list of :class:`~annot.runtime.schedules.Action` and
 does what each says:
 
 ===========  ==============================================================
@@ -25,19 +25,19 @@ locally, detached, so each stage's graph stays its own. Only tensors that
 require grad cross the backward: other values (ints, masks, targets) cross
 forward only, and a tensor that got no gradient is sent back as ``None``.
 
-Gradients cross as a list in :func:`runtime.p2p.tensors_requiring_grad`
+Gradients cross as a list in :func:`annot.runtime.p2p.tensors_requiring_grad`
 order, the same on both sides of a boundary.
 
 Sends are async and waited at the end of the step; every p2p wait runs under
-:func:`runtime.faults.guard` with the timeout, so a dead or hung peer becomes
+:func:`annot.runtime.faults.guard` with the timeout, so a dead or hung peer becomes
 :class:`~annot.errors.RankFailure` instead of a hang. An exception on this
 rank (a stage, the body, a bad value) is recorded with
-:func:`runtime.faults.report_failure` before it propagates, so the ranks
+:func:`annot.runtime.faults.report_failure` before it propagates, so the ranks
 waiting on this one name it, its stage and the microbatch. Every message
 carries its key ``(direction, stage, microbatch)``; one that arrives before
 it is needed is kept until its RECV, so no schedule depends on two ranks
 ordering their messages alike (only on not deadlocking, which
-:func:`runtime.schedules.validate` checks).
+:func:`annot.runtime.schedules.validate` checks).
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
-
-from annot.errors import PipelineError, RankFailure
-from runtime.faults import report_failure
-from runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
-from runtime.replay import ReplayStage, StageDone
-from runtime.schedules import (
+from annot.runtime.faults import report_failure
+from annot.runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
+from annot.runtime.replay import ReplayStage, StageDone
+from annot.runtime.schedules import (
     RECV_B,
     RECV_F,
     SEND_B,
@@ -65,8 +63,10 @@ from runtime.schedules import (
     get_schedule,
     validate,
 )
-from runtime.schedules import forward_only as _strip_backward
-from runtime.trace import Tracer
+from annot.runtime.schedules import forward_only as _strip_backward
+from annot.runtime.trace import Tracer
+
+from annot.errors import PipelineError, RankFailure
 
 __all__ = ["LocalStage", "PipelineExecutor", "ModelCall"]
 
@@ -83,7 +83,7 @@ class LocalStage:
     module: Optional[nn.Module] = None  # holds its parameters
 
 
-# -- pytrees: what runtime.p2p carries, in its flatten order ------------------
+# -- pytrees: what annot.runtime.p2p carries, in its flatten order ------------------
 
 
 def _handoff(out: Any, device: Optional[torch.device]) -> Any:
@@ -162,7 +162,7 @@ class _Step:
         self.results: dict[int, Any] = {}
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}
-        self.handles: list[Any] = []  # runtime.p2p.Handle
+        self.handles: list[Any] = []  # annot.runtime.p2p.Handle
 
 
 class ModelCall:
@@ -236,7 +236,7 @@ class PipelineExecutor:
     ``stages`` are the :class:`LocalStage` s this rank holds: with ``pp``
     ranks and ``chunks`` stages per rank, pipeline rank ``r`` holds stages
     ``r, r + pp, ...`` of ``num_stages = pp * chunks``. ``ctx`` is the
-    :class:`runtime.mesh.ParallelContext` (None: one process, ``pp == 1``).
+    :class:`annot.runtime.mesh.ParallelContext` (None: one process, ``pp == 1``).
     ``output_arity`` is how many values the model returns, so that
     ``a, b = model(...)`` unpacks on ranks without the last stage.
     """
@@ -255,7 +255,7 @@ class PipelineExecutor:
         forward_context: Callable[[], Any] = contextlib.nullcontext,
     ):
         if ctx is None:
-            from runtime.mesh import current
+            from annot.runtime.mesh import current
 
             ctx = current()
         self.ctx = ctx
@@ -281,7 +281,7 @@ class PipelineExecutor:
                 f"r, r + pp, ...), but was given stages {got}"
             )
         self.stages = {s.index: s for s in stages}
-        # Stages cut at run time (runtime.replay): the body runs for every stage.
+        # Stages cut at run time (annot.runtime.replay): the body runs for every stage.
         self.replay = any(isinstance(s.fn, ReplayStage) for s in stages)
         get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
         self._peers = ctx.axis_ranks("pp") if ctx is not None else [0]
@@ -384,7 +384,7 @@ class PipelineExecutor:
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This rank's Chrome trace events so far (``trace=True``); merge ranks
-        with :func:`runtime.trace.to_chrome_trace`."""
+        with :func:`annot.runtime.trace.to_chrome_trace`."""
         return list(self.tracer.events)
 
     # -- actions --------------------------------------------------------------

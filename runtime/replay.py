@@ -13,7 +13,7 @@ every pipeline rank, and the stages are cut at run time instead:
 * Stage ``k`` runs the forward from the top. Up to its boundary it *replays*
   the earlier stages' part on the meta device (shapes only, no FLOPs, no
   autograd): modules held by other stages run their meta shadow
-  (:class:`runtime.stages.Absent`), and any op mixing meta and real tensors
+  (:class:`annot.runtime.stages.Absent`), and any op mixing meta and real tensors
   runs on meta.
 * At boundary ``k`` it takes what the previous stage sent and swaps it into
   the live tensors of every frame on the stack (:func:`torch.utils.swap_tensors`
@@ -405,7 +405,7 @@ def _frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor]
 
 
 def _state_ids(root: nn.Module) -> set[int]:
-    from runtime.stages import shadow_modules
+    from annot.runtime.stages import shadow_modules
 
     ids: set[int] = set()
     for m in [root, *shadow_modules(root)]:
@@ -421,7 +421,7 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     """Forward pre-hooks on the module at each boundary path (also inside the
     meta shadows of modules held by other stages). They act only while a
     :class:`ReplayStage` runs; returns the hook handles."""
-    from runtime.stages import Absent, resolve_module
+    from annot.runtime.stages import Absent, resolve_module
 
     handles = []
     for k, path in enumerate(boundaries, start=1):

@@ -2,7 +2,7 @@
 
 A schedule is ``list[list[Action]]``, one list per pipeline rank, in the
 order that rank executes them. Nothing here runs a model or talks to another
-process: the executor (:mod:`runtime.pipeline`) walks the lists, and the
+process: the executor (:mod:`annot.runtime.pipeline`) walks the lists, and the
 tests check them with no processes at all (:func:`validate`,
 :func:`simulate`, :func:`peak_in_flight`, :func:`format_table`).
 

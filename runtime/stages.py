@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
+from annot.runtime.replay import replaying, shadow_call
 
 from annot.errors import PipelineError
-from runtime.replay import replaying, shadow_call
 
 __all__ = []
 
@@ -34,14 +34,14 @@ class Absent(nn.Module):
 
     With a ``shadow`` (the module itself, its weights left on the meta device
     and not registered: no parameters, no state-dict keys here), a stage that
-    replays the earlier stages' part of forward (:mod:`runtime.replay`) runs
+    replays the earlier stages' part of forward (:mod:`annot.runtime.replay`) runs
     the shadow for shapes, and attribute reads fall through to it."""
 
     def __init__(self, path: str, shadow: Optional[nn.Module] = None):
         super().__init__()
         self.path = path
         self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
-        self.__dict__["shapes"] = {}  # runtime.replay.shadow_call's cache
+        self.__dict__["shapes"] = {}  # annot.runtime.replay.shadow_call's cache
 
     def forward(self, *args, **kwargs):
         if self.shadow is not None and replaying():
@@ -135,8 +135,8 @@ def call_order_stage_modules(
 def record_calls(root: nn.Module, sample: Any) -> list[tuple[str, ...]]:
     """Every module call of one forward of ``root`` on ``sample``, in order,
     each as the paths of the module called (a shared module has several): one
-    meta forward (:func:`runtime.replay.shape_run`, no FLOPs)."""
-    from runtime.replay import shape_run
+    meta forward (:func:`annot.runtime.replay.shape_run`, no FLOPs)."""
+    from annot.runtime.replay import shape_run
 
     paths: dict[int, tuple[str, ...]] = {}
     for path, m in root.named_modules(remove_duplicate=False):
@@ -263,7 +263,7 @@ class Tie:
 class PipelinePlan:
     """What every rank knows about the pipeline; built by :func:`build_plan`."""
 
-    split: Any  # rewriters.stage_split.StageSplit; None: stages replayed at run time
+    split: Any  # annot.rewriters.stage_split.StageSplit; None: stages replayed at run time
     pp: int
     chunks: int
     pp_rank: int
@@ -271,6 +271,7 @@ class PipelinePlan:
     ties: list[Tie] = field(default_factory=list)
     local_keys: tuple[str, ...] = ()
     stage_modules: dict[int, set[str]] = field(default_factory=dict)
+    checkpoint: bool = False  # @stage(checkpoint=True): recompute each stage in backward
 
     @property
     def num_stages(self) -> int:
@@ -282,7 +283,7 @@ class PipelinePlan:
 
     @property
     def replay(self) -> bool:
-        """Stages cut at run time by :mod:`runtime.replay` (boundaries at any depth)."""
+        """Stages cut at run time by :mod:`annot.runtime.replay` (boundaries at any depth)."""
         return self.split is None
 
     def owner(self, stage: int) -> int:
@@ -295,19 +296,14 @@ class PipelinePlan:
     def local_stages(self, module: nn.Module) -> list:
         """The executor's view of this rank's stages; with ``@stage(checkpoint=True)``
         each stage's activations are recomputed in backward."""
-        from annot.hints import get_stage_spec
-        from runtime.checkpointing import checkpoint_stage
-        from runtime.pipeline import LocalStage
+        from annot.runtime.checkpointing import checkpoint_stage
+        from annot.runtime.pipeline import LocalStage
 
-        spec = next(
-            (get_stage_spec(c) for c in type(module).__mro__ if get_stage_spec(c) is not None),
-            None,
-        )
-        wrap = checkpoint_stage if spec is not None and spec.checkpoint else (lambda f: f)
+        wrap = checkpoint_stage if self.checkpoint else (lambda f: f)
         if self.replay:
-            from runtime.replay import ReplayStage, install_boundaries
+            from annot.runtime.replay import ReplayStage, install_boundaries
 
-            if spec is not None and spec.checkpoint:
+            if self.checkpoint:
                 raise PipelineError(
                     f"@stage(checkpoint=True) on {type(module).__name__}: its stages are cut "
                     "inside nested forwards, so there is no stage function to recompute; put "
@@ -336,12 +332,14 @@ def build_plan(
     chunks: int,
     boundaries: tuple[str, ...],
     calls: Optional[dict[int, set[str]]] = None,
+    checkpoint: bool = False,
 ) -> PipelinePlan:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
     ``split`` is the stage-split rewriter's result, or None for stages cut at
-    run time at module-path ``boundaries`` (:mod:`runtime.replay`; ``calls``:
-    see :func:`call_order_stage_modules`).
+    run time at module-path ``boundaries`` (:mod:`annot.runtime.replay`; ``calls``:
+    see :func:`call_order_stage_modules`). ``checkpoint``: recompute each stage's
+    activations in backward (``@stage(checkpoint=True)``, read by the build).
 
     Every rank must call this (tied-weight process groups are created
     collectively, in the same order everywhere).
@@ -404,4 +402,5 @@ def build_plan(
         ties=ties,
         local_keys=local_keys,
         stage_modules=stage_modules,
+        checkpoint=checkpoint,
     )

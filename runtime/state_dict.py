@@ -3,10 +3,10 @@
 A tp model built from rewritten source has the reference model's keys; only
 the shapes of the sharded tensors differ. Which tensors are sharded, and how,
 comes from the layers themselves (``annot_shard_layout()`` in
-``runtime.tp_layers``) and from ``shard_parameter``'s ``annot_shard_dim``:
+``annot.runtime.tp_layers``) and from ``shard_parameter``'s ``annot_shard_dim``:
 
     ref = GPT(config)                               # single device
-    model = build_tp_model(config)                  # under runtime.mesh.use(ctx)
+    model = build_tp_model(config)                  # under annot.runtime.mesh.use(ctx)
     load_full_state_dict(model, ref.state_dict())   # each rank takes its shard
     assert full_state_dict(model).keys() == ref.state_dict().keys()
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from annot.runtime.tp_comm import gather_full, split_local, tp_env
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from annot.errors import CheckpointError, MeshError
-from runtime.tp_comm import gather_full, split_local, tp_env
 
 __all__ = ["load_full_state_dict", "full_state_dict", "full_grads", "shard_layouts"]
 
@@ -66,7 +66,7 @@ def _env_for(tp: int, key: str):
     if size != tp:
         raise MeshError(
             f"{key} is sharded for tp={tp} but the current tp degree is {size}; call this "
-            f"inside runtime.mesh.use(ctx) with the mesh the model was built for"
+            f"inside annot.runtime.mesh.use(ctx) with the mesh the model was built for"
         )
     return group, rank
 

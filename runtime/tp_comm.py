@@ -1,6 +1,6 @@
 """Megatron's tensor-parallel collectives, as autograd functions over the tp group.
 
-Four conjugate pairs (forward / backward), read from ``runtime.mesh.current()``:
+Four conjugate pairs (forward / backward), read from ``annot.runtime.mesh.current()``:
 
 =====================  ==========================  ==========================
 function               forward                     backward
@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from annot.runtime.mesh import current
 
 from annot.errors import HintError
-from runtime.mesh import current
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
 
@@ -119,7 +119,7 @@ def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) 
 # --------------------------------------------------------------------------- #
 
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
     """Forward identity, backward all-reduce (sum of the ranks' input grads)."""
 
     @staticmethod
@@ -135,7 +135,7 @@ class _CopyToTP(torch.autograd.Function):
         return all_reduce_(grad, ctx.group), None, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     """Forward all-reduce, backward identity."""
 
     @staticmethod
@@ -149,7 +149,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class GatherFromTP(torch.autograd.Function):
     """Forward all-gather along ``dim`` (chunk-aware), backward own slice."""
 
     @staticmethod
@@ -162,7 +162,7 @@ class _GatherFromTP(torch.autograd.Function):
         return split_local(grad, *ctx.args).contiguous(), None, None, None, None, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class ScatterToTP(torch.autograd.Function):
     """Forward own slice along ``dim`` (chunk-aware), backward all-gather."""
 
     @staticmethod
@@ -186,7 +186,7 @@ def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     group, size, _ = tp_env()
     if size == 1 or not x.requires_grad:
         return x
-    return _CopyToTP.apply(x, group, False)
+    return CopyToTP.apply(x, group, False)
 
 
 def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +195,7 @@ def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
     group, size, _ = tp_env()
     if size == 1:
         return x
-    return _ReduceFromTP.apply(x, group, False)
+    return ReduceFromTP.apply(x, group, False)
 
 
 def gather_from_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -204,7 +204,7 @@ def gather_from_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     group, size, rank = tp_env()
     if size == 1:
         return x
-    return _GatherFromTP.apply(x, group, size, rank, dim, 1)
+    return GatherFromTP.apply(x, group, size, rank, dim, 1)
 
 
 def scatter_to_tp(x: torch.Tensor, dim: int = -1, chunks: int = 1) -> torch.Tensor:
@@ -219,4 +219,4 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, chunks: int = 1) -> torch.Tens
             f"scatter_to_tp: dim {dim} of size {x.shape[dim]} is not divisible by "
             f"tp({size}) * chunks({chunks})"
         )
-    return _ScatterToTP.apply(x, group, size, rank, dim, chunks)
+    return ScatterToTP.apply(x, group, size, rank, dim, chunks)

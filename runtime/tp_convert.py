@@ -50,12 +50,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from annot.runtime import tp_layers as L
+from annot.runtime.state_dict import load_full_state_dict
 from torch import nn
 
 from annot.errors import HintError
 from annot.specs import Col, Heads, P, Partial, Row, Vocab
-from runtime import tp_layers as L
-from runtime.state_dict import load_full_state_dict
 
 __all__ = [
     "check_layer",
@@ -340,7 +340,7 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
 
 def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn.Module:
     """The tp layer ``spec`` makes of the built ``module`` (see the module doc).
-    Call it under the mesh's context (``runtime.mesh.use(ctx)``)."""
+    Call it under the mesh's context (``annot.runtime.mesh.use(ctx)``)."""
     where = where or f"{spec!r} on a {type(module).__name__}"
     kind, keep = _plan(module, spec, where, "the layer")
     layer = _build(module, spec, kind, tp)
@@ -385,7 +385,7 @@ class _PartialHooks:
 
     @staticmethod
     def enter(module, args, kwargs):
-        from runtime.tp_comm import copy_to_tp
+        from annot.runtime.tp_comm import copy_to_tp
 
         def enter(x):
             return copy_to_tp(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -394,9 +394,8 @@ class _PartialHooks:
 
     @staticmethod
     def leave(module, args, kwargs, output):
+        from annot.runtime.tp_comm import reduce_from_tp
         from torch.utils._pytree import tree_map
-
-        from runtime.tp_comm import reduce_from_tp
 
         def leave(y):
             return reduce_from_tp(y) if isinstance(y, torch.Tensor) and y.is_floating_point() else y
@@ -430,7 +429,7 @@ def slice_heads(module: nn.Module, name: str, spec: Heads, tp: int, where: str =
     where = where or f"{type(module).__name__}.forward({name}=)"
 
     def own(x):
-        from runtime.tp_comm import scatter_to_tp
+        from annot.runtime.tp_comm import scatter_to_tp
 
         if not isinstance(x, torch.Tensor):
             return x

@@ -19,13 +19,13 @@ same features as the Linear ones (out for Col, in for Row), so the split dim
 of the weight is 1 for Col and 0 for Row.
 
 Each layer takes the same arguments as the torch layer it replaces, holds only
-this rank's shard, and reads the tp group from ``runtime.mesh.current()``. It
+this rank's shard, and reads the tp group from ``annot.runtime.mesh.current()``. It
 checks that ``tp`` equals the current mesh's tp degree (:class:`MeshError`
 otherwise) and that the sizes divide (:class:`HintError` otherwise).
 
 Parameters are initialised with the torch layer's distribution (the full
 layer's fan-in), independently per rank; exact parity with a single-device
-model comes from ``runtime.state_dict.load_full_state_dict``. Each layer says
+model comes from ``annot.runtime.state_dict.load_full_state_dict``. Each layer says
 how its parameters map to the full tensors with ``annot_shard_layout()``:
 ``{param_name: (dim, chunks)}`` for the sharded ones (replicated ones absent).
 
@@ -41,18 +41,18 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from annot.errors import HintError, MeshError
-from runtime.mesh import ParallelContext, current
-from runtime.tp_comm import (
-    _CopyToTP,
-    _GatherFromTP,
-    _ReduceFromTP,
-    _ScatterToTP,
+from annot.runtime.mesh import ParallelContext, current
+from annot.runtime.tp_comm import (
+    CopyToTP,
+    GatherFromTP,
+    ReduceFromTP,
+    ScatterToTP,
     all_reduce_,
     split_local,
 )
+from torch import nn
+
+from annot.errors import HintError, MeshError
 
 __all__ = [
     "ColumnParallelLinear",
@@ -111,7 +111,7 @@ def _mesh_for(layer: str, tp: int) -> Optional[ParallelContext]:
         )
         raise MeshError(
             f"{layer}(tp={tp}): this code was rewritten for tp={tp} but {where}; "
-            f"run it under a mesh with tp={tp} (inside runtime.mesh.use(ctx)), "
+            f"run it under a mesh with tp={tp} (inside annot.runtime.mesh.use(ctx)), "
             f"or rewrite the model again with --tp {have}"
         )
     return ctx
@@ -154,10 +154,10 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     group = ctx.tp_group
     if x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmul's backward.
-        x = _CopyToTP.apply(x, group, True)
+        x = CopyToTP.apply(x, group, True)
     y = matmul(x, layer.weight, layer.bias)
     if layer.gather:
-        y = _GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
+        y = GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
     return y
 
 
@@ -170,10 +170,10 @@ def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     ctx = _mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.split_input:
-        x = _ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
+        x = ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
     y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
     if y.requires_grad:
-        y = _ReduceFromTP.apply(y, group, True)
+        y = ReduceFromTP.apply(y, group, True)
         # In y's dtype, as nn.Linear under autocast adds its bias (bf16 out).
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
     all_reduce_(y, group)
@@ -515,7 +515,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         if out.requires_grad:
-            return _ReduceFromTP.apply(out, group, True)
+            return ReduceFromTP.apply(out, group, True)
         return all_reduce_(out, group)
 
     def extra_repr(self) -> str:
@@ -599,7 +599,7 @@ class ColumnParallelEmbedding(nn.Module):
         out = _lookup(self, ids)
         if self.gather and self.tp > 1:
             ctx = _mesh_for(type(self).__name__, self.tp)
-            out = _GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
+            out = GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
         return out
 
     def extra_repr(self) -> str:
@@ -642,7 +642,7 @@ def shard_parameter(
 ) -> ShardedParameter:
     """This rank's contiguous ``1/tp`` slice of ``param`` along ``dim`` (of each
     of ``chunks`` equal blocks), as a new parameter (same ``requires_grad``)
-    that records ``dim``, ``chunks`` and ``tp`` for ``runtime.state_dict``. The
+    that records ``dim``, ``chunks`` and ``tp`` for ``annot.runtime.state_dict``. The
     full ``param`` is not kept."""
     name = "shard_parameter"
     _check_degree(name, tp)

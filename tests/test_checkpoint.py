@@ -63,9 +63,9 @@ def _train(model, opt, batches):
 
 def _full_optim(model, opt):
     """Optimizer state by parameter name, gathered over tp (independently of
-    annot.checkpoint: runtime.tp_comm with the layers' layouts)."""
-    from runtime.state_dict import shard_layouts
-    from runtime.tp_comm import gather_full
+    annot.checkpoint: annot.runtime.tp_comm with the layers' layouts)."""
+    from annot.runtime.state_dict import shard_layouts
+    from annot.runtime.tp_comm import gather_full
 
     layouts = shard_layouts(model.module)
     names = {id(p): n for n, p in model.module.named_parameters()}
@@ -202,7 +202,7 @@ def _copy(src, dst):
 
 
 def test_shard_chunks_are_split_local():
-    from runtime.tp_comm import split_local
+    from annot.runtime.tp_comm import split_local
 
     full = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
     for dim, chunks, tp in [(1, 3, 2), (1, 1, 4), (0, 1, 2), (-1, 1, 3), (1, 2, 3)]:

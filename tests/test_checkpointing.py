@@ -1,4 +1,4 @@
-"""runtime.checkpointing and the ``@checkpoint`` hint: checkpointed models give
+"""annot.runtime.checkpointing and the ``@checkpoint`` hint: checkpointed models give
 the plain model's loss and gradients (dropout included: the recomputation
 replays the same masks) and keep fewer activations for backward.
 
@@ -10,16 +10,15 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from annot.runtime.checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_stage,
+)
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from annot.errors import HintError
-from annot.hints import checkpoint, get_checkpoint
+from annot.hints import checkpoint, checkpointed_classes, get_checkpoint
 from examples.gpt.model import GPT, Block, GPTConfig
-from runtime.checkpointing import (
-    apply_activation_checkpointing,
-    checkpoint_stage,
-    checkpointed_classes,
-)
 
 CFG = dict(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)
 

@@ -11,9 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from annot.rewriters.codegen import add_generated_header, generated_header
 
 from annot.cli import main
-from rewriters.codegen import add_generated_header, generated_header
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gpt_model.py"
 
@@ -36,7 +36,7 @@ REWRITTEN = textwrap.dedent(
     """\
     import torch.nn as nn
     from annot import shard, Col, Row
-    from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+    from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
     # annot: @shard(c_fc=Col(), c_proj=Row()) applied for tp=2
@@ -92,7 +92,7 @@ def test_diff(model, capsys):
         "@@ -1,10 +1,11 @@\n"
         " import torch.nn as nn\n"
         " from annot import shard, Col, Row\n"
-        "+from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear\n"
+        "+from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear\n"
         " \n"
         " \n"
         "-@shard(c_fc=Col(), c_proj=Row())\n"

@@ -1,4 +1,4 @@
-"""runtime.cost: FLOPs, bytes, activations and timing per segment, the cache,
+"""annot.runtime.cost: FLOPs, bytes, activations and timing per segment, the cache,
 the bridge to the partitioner and the table. Single process, tiny models."""
 
 from __future__ import annotations
@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
-from annot.errors import PartitionError
-from runtime.cost import (
+from annot.runtime.cost import (
     Segment,
     SegmentCost,
     cache_key,
@@ -16,7 +14,9 @@ from runtime.cost import (
     partition_args,
     profile_segments,
 )
-from runtime.partition import partition
+from annot.runtime.partition import partition
+
+from annot.errors import PartitionError
 
 F32 = 4  # bytes per float32 element
 N = 8  # rows in the sample microbatch

@@ -1,4 +1,4 @@
-"""runtime.deferred_init: each rank's slice of the initial weights, bit-exactly
+"""annot.runtime.deferred_init: each rank's slice of the initial weights, bit-exactly
 the eager build's, without ever holding the whole model.
 
 Every value test compares against ``torch.manual_seed(s); Model(...)`` built
@@ -11,16 +11,16 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from annot.runtime.deferred_init import (
+    DeferredInitError,
+    deferred_reference,
+    materialize_,
+    named_tensors,
+    shard_slicers,
+)
 
 from annot.testing import run_ranks
 from examples.gpt.model import GPT, GPTConfig
-from runtime.deferred_init import (
-    DeferredInitError,
-    _named_tensors,
-    deferred_reference,
-    materialize_,
-    shard_slicers,
-)
 
 CFG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
 
@@ -103,7 +103,7 @@ def check_same(build, wanted, seed=0):
     torch.manual_seed(seed)
     meta, values = deferred_reference(build, wanted)
     assert torch.equal(torch.get_rng_state(), state), "the generator ended elsewhere"
-    expected = _named_tensors(ref)
+    expected = named_tensors(ref)
     assert set(values) == {n for n in expected if wanted(n) is not None}
     for name, t in expected.items():
         if name in values:
@@ -111,7 +111,7 @@ def check_same(build, wanted, seed=0):
             assert values[name].shape == want.shape, name
             assert torch.equal(values[name], want), f"{name} differs from the eager build"
     assert all(t.is_meta for t in meta.parameters())
-    assert set(_named_tensors(meta)) == set(expected)
+    assert set(named_tensors(meta)) == set(expected)
     return meta, values
 
 
@@ -310,9 +310,10 @@ def _deferred_equals_parallelize(cache: str) -> int:
     import os
 
     os.environ["ANNOT_CACHE_DIR"] = cache
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.stages import build_plan
+
     import annot
-    from runtime import mesh as rmesh
-    from runtime.stages import build_plan
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=4, n_embd=16)
     pm = annot.parallelize(GPT, cfg, mesh=annot.Mesh(pp=2, tp=2), seed=4)  # the eager path

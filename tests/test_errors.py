@@ -48,7 +48,7 @@ def test_mesh_degrees_are_positive_ints():
 
 
 def test_backend_follows_the_device_and_refuses_more_ranks_than_gpus(monkeypatch):
-    from runtime.mesh import default_backend
+    from annot.runtime.mesh import default_backend
 
     monkeypatch.delenv("ANNOT_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

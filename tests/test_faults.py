@@ -1,4 +1,4 @@
-"""runtime.faults: a failing, hanging or dead rank makes every other rank raise
+"""annot.runtime.faults: a failing, hanging or dead rank makes every other rank raise
 RankFailure naming it, within the timeout (real gloo ranks), and the pieces
 (store records, culprit chain, messages) in one process."""
 
@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from annot.runtime import faults
+from annot.runtime.faults import abort_process_group, guard
 
 from annot.errors import AnnotError, RankFailure
 from annot.testing import RanksFailed, run_ranks
-from runtime import faults
-from runtime.faults import abort_process_group, guard
 
 TIMEOUT_S = 5.0
 FAULT_ENV = {"ANNOT_FAULT_GRACE_S": "1"}
@@ -190,7 +190,7 @@ def test_abort_without_process_group_returns():
 def _chain(mode: str, timeout_s: float):
     """Forward to the last stage, then wait for gradients back: rank 0 waits on
     rank 1, which waits on rank 2. Rank 2 fails in ``mode``."""
-    from runtime.p2p import recv_pytree, send_pytree
+    from annot.runtime.p2p import recv_pytree, send_pytree
 
     rank = dist.get_rank()
     kw = dict(microbatch=0, timeout_s=timeout_s)

@@ -139,11 +139,11 @@ def _probe_conv1d_verify(verify_fn) -> bool:
 def _conv1d_gathered(ctx) -> None:
     """ColumnParallelConv1D(chunks=3, gather=True) and RowParallelConv1D vs Conv1D."""
     import torch
+    from annot.runtime.mesh import use
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
+    from annot.runtime.tp_layers import ColumnParallelConv1D, RowParallelConv1D
     from transformers.pytorch_utils import Conv1D
 
-    from runtime.mesh import use
-    from runtime.state_dict import full_grads, load_full_state_dict
-    from runtime.tp_layers import ColumnParallelConv1D, RowParallelConv1D
     from tests.parity import assert_close
 
     torch.manual_seed(7)
@@ -196,7 +196,7 @@ def _tp_parity(cache: str) -> dict:
                 model.backward(out.loss)
             model.verify = verify
             if verify:
-                from runtime.grads import check_replicated_grads
+                from annot.runtime.grads import check_replicated_grads
 
                 check_replicated_grads(model.module, model.ctx)
             if count and step == 0:
@@ -275,7 +275,7 @@ def _pp(cache: str) -> dict:
     cfg = GPT2Config(**GPT2_KW)
     mesh = annot.Mesh(pp=2)
     out: dict = {}
-    # a boundary inside the nested GPT2Model.forward (runtime.replay)
+    # a boundary inside the nested GPT2Model.forward (annot.runtime.replay)
     model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=["transformer.h.1"])
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
@@ -452,10 +452,10 @@ def test_pipeline_layouts_and_call_checks():
 def test_rewrite_gpt2_source_uses_conv1d_layers():
     """The tp rewrite of transformers' own modeling_gpt2.py (relative imports)."""
     import transformers.models.gpt2.modeling_gpt2 as src
+    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
     from annot.hints import ShardSpec
     from annot.specs import Col, Row
-    from rewriters.tensor_parallel import rewrite_tensor_parallel
 
     path = src.__file__
     with open(path, encoding="utf-8") as f:
@@ -473,7 +473,7 @@ def test_rewrite_gpt2_source_uses_conv1d_layers():
     assert "self.c_fc = ColumnParallelConv1D(intermediate_size, embed_dim, tp=2)" in out
     assert ".split(self.split_size // 2, dim=2)" in out
     # outside a package a relative import cannot be resolved: Conv1D is then converted
-    # by its runtime type (runtime.tp_convert)
+    # by its runtime type (annot.runtime.tp_convert)
     snippet = (
         "from torch import nn\nfrom ...pytorch_utils import Conv1D\n\n\n"
         "class MLP(nn.Module):\n    def __init__(self):\n        self.c_fc = Conv1D(8, 4)\n"

@@ -1,4 +1,4 @@
-"""runtime.p2p: pytrees round-trip between real gloo ranks with a header, never
+"""annot.runtime.p2p: pytrees round-trip between real gloo ranks with a header, never
 a static shape; gradients come back; bad values and bad messages raise
 PipelineError (never SIGABRT)."""
 
@@ -14,12 +14,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from annot.errors import PipelineError
-from annot.testing import run_ranks
-from runtime.p2p import (
+from annot.runtime.p2p import (
     FIRST_BYTES,
     MAGIC,
     VERSION,
@@ -30,6 +25,11 @@ from runtime.p2p import (
     tensors_requiring_grad,
     unflatten,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from annot.errors import PipelineError
+from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0
 

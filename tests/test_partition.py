@@ -1,4 +1,4 @@
-"""runtime.partition: the optimal split checked against brute force over every
+"""annot.runtime.partition: the optimal split checked against brute force over every
 composition (n <= 9) and against a plain O(k * n^2) DP (n <= 60), with
 memory budgets, shared (tied) parameters and communication."""
 
@@ -9,11 +9,11 @@ import math
 import re
 
 import pytest
+from annot.runtime.partition import Partition, evaluate, fit, partition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from annot.errors import PartitionError
-from runtime.partition import Partition, evaluate, fit, partition
 
 SETTINGS = settings(
     max_examples=400,

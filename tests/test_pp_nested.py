@@ -1,4 +1,4 @@
-"""Pipelines of models as they are written: boundaries at any depth (runtime.replay).
+"""Pipelines of models as they are written: boundaries at any depth (annot.runtime.replay).
 
 Each case builds a model annot has no hint for (Hugging Face models from small
 configs, and models in timm's, torchvision's and plain ``nn.Sequential``

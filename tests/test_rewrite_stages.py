@@ -1,5 +1,5 @@
-"""Pipeline stage split of forward (rewriters.stage_split) and liveness
-(rewriters.liveness): inline before/after sources, liveness cases, executed
+"""Pipeline stage split of forward (annot.rewriters.stage_split) and liveness
+(annot.rewriters.liveness): inline before/after sources, liveness cases, executed
 stages composed and compared with forward, every refusal with its position."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 import torch
+from annot.rewriters.liveness import Crossing, function_crossings
+from annot.rewriters.stage_split import split_decorated, split_stages
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from annot.errors import RewriteError
-from rewriters.liveness import Crossing, function_crossings
-from rewriters.stage_split import split_decorated, split_stages
 
 # ---- helpers --------------------------------------------------------------------
 

@@ -12,13 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from annot.rewriters.diagnostics import unified_diff
+from annot.rewriters.hint_reader import format_hint, read_shard_hints, read_stage_hints
+from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec, StageSpec
 from annot.specs import Col, P, Replicate, Row, Vocab
-from rewriters.diagnostics import unified_diff
-from rewriters.hint_reader import format_hint, read_shard_hints, read_stage_hints
-from rewriters.tensor_parallel import rewrite_tensor_parallel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gpt_model.py"
 
@@ -79,7 +79,7 @@ def test_attention_fused_qkv_local_sizes():
         import torch.nn as nn
         from torch.nn import functional as F
         from annot import shard, Col, Row
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
         # annot: @shard(c_attn=Col(chunks=3), c_proj=Row(), local=("n_head", "n_embd", "C")) applied for tp=2
         class CausalSelfAttention(nn.Module):
@@ -126,7 +126,7 @@ def test_mlp_column_then_row():
         """
         import torch.nn as nn
         from annot import shard, Col, Row
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
         # annot: @shard(c_fc=Col(), c_proj=Row()) applied for tp=4
@@ -185,8 +185,8 @@ def test_gpt_vocab_embedding_col_head_and_vocab_parallel_loss():
         import torch.nn as nn
         from torch.nn import functional as F
         from annot import shard, Col, Vocab
-        from runtime.tp_layers import ColumnParallelLinear, VocabParallelEmbedding
-        from runtime.vocab_loss import vocab_parallel_cross_entropy
+        from annot.runtime.tp_layers import ColumnParallelLinear, VocabParallelEmbedding
+        from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
 
 
         # annot: @shard(wte=Vocab(), lm_head=Col()) applied for tp=2
@@ -242,7 +242,7 @@ def test_gathered_col_keeps_plain_loss():
         from torch import nn
         import torch.nn.functional as F
         from annot import shard, Col
-        from runtime.tp_layers import ColumnParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear
 
 
         # annot: @shard(head=Col(gather=True)) applied for tp=2
@@ -296,8 +296,8 @@ def test_aliased_imports():
         import torch.nn.functional as G
         from torch.nn import Linear
         from torch.nn.functional import cross_entropy
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-        from runtime.vocab_loss import vocab_parallel_cross_entropy
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+        from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
 
 
         # annot: @shard(c_fc=Col(), c_proj=Row()) applied for tp=2
@@ -363,7 +363,7 @@ def test_parameter_partition_spec():
         import torch
         import torch.nn as nn
         from annot import shard, P
-        from runtime.tp_layers import shard_parameter
+        from annot.runtime.tp_layers import shard_parameter
 
 
         # annot: @shard(w=P("tp", None, chunks=2), b=P(None, "tp"), s=P(None)) applied for tp=2
@@ -397,7 +397,7 @@ def test_replicate_and_module_dict_entries():
         """
         import torch.nn as nn
         from annot import shard, Replicate, Vocab
-        from runtime.tp_layers import VocabParallelEmbedding
+        from annot.runtime.tp_layers import VocabParallelEmbedding
 
 
         # annot: @shard(wte=Vocab(), wpe=Replicate(), ln=Replicate()) applied for tp=2
@@ -414,7 +414,7 @@ def test_replicate_and_module_dict_entries():
 
 
 def test_layers_built_by_subclasses_factories_and_partials_are_converted():
-    # What the call builds is decided at runtime (runtime.tp_convert), so the call stays.
+    # What the call builds is decided at runtime (annot.runtime.tp_convert), so the call stays.
     assert_rewrite(
         """
         from functools import partial
@@ -440,7 +440,7 @@ def test_layers_built_by_subclasses_factories_and_partials_are_converted():
         from functools import partial
         import torch.nn as nn
         from annot import shard, Col, Row, Vocab, Partial
-        from runtime.tp_convert import column_parallel, partial_module, row_parallel, vocab_parallel
+        from annot.runtime.tp_convert import column_parallel, partial_module, row_parallel, vocab_parallel
 
         LinearNoBias = partial(nn.Linear, bias=False)
 
@@ -528,7 +528,7 @@ def test_per_head_table_and_per_head_argument():
         """
         import torch.nn as nn
         from annot import shard, Col, Heads
-        from runtime.tp_layers import ColumnParallelEmbedding
+        from annot.runtime.tp_layers import ColumnParallelEmbedding
 
         # annot: @shard(bias=Col(), alibi=Heads(dim=0, heads=4), local=("n_heads",)) applied for tp=2
         class Attention(nn.Module):
@@ -567,7 +567,7 @@ def test_multiline_calls_keep_their_layout():
         """
         import torch.nn as nn
         from annot import shard, Col, Row
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
         # annot: @shard(a=Col(chunks=2, gather=True), b=Row(), c=Col()) applied for tp=2
@@ -627,7 +627,7 @@ def test_other_decorators_comments_and_blank_lines_are_kept():
 
         import torch.nn as nn
         import annot
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
         # about M
@@ -810,7 +810,7 @@ def test_extra_hints_apply_to_undecorated_classes_once():
         """
     after = """
         import torch.nn as nn
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
         # annot: @shard(c_fc=Col(), c_proj=Row()) applied for tp=2
@@ -857,7 +857,7 @@ def test_extra_hints_replace_the_decorators_hints():
         """
         import torch.nn as nn
         from annot import shard, Col
-        from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
+        from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
         # annot: @shard(c=Col(), d=Row()) applied for tp=2
@@ -894,7 +894,7 @@ def test_crlf_bom_and_encoding_are_preserved():
         "# -*- coding: latin-1 -*-\r\n"
         "import torch.nn as nn\r\n"
         "from annot import shard, Row\r\n"
-        "from runtime.tp_layers import RowParallelLinear\r\n"
+        "from annot.runtime.tp_layers import RowParallelLinear\r\n"
         "\r\n"
         "NAME = 'café'\r\n"
         "\r\n"
@@ -918,8 +918,8 @@ def test_fixture_gpt_model_golden_lines():
     assert rewrite_tensor_parallel(out, 2) == out
     lines = {line.strip() for line in out.splitlines()}
     golden = [
-        "from runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding",
-        "from runtime.vocab_loss import vocab_parallel_cross_entropy",
+        "from annot.runtime.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding",
+        "from annot.runtime.vocab_loss import vocab_parallel_cross_entropy",
         '# annot: @shard(c_attn=Col(chunks=3), c_proj=Row(), local=("n_head", "n_embd", "C")) applied for tp=2',
         "self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, bias=config.bias, chunks=3, tp=2)",
         "self.c_proj = RowParallelLinear(config.n_embd, config.n_embd, bias=config.bias, tp=2)",
@@ -1345,8 +1345,8 @@ def test_head_submodule_loss_in_parent_is_vocab_parallel():
         import torch.nn as nn
         import torch.nn.functional as F
         from annot import shard, Col
-        from runtime.tp_layers import ColumnParallelLinear
-        from runtime.vocab_loss import vocab_parallel_cross_entropy
+        from annot.runtime.tp_layers import ColumnParallelLinear
+        from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
 
 
         # annot: @shard(decoder=Col()) applied for tp=2
@@ -1446,8 +1446,8 @@ def test_nested_two_level_head_and_tuple_outputs():
     after = after.replace("G.cross_entropy(", "vocab_parallel_cross_entropy(").replace(
         "        import annot\n",
         "        import annot\n"
-        "        from runtime.tp_layers import ColumnParallelLinear\n"
-        "        from runtime.vocab_loss import vocab_parallel_cross_entropy\n",
+        "        from annot.runtime.tp_layers import ColumnParallelLinear\n"
+        "        from annot.runtime.vocab_loss import vocab_parallel_cross_entropy\n",
     )
     assert after.count("vocab_parallel_cross_entropy(") == 4
     assert_rewrite(before, after)
@@ -1490,8 +1490,8 @@ def test_cross_entropy_loss_modules_are_rewritten_with_their_arguments():
         before.replace(
             "from annot import shard, Col\n",
             "from annot import shard, Col\n"
-            "        from runtime.tp_layers import ColumnParallelLinear\n"
-            "        from runtime.vocab_loss import vocab_parallel_cross_entropy\n",
+            "        from annot.runtime.tp_layers import ColumnParallelLinear\n"
+            "        from annot.runtime.vocab_loss import vocab_parallel_cross_entropy\n",
         )
         .replace("@shard(decoder=Col())", "# annot: @shard(decoder=Col()) applied for tp=2")
         .replace(
@@ -1810,10 +1810,10 @@ def _rewritten_fixture_step(tmpdir: str) -> float:
     import os
 
     import torch
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     from annot import Mesh
-    from runtime import mesh as rmesh
-    from runtime.state_dict import full_grads, load_full_state_dict
     from tests.fixtures import gpt_model as ref_module
     from tests.parity import assert_close, gather_last_dim
 

@@ -4,11 +4,7 @@ import json
 from fractions import Fraction
 
 import pytest
-from hypothesis import assume, example, given, settings
-from hypothesis import strategies as st
-
-from annot.errors import PipelineError
-from runtime.schedules import (
+from annot.runtime.schedules import (
     RECV_B,
     RECV_F,
     SEND_B,
@@ -26,7 +22,16 @@ from runtime.schedules import (
     simulate,
     validate,
 )
-from runtime.trace import Tracer, schedule_to_chrome_trace, to_chrome_trace, write_chrome_trace
+from annot.runtime.trace import (
+    Tracer,
+    schedule_to_chrome_trace,
+    to_chrome_trace,
+    write_chrome_trace,
+)
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+from annot.errors import PipelineError
 
 PP = st.integers(1, 8)
 MB = st.integers(1, 16)

@@ -16,21 +16,21 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from annot.errors import CheckpointError, MeshError
-from annot.mesh import Mesh
-from annot.testing import run_ranks
-from runtime.mesh import ParallelContext, use
-from runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
-from runtime.tp_layers import (
+from annot.runtime.mesh import ParallelContext, use
+from annot.runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
+from annot.runtime.tp_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardedParameter,
     VocabParallelEmbedding,
     shard_parameter,
 )
-from runtime.vocab_loss import vocab_parallel_cross_entropy
+from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
+from torch import nn
+
+from annot.errors import CheckpointError, MeshError
+from annot.mesh import Mesh
+from annot.testing import run_ranks
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written down once
 
@@ -82,7 +82,7 @@ class Tiny(nn.Module):
 
 
 def _round_trip_and_step(mesh):
-    from runtime.mesh import init
+    from annot.runtime.mesh import init
 
     ctx = init(mesh)
     tp = mesh.tp

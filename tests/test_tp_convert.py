@@ -1,4 +1,4 @@
-"""Layers decided by runtime type (runtime.tp_convert): subclasses, factories,
+"""Layers decided by runtime type (annot.runtime.tp_convert): subclasses, factories,
 partials, Sequential / ModuleDict entries and registries, by class and by
 instance, against the single-device model on real gloo ranks."""
 
@@ -10,11 +10,11 @@ from functools import partial
 import pytest
 import torch
 import torch.nn as nn
+from annot.runtime.tp_convert import check_layer, layer_kind, to_parallel
 
 from annot.errors import HintError
 from annot.specs import Col, Local, Row, Vocab
 from annot.testing import run_ranks
-from runtime.tp_convert import check_layer, layer_kind, to_parallel
 from tests.layer_styles_models import FusedLinear, ScaledEmbedding, StyledLM
 
 HINTS = {

@@ -12,6 +12,22 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from annot.runtime.mesh import ParallelContext, use
+from annot.runtime.tp_comm import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    scatter_to_tp,
+    split_local,
+)
+from annot.runtime.tp_layers import (
+    ColumnParallelEmbedding,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_parameter,
+)
+from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -19,16 +35,6 @@ from torch import nn
 from annot.errors import HintError, MeshError
 from annot.mesh import Mesh
 from annot.testing import run_ranks
-from runtime.mesh import ParallelContext, use
-from runtime.tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, split_local
-from runtime.tp_layers import (
-    ColumnParallelEmbedding,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    shard_parameter,
-)
-from runtime.vocab_loss import vocab_parallel_cross_entropy
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written down once
 ALL_REDUCE = torch.ops.c10d.allreduce_
@@ -165,7 +171,7 @@ def test_split_local_takes_each_ranks_slice_of_every_chunk(lead, tp, chunks, loc
 
 
 def _setup(mesh):
-    from runtime.mesh import init
+    from annot.runtime.mesh import init
 
     ctx = init(mesh)
     torch.manual_seed(1234)  # the same reference weights and inputs on every rank
@@ -176,7 +182,7 @@ def _run_linear(ref, layer, x, *, in_split, out_chunks, ctx):
     """Run ``ref`` on the full input and ``layer`` on its (maybe sharded) input;
     compare output, input grad and full weight grads. ``out_chunks`` is None
     when the layer's output is full, else the chunks of its sharded output."""
-    from runtime.state_dict import full_grads, load_full_state_dict
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     tp, rank = ctx.mesh.tp, ctx.tp_rank
     load_full_state_dict(layer, ref.state_dict())
@@ -201,7 +207,7 @@ def _run_linear(ref, layer, x, *, in_split, out_chunks, ctx):
 
 
 def _linear_cases(tp):
-    from runtime.mesh import use
+    from annot.runtime.mesh import use
 
     ctx = _setup(Mesh(tp=tp))
     rng = random.Random(tp)
@@ -248,10 +254,9 @@ def test_linear_layers_match_nn_linear_tp2():
 
 
 def _mlp_and_embedding(tp):
+    from annot.runtime.mesh import use
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
     from torch.distributed.tensor.debug import CommDebugMode
-
-    from runtime.mesh import use
-    from runtime.state_dict import full_grads, load_full_state_dict
 
     ctx = _setup(Mesh(tp=tp))
     rank = ctx.tp_rank
@@ -316,8 +321,9 @@ def _mlp_and_embedding(tp):
             _close(full_grads(emb)["weight"], ref.weight.grad, f"column embedding grad ({gather})")
 
         # Heads(): a per-head argument made for all heads outside the module.
+        from annot.runtime.tp_convert import slice_heads
+
         from annot.specs import Heads
-        from runtime.tp_convert import slice_heads
 
         class Scores(nn.Module):
             def forward(self, x, bias=None):
@@ -368,8 +374,8 @@ def test_mlp_block_and_embedding_padding_idx_tp2():
 
 
 def _cross_entropy(tp):
-    from runtime.mesh import use
-    from runtime.state_dict import full_grads, load_full_state_dict
+    from annot.runtime.mesh import use
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     ctx = _setup(Mesh(tp=tp))
     rank = ctx.tp_rank

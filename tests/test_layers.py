@@ -1,0 +1,107 @@
+"""annot's layers, read off the imports (DESIGN.md, "Layout"): a vocabulary
+that imports nothing else of annot; rewriters and runtime above it, neither
+importing the other; the orchestration on top. Everything installs under the
+one ``annot`` namespace, and no module imports another's private names."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# folder in the repository -> package it installs as (pyproject's package-dir)
+PACKAGES = {"annot": "annot", "rewriters": "annot.rewriters", "runtime": "annot.runtime"}
+VOCABULARY = {"annot", "annot.errors", "annot.specs", "annot.hints", "annot.mesh"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every absolute import, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [a.name for a in node.names]
+            # `from annot import runtime` imports the subpackage, not a name
+            for n in names:
+                if f"{node.module}.{n}" in MODULES or f"{node.module}.{n}" in PACKAGES.values():
+                    found.append((node.lineno, f"{node.module}.{n}", []))
+            found.append((node.lineno, node.module, names))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+    return found
+
+
+def layer(module: str) -> str:
+    if module in VOCABULARY:
+        return "vocabulary"
+    for package in ("annot.rewriters", "annot.runtime"):
+        if module == package or module.startswith(package + "."):
+            return package.split(".")[1]
+    return "orchestration"
+
+
+ALLOWED = {
+    "vocabulary": {"vocabulary"},
+    "rewriters": {"vocabulary", "rewriters"},
+    "runtime": {"vocabulary", "runtime"},
+    "orchestration": {"vocabulary", "rewriters", "runtime", "orchestration"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_follow_the_layers(module):
+    path = MODULES[module]
+    mine = layer(module)
+    bad = []
+    for line, target, names in _imports(path):
+        top = target.split(".")[0]
+        where = f"{path.relative_to(ROOT)}:{line}"
+        if top in ("runtime", "rewriters"):
+            bad.append(f"{where}: imports {target!r}; it installs as 'annot.{target}'")
+        if top != "annot":
+            continue
+        theirs = layer(target)
+        if theirs not in ALLOWED[mine]:
+            bad.append(f"{where}: {mine} module imports {target} ({theirs})")
+        private = [n for n in names if n.startswith("_")]
+        if private and target != module:
+            bad.append(f"{where}: imports private names {private} from {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_is_in_a_layer():
+    """The vocabulary named here exists, and each package has its modules."""
+    assert VOCABULARY <= set(MODULES)
+    assert {layer(m) for m in MODULES} == set(ALLOWED)
+
+
+def test_the_installed_names_are_under_annot():
+    """What the package installs: only ``annot`` at the top, and the source
+    annot generates imports from ``annot.runtime``."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {p.split(".")[0] for p in config["packages"]} == {"annot"}
+    assert config["package-dir"] == {"annot.rewriters": "rewriters", "annot.runtime": "runtime"}
+
+    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
+
+    src = (
+        "import torch.nn as nn\nfrom annot import shard, Col, Row\n\n"
+        "@shard(fc1=Col(), fc2=Row())\nclass MLP(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.fc1 = nn.Linear(4, 8)\n        self.fc2 = nn.Linear(8, 4)\n"
+    )
+    out = rewrite_tensor_parallel(src, tp=2)
+    assert "from annot.runtime.tp_layers import" in out
+    assert "\nfrom runtime" not in out
