@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from annot.errors import AnnotError, RewriteError
 from annot.files import atomic_write
+from annot.hints import checkpoint, get_checkpoint
 
 __all__ = ["CompiledModule", "cache_dir", "compile_classes"]
 
@@ -189,6 +190,8 @@ def compile_classes(
         for name, orig in _module_classes(mod).items():
             if name in new_classes:
                 mapping[orig] = new_classes[name]
+                if get_checkpoint(orig):  # also when applied as a call, not in the source
+                    checkpoint(new_classes[name])
         records.append(
             CompiledModule(
                 mod, src_path, cache_path, text, ns, hit, time.perf_counter() - t0, new_classes

@@ -9,6 +9,7 @@ summed over the pipeline stages that share a tied weight. Inside an
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -27,18 +28,28 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.ctx = ctx
-        self.pipeline = pipeline  # runtime.stages.PipelinePlan or None
+        self.pipeline = pipeline  # annot.runtime.stages.PipelinePlan or None
         self.info = info or {}
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
         self._step = None  # the active jit step (set by annot.jit while it runs)
         self.preflight = None  # annot.preflight's check, run on the first call when set
+        self.dropout = None  # annot.runtime.tp_dropout.ShardedDropout's sites, from the pre-flight
 
     def forward_context(self):
-        """The autocast region forward and the loss run in (a no-op in fp32)."""
+        """Where forward and the loss run: autocast (a no-op in fp32) and, where
+        dropout sees tp shards, each rank's slice of the single-device mask."""
         from annot.precision import forward_context
 
-        return forward_context(self.ctx.device, self.autocast_dtype)
+        autocast = forward_context(self.ctx.device, self.autocast_dtype)
+        if not self.dropout:
+            return autocast
+        from annot.runtime.tp_dropout import ShardedDropout
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast)
+        stack.enter_context(ShardedDropout.for_model(self.module, self.dropout))
+        return stack
 
     def backward_context(self):
         """Autocast off for backward (a no-op in fp32)."""
@@ -54,7 +65,7 @@ class ParallelModel(nn.Module):
         if self.preflight is not None:  # once, before any collective
             check, self.preflight = self.preflight, None
             with self.forward_context():
-                check(self.module, args, kwargs)
+                self.dropout = check(self.module, args, kwargs)
         if self._step is not None:
             return self._step.call(*args, **kwargs)
         if self.pipeline is not None and self.pipeline.num_stages > 1:
@@ -67,7 +78,7 @@ class ParallelModel(nn.Module):
                 "        model.backward(loss)\n"
                 "        return loss"
             )
-        from runtime.mesh import use
+        from annot.runtime.mesh import use
 
         with use(self.ctx), self.forward_context():
             return self.module(*args, **kwargs)
@@ -81,7 +92,7 @@ class ParallelModel(nn.Module):
         if self._step is not None:
             self._step.backward(loss, scale)
             return
-        from runtime.mesh import use
+        from annot.runtime.mesh import use
 
         with use(self.ctx), self.backward_context():
             (loss if scale is None else loss * scale).backward()
@@ -92,7 +103,7 @@ class ParallelModel(nn.Module):
         stages that hold them. Called once per step, after all backwards. With
         ``verify`` it then checks every tp-replicated gradient is the same on
         every tp rank (:class:`annot.VerifyError` otherwise)."""
-        from runtime.grads import check_replicated_grads, reduce_gradients
+        from annot.runtime.grads import check_replicated_grads, reduce_gradients
 
         reduce_gradients(self.module, self.ctx, self.pipeline)
         if self.verify:
@@ -102,33 +113,33 @@ class ParallelModel(nn.Module):
         """``torch.nn.utils.clip_grad_norm_`` for the whole parallel model (tp
         shards, pipeline stages, tied copies counted once); returns the total
         norm on every rank. Call it after the step, before ``opt.step()``."""
-        from runtime.grads import clip_grad_norm_
+        from annot.runtime.grads import clip_grad_norm_
 
         return clip_grad_norm_(self.module, self.ctx, self.pipeline, max_norm, norm_type)
 
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from runtime.mesh import use
-        from runtime.state_dict import full_state_dict
+        from annot.runtime.mesh import use
+        from annot.runtime.state_dict import full_state_dict
 
         with use(self.ctx):
             return _gather_stages(full_state_dict(self.module), self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        from runtime.mesh import use
-        from runtime.state_dict import full_grads
+        from annot.runtime.mesh import use
+        from annot.runtime.state_dict import full_grads
 
         with use(self.ctx):
             return _gather_stages(full_grads(self.module), self)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from runtime.state_dict import load_full_state_dict
+        from annot.runtime.state_dict import load_full_state_dict
 
         local = state_dict
         if self.pipeline is not None:
             keep = set(self.pipeline.local_keys)
             local = {k: v for k, v in state_dict.items() if k in keep}
-        from runtime.mesh import use
+        from annot.runtime.mesh import use
 
         with use(self.ctx):
             load_full_state_dict(self.module, local, strict=self.pipeline is None)

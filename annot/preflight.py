@@ -17,6 +17,7 @@ shapes, so every rank refuses alike, before any collective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional
 
@@ -31,11 +32,14 @@ __all__ = ["preflight", "hints_near"]
 log = logging.getLogger("annot")
 
 
-def _failure(root: nn.Module, args: tuple, kwargs: dict, ctx) -> Optional[tuple[str, Exception]]:
+def _failure(
+    root: nn.Module, args: tuple, kwargs: dict, ctx, record=None
+) -> Optional[tuple[str, Exception]]:
     """``(path of the innermost module running, the exception)`` when one meta
-    forward of ``root(*args, **kwargs)`` fails; None when it runs."""
-    from runtime import mesh as rmesh
-    from runtime.replay import shape_run
+    forward of ``root(*args, **kwargs)`` fails; None when it runs. ``record``: a
+    mode that forward runs under (the dropout recorder)."""
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.replay import shape_run
 
     names = {id(m): path for path, m in root.named_modules()}
     stack: list[str] = []
@@ -50,7 +54,7 @@ def _failure(root: nn.Module, args: tuple, kwargs: dict, ctx) -> Optional[tuple[
     for m in root.modules():
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     try:
-        with rmesh.use(ctx):
+        with rmesh.use(ctx), record if record is not None else contextlib.nullcontext():
             shape_run(lambda: root(*args, **kwargs), ())
     except AnnotError:
         raise  # annot's own refusal says what to do already
@@ -67,7 +71,7 @@ def _twin(model: nn.Module) -> nn.Module:
     attribute moved to the input's device, GPT-J's ``embed_positions``) land on
     the copy, and only annot's own hooks run (a user's hooks never see the
     pre-flight)."""
-    from runtime.deferred_init import meta_copy
+    from annot.runtime.deferred_init import meta_copy
 
     twin = meta_copy(model)
     for m in twin.modules():
@@ -77,8 +81,20 @@ def _twin(model: nn.Module) -> nn.Module:
     return twin
 
 
+@contextlib.contextmanager
+def _training(model: nn.Module):
+    """``model`` in training mode for a while, each module's own flag restored."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
 def _is_annots(hook) -> bool:
-    return getattr(hook, "__module__", "").split(".")[0] in ("annot", "runtime", "rewriters")
+    return getattr(hook, "__module__", "").split(".")[0] == "annot"
 
 
 def hints_near(path: str, ref: nn.Module, specs: dict, paths: dict) -> list[str]:
@@ -103,18 +119,37 @@ def hints_near(path: str, ref: nn.Module, specs: dict, paths: dict) -> list[str]
 
 def preflight(
     local: nn.Module, args: tuple, kwargs: dict, *, ref: nn.Module, ctx, specs: dict, paths: dict
-) -> None:
+) -> dict:
     """Refuse ``local`` (this rank's model) when a meta forward on ``args`` and
     ``kwargs`` fails where the single-device ``ref`` runs; see the module
-    docstring."""
+    docstring. Returns the dropout sites that see a tp shard, for
+    :class:`annot.runtime.tp_dropout.ShardedDropout` (both models run in
+    training mode for it, so every dropout shows)."""
+    from annot.runtime.tp_dropout import Recorder, sharded_sites
+
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    failed = _failure(_twin(local), args, kwargs, ctx)
+    twin = _twin(local).train()
+    mine = Recorder(twin)
+    failed = _failure(twin, args, kwargs, ctx, mine)
+    if failed is None and not any(c.p for c in mine.calls):
+        return {}  # nothing to compare: no failure, no dropout
+    theirs = Recorder(ref)
+    with _training(ref):
+        ref_failed = _failure(ref, args, kwargs, None, theirs)
     if failed is None:
-        return
+        if ref_failed is not None:
+            log.warning(
+                "annot: tp pre-flight: the single-device model does not run on meta tensors "
+                "(%s), so dropout inside tp regions draws per-rank masks, not the "
+                "single-device ones",
+                ref_failed[1],
+            )
+            return {}
+        return sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
     where, exc = failed
-    if _failure(ref, args, kwargs, None) is not None:
+    if ref_failed is not None:
         log.debug("annot: pre-flight skipped: the single-device model fails on meta too (%s)", exc)
-        return
+        return {}
     tp = ctx.mesh.tp
     try:
         cls = type(local.get_submodule(where)).__name__

@@ -261,9 +261,8 @@ def _rank_steps(cfg: UnevenConfig, splits: dict[str, list[str]], pp: int, batch:
 
 
 def main() -> None:
-    from annot.runtime.partition import evaluate, partition
-
     from annot.planner import plan_stages
+    from annot.runtime.partition import evaluate, partition
     from annot.testing import run_ranks
     from benchmarks.partition_speed import median_time
 

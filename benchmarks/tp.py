@@ -147,6 +147,7 @@ def _large_source(copies: int = 60) -> str:
 
 def bench_rewrite() -> tuple[float, float, int]:
     import libcst as cst
+
     from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
     src = _large_source()

@@ -16,6 +16,7 @@ import re
 from typing import Union
 
 import libcst as cst
+
 from annot.rewriters.diagnostics import parse_source
 
 __all__ = ["GENERATED_PREFIX", "add_generated_header", "generated_header"]

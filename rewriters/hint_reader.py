@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import libcst as cst
-from annot.rewriters.diagnostics import Locator, node_source, parse_source
-from annot.rewriters.scopes import ModuleScopes
 from libcst.metadata import MetadataWrapper, QualifiedName, QualifiedNameProvider
 
 from annot.errors import HintError, RewriteError
 from annot.hints import ShardSpec, StageSpec, parse_bytes
+from annot.rewriters.diagnostics import Locator, node_source, parse_source
+from annot.rewriters.scopes import ModuleScopes
 from annot.specs import SPEC_TYPES, Col, Heads, P, Partial, Replicate, Row, Vocab
 
 __all__ = [

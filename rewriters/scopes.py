@@ -36,9 +36,10 @@ from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
 import libcst as cst
-from annot.rewriters.diagnostics import children, is_a
 from libcst.helpers import get_full_name_for_node
 from libcst.metadata import ImportAssignment
+
+from annot.rewriters.diagnostics import children, is_a
 
 __all__ = ["DEL", "LOAD", "STORE", "Access", "Assignment", "ModuleScopes", "Scope"]
 

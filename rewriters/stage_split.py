@@ -45,6 +45,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import libcst as cst
+from libcst.metadata import MetadataWrapper, QualifiedNameProvider
+
+from annot.errors import RewriteError
 from annot.rewriters.diagnostics import Locator, node_source, parse_source
 from annot.rewriters.hint_reader import (
     BOUNDARY_NAMES,
@@ -66,9 +69,6 @@ from annot.rewriters.liveness import (
     statement_effects,
     target_effects,
 )
-from libcst.metadata import MetadataWrapper, QualifiedNameProvider
-
-from annot.errors import RewriteError
 
 __all__ = ["StagePlan", "StageSplit", "split_decorated", "split_stages"]
 

@@ -109,14 +109,14 @@ from typing import Optional, Union
 
 import libcst as cst
 import libcst.matchers as m
-from annot.rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
-from annot.rewriters.hint_reader import find_hints, format_hint
-from annot.rewriters.scopes import LOAD, Assignment, ModuleScopes
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec
+from annot.rewriters.diagnostics import Locator, children, is_a, node_source, parse_source
+from annot.rewriters.hint_reader import find_hints, format_hint
+from annot.rewriters.scopes import LOAD, Assignment, ModuleScopes
 from annot.specs import Col, Heads, P, Partial, Replicate, Row, Vocab
 
 __all__ = ["TensorParallelTransformer", "rewrite_tensor_parallel"]

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from annot.errors import HintError
+from annot.runtime.tp_dropout import recompute_context
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_stage"]
 
@@ -43,7 +44,7 @@ def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
     # kwargs go through a partial: checkpoint() keeps some names for itself
     # (use_reentrant, context_fn, determinism_check, debug, preserve_rng_state).
     inner = functools.partial(fn, **kwargs) if kwargs else fn
-    return _torch_checkpoint(inner, *args, use_reentrant=False)
+    return _torch_checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context)
 
 
 class _CheckpointedForward:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import statistics
 import sys
 import time
@@ -60,6 +59,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from annot.errors import PartitionError
+from annot.files import atomic_write
 
 __all__ = [
     "Segment",
@@ -371,10 +371,9 @@ def _load(path: Path) -> Optional[list[SegmentCost]]:
 
 
 def _store(path: Path, costs: list[SegmentCost]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": _CACHE_VERSION, "segments": [asdict(c) for c in costs]}))
-    os.replace(tmp, path)
+    atomic_write(
+        path, json.dumps({"version": _CACHE_VERSION, "segments": [asdict(c) for c in costs]})
+    )
 
 
 # -- the entry point ------------------------------------------------------------------

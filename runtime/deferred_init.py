@@ -574,10 +574,9 @@ def shard_slicers(local: nn.Module) -> Wanted:
     ``local`` may be on the meta device (built under ``torch.device("meta")``
     and pruned to this rank's stages). Call inside ``annot.runtime.mesh.use(ctx)``.
     """
+    from annot.errors import MeshError
     from annot.runtime.state_dict import shard_layouts
     from annot.runtime.tp_comm import split_local, tp_env
-
-    from annot.errors import MeshError
 
     layouts = shard_layouts(local)
     _, size, rank = tp_env()

@@ -61,9 +61,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from annot.runtime import faults
 
 from annot.errors import PipelineError
+from annot.runtime import faults
 
 __all__ = ["Handle", "flatten", "recv_pytree", "send_pytree", "tensors_requiring_grad", "unflatten"]
 

@@ -49,6 +49,8 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
+
+from annot.errors import PipelineError, RankFailure
 from annot.runtime.faults import report_failure
 from annot.runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
 from annot.runtime.replay import ReplayStage, StageDone
@@ -65,8 +67,6 @@ from annot.runtime.schedules import (
 )
 from annot.runtime.schedules import forward_only as _strip_backward
 from annot.runtime.trace import Tracer
-
-from annot.errors import PipelineError, RankFailure
 
 __all__ = ["LocalStage", "PipelineExecutor", "ModelCall"]
 

@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
-from annot.runtime.replay import replaying, shadow_call
 
 from annot.errors import PipelineError
+from annot.runtime.replay import replaying, shadow_call
 
 __all__ = []
 

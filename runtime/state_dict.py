@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from annot.runtime.tp_comm import gather_full, split_local, tp_env
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from annot.errors import CheckpointError, MeshError
+from annot.runtime.tp_comm import gather_full, split_local, tp_env
 
 __all__ = ["load_full_state_dict", "full_state_dict", "full_grads", "shard_layouts"]
 

@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from annot.runtime.mesh import current
 
 from annot.errors import HintError
+from annot.runtime.mesh import current
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
 

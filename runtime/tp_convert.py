@@ -50,11 +50,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from annot.runtime import tp_layers as L
-from annot.runtime.state_dict import load_full_state_dict
 from torch import nn
 
 from annot.errors import HintError
+from annot.runtime import tp_layers as L
+from annot.runtime.state_dict import load_full_state_dict
 from annot.specs import Col, Heads, P, Partial, Row, Vocab
 
 __all__ = [
@@ -394,8 +394,9 @@ class _PartialHooks:
 
     @staticmethod
     def leave(module, args, kwargs, output):
-        from annot.runtime.tp_comm import reduce_from_tp
         from torch.utils._pytree import tree_map
+
+        from annot.runtime.tp_comm import reduce_from_tp
 
         def leave(y):
             return reduce_from_tp(y) if isinstance(y, torch.Tensor) and y.is_floating_point() else y

@@ -41,6 +41,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from annot.errors import HintError, MeshError
 from annot.runtime.mesh import ParallelContext, current
 from annot.runtime.tp_comm import (
     CopyToTP,
@@ -50,9 +53,6 @@ from annot.runtime.tp_comm import (
     all_reduce_,
     split_local,
 )
-from torch import nn
-
-from annot.errors import HintError, MeshError
 
 __all__ = [
     "ColumnParallelLinear",

@@ -10,14 +10,14 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from annot.runtime.checkpointing import (
-    apply_activation_checkpointing,
-    checkpoint_stage,
-)
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from annot.errors import HintError
 from annot.hints import checkpoint, checkpointed_classes, get_checkpoint
+from annot.runtime.checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_stage,
+)
 from examples.gpt.model import GPT, Block, GPTConfig
 
 CFG = dict(block_size=16, vocab_size=64, n_layer=3, n_head=4, n_embd=32)

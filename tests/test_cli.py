@@ -11,9 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from annot.rewriters.codegen import add_generated_header, generated_header
 
 from annot.cli import main
+from annot.rewriters.codegen import add_generated_header, generated_header
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gpt_model.py"
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+
+from annot.errors import PartitionError
 from annot.runtime.cost import (
     Segment,
     SegmentCost,
@@ -15,8 +17,6 @@ from annot.runtime.cost import (
     profile_segments,
 )
 from annot.runtime.partition import partition
-
-from annot.errors import PartitionError
 
 F32 = 4  # bytes per float32 element
 N = 8  # rows in the sample microbatch

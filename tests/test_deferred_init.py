@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+
 from annot.runtime.deferred_init import (
     DeferredInitError,
     deferred_reference,
@@ -18,7 +19,6 @@ from annot.runtime.deferred_init import (
     named_tensors,
     shard_slicers,
 )
-
 from annot.testing import run_ranks
 from examples.gpt.model import GPT, GPTConfig
 
@@ -310,10 +310,9 @@ def _deferred_equals_parallelize(cache: str) -> int:
     import os
 
     os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
     from annot.runtime import mesh as rmesh
     from annot.runtime.stages import build_plan
-
-    import annot
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=4, n_embd=16)
     pm = annot.parallelize(GPT, cfg, mesh=annot.Mesh(pp=2, tp=2), seed=4)  # the eager path

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from annot.runtime import faults
-from annot.runtime.faults import abort_process_group, guard
 
 from annot.errors import AnnotError, RankFailure
+from annot.runtime import faults
+from annot.runtime.faults import abort_process_group, guard
 from annot.testing import RanksFailed, run_ranks
 
 TIMEOUT_S = 5.0

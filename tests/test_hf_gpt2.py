@@ -139,11 +139,11 @@ def _probe_conv1d_verify(verify_fn) -> bool:
 def _conv1d_gathered(ctx) -> None:
     """ColumnParallelConv1D(chunks=3, gather=True) and RowParallelConv1D vs Conv1D."""
     import torch
+    from transformers.pytorch_utils import Conv1D
+
     from annot.runtime.mesh import use
     from annot.runtime.state_dict import full_grads, load_full_state_dict
     from annot.runtime.tp_layers import ColumnParallelConv1D, RowParallelConv1D
-    from transformers.pytorch_utils import Conv1D
-
     from tests.parity import assert_close
 
     torch.manual_seed(7)
@@ -452,9 +452,9 @@ def test_pipeline_layouts_and_call_checks():
 def test_rewrite_gpt2_source_uses_conv1d_layers():
     """The tp rewrite of transformers' own modeling_gpt2.py (relative imports)."""
     import transformers.models.gpt2.modeling_gpt2 as src
-    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
     from annot.hints import ShardSpec
+    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
     from annot.specs import Col, Row
 
     path = src.__file__

@@ -215,3 +215,46 @@ def test_bloom_alibi_left_whole_is_refused_before_training(tmp_path):
             "'transformer.h.0.self_attention' (BloomAttention)" in text
         )
         assert "transformer.h.0.self_attention: Local('num_heads')" in text
+
+
+def _dropout_parity(cache: str, name: str):
+    """Dropout > 0 inside the tp regions: T5's eager attention (F.dropout on the
+    heads-split weights) and GPT-2's SDPA (``dropout_p``); each forward seeded
+    alike, so every rank draws its slice of the single-device masks."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import transformers
+
+    import annot
+    from tests.parity import train_against_reference
+
+    if name == "t5":
+        cls, cfg = _build("t5")
+        cfg.dropout_rate = 0.1
+        hints = HINTS["t5"]()
+    else:
+        from tests.test_hf_gpt2 import GPT2_KW, _accept_conv1d_in_verify, _gpt2_hints
+
+        _accept_conv1d_in_verify()
+        kw = {**GPT2_KW, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}
+        cls, cfg, hints = transformers.GPT2LMHeadModel, transformers.GPT2Config(**kw), _gpt2_hints()
+    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(tp=2), seed=0, hints=hints, verify=True)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    assert model.dropout, "the pre-flight found no dropout on a tp shard"
+
+    def run(m, batch):
+        ids, seed = batch
+        torch.manual_seed(seed)
+        out = m(ids, labels=ids, use_cache=False)
+        return out.loss, {}
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 64, (2, 8), generator=g), 10 + s) for s in range(2)]
+    train_against_reference(model, ref, batches, run, f"{name} dropout tp=2", lr=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t5", "gpt2"])
+def test_tp2_dropout_equals_the_single_device_run(tmp_path, name):
+    run_ranks(_dropout_parity, 2, str(tmp_path), name, timeout=300)

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # folder in the repository -> package it installs as (pyproject's package-dir)
 PACKAGES = {"annot": "annot", "rewriters": "annot.rewriters", "runtime": "annot.runtime"}
-VOCABULARY = {"annot", "annot.errors", "annot.specs", "annot.hints", "annot.mesh"}
+VOCABULARY = {"annot", "annot.errors", "annot.specs", "annot.hints", "annot.mesh", "annot.files"}
 
 
 def _modules() -> dict[str, Path]:

@@ -14,6 +14,10 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from annot.errors import PipelineError
 from annot.runtime.p2p import (
     FIRST_BYTES,
     MAGIC,
@@ -25,10 +29,6 @@ from annot.runtime.p2p import (
     tensors_requiring_grad,
     unflatten,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from annot.errors import PipelineError
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0

@@ -9,11 +9,11 @@ import math
 import re
 
 import pytest
-from annot.runtime.partition import Partition, evaluate, fit, partition
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from annot.errors import PartitionError
+from annot.runtime.partition import Partition, evaluate, fit, partition
 
 SETTINGS = settings(
     max_examples=400,

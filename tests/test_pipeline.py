@@ -10,9 +10,9 @@ uses.
 import pytest
 import torch
 import torch.nn as nn
-from annot.runtime.pipeline import LocalStage, PipelineExecutor
 
 from annot.errors import PipelineError
+from annot.runtime.pipeline import LocalStage, PipelineExecutor
 from annot.testing import run_ranks
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written once
@@ -170,9 +170,8 @@ def _executors(pp, pp_rank, ctx, trace=False):
 
 
 def _parity_rank(pp, cases, tp=1):
-    from annot.runtime.mesh import init, use
-
     from annot.mesh import Mesh
+    from annot.runtime.mesh import init, use
 
     ctx = init(Mesh(pp=pp, tp=tp))  # tp > 1: replicas, so pp peers are tp ranks apart
     out = []
@@ -254,9 +253,8 @@ def test_parity_pp4_and_non_adjacent_peers():
 
 
 def _fault_rank(schedule):
-    from annot.runtime.mesh import init
-
     from annot.mesh import Mesh
+    from annot.runtime.mesh import init
 
     ctx = init(Mesh(pp=2))
     stages = _local_stages(_model(), 2, ctx.pp_rank, 1)

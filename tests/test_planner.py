@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from annot.rewriters.stage_split import split_stages
-from annot.runtime.partition import partition
 from torch.nn import functional as F
 
 from annot import Col, Row, shard
 from annot.errors import PartitionError
 from annot.planner import fit_stages, measure_split, plan_stages, split_points
+from annot.rewriters.stage_split import split_stages
+from annot.runtime.partition import partition
 
 VOCAB, WIDTH = 256, 16
 HIDDENS = (64, 64, 64, 16, 16, 16, 16, 16)  # three 4x wide blocks, then narrow ones

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 import torch
-from annot.rewriters.liveness import Crossing, function_crossings
-from annot.rewriters.stage_split import split_decorated, split_stages
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from annot.errors import RewriteError
+from annot.rewriters.liveness import Crossing, function_crossings
+from annot.rewriters.stage_split import split_decorated, split_stages
 
 # ---- helpers --------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from annot.rewriters.diagnostics import unified_diff
-from annot.rewriters.hint_reader import format_hint, read_shard_hints, read_stage_hints
-from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec, StageSpec
+from annot.rewriters.diagnostics import unified_diff
+from annot.rewriters.hint_reader import format_hint, read_shard_hints, read_stage_hints
+from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.specs import Col, P, Replicate, Row, Vocab
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gpt_model.py"
@@ -1810,10 +1810,10 @@ def _rewritten_fixture_step(tmpdir: str) -> float:
     import os
 
     import torch
-    from annot.runtime import mesh as rmesh
-    from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     from annot import Mesh
+    from annot.runtime import mesh as rmesh
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
     from tests.fixtures import gpt_model as ref_module
     from tests.parity import assert_close, gather_last_dim
 

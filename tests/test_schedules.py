@@ -4,6 +4,10 @@ import json
 from fractions import Fraction
 
 import pytest
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+from annot.errors import PipelineError
 from annot.runtime.schedules import (
     RECV_B,
     RECV_F,
@@ -28,10 +32,6 @@ from annot.runtime.trace import (
     to_chrome_trace,
     write_chrome_trace,
 )
-from hypothesis import assume, example, given, settings
-from hypothesis import strategies as st
-
-from annot.errors import PipelineError
 
 PP = st.integers(1, 8)
 MB = st.integers(1, 16)

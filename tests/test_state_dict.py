@@ -16,6 +16,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from annot.errors import CheckpointError, MeshError
+from annot.mesh import Mesh
 from annot.runtime.mesh import ParallelContext, use
 from annot.runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
 from annot.runtime.tp_layers import (
@@ -26,10 +30,6 @@ from annot.runtime.tp_layers import (
     shard_parameter,
 )
 from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
-from torch import nn
-
-from annot.errors import CheckpointError, MeshError
-from annot.mesh import Mesh
 from annot.testing import run_ranks
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written down once

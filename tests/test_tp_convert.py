@@ -10,9 +10,9 @@ from functools import partial
 import pytest
 import torch
 import torch.nn as nn
-from annot.runtime.tp_convert import check_layer, layer_kind, to_parallel
 
 from annot.errors import HintError
+from annot.runtime.tp_convert import check_layer, layer_kind, to_parallel
 from annot.specs import Col, Local, Row, Vocab
 from annot.testing import run_ranks
 from tests.layer_styles_models import FusedLinear, ScaledEmbedding, StyledLM

@@ -12,6 +12,12 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from annot.errors import HintError, MeshError
+from annot.mesh import Mesh
 from annot.runtime.mesh import ParallelContext, use
 from annot.runtime.tp_comm import (
     copy_to_tp,
@@ -28,12 +34,6 @@ from annot.runtime.tp_layers import (
     shard_parameter,
 )
 from annot.runtime.vocab_loss import vocab_parallel_cross_entropy
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from torch import nn
-
-from annot.errors import HintError, MeshError
-from annot.mesh import Mesh
 from annot.testing import run_ranks
 
 RTOL, ATOL = 1e-5, 4e-5  # float32, written down once
@@ -254,9 +254,10 @@ def test_linear_layers_match_nn_linear_tp2():
 
 
 def _mlp_and_embedding(tp):
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from annot.runtime.mesh import use
     from annot.runtime.state_dict import full_grads, load_full_state_dict
-    from torch.distributed.tensor.debug import CommDebugMode
 
     ctx = _setup(Mesh(tp=tp))
     rank = ctx.tp_rank
@@ -322,7 +323,6 @@ def _mlp_and_embedding(tp):
 
         # Heads(): a per-head argument made for all heads outside the module.
         from annot.runtime.tp_convert import slice_heads
-
         from annot.specs import Heads
 
         class Scores(nn.Module):

@@ -1,0 +1,142 @@
+"""Dropout inside tp regions equals the single-device run (annot.runtime.tp_dropout):
+each rank draws the single-device mask and keeps its slice, so with dropout > 0
+the loss, every gradient and every parameter after AdamW steps are the
+single-device model's, and the generator is left where the single-device run
+leaves it. Real gloo ranks; the model is seeded the same before each forward."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from annot.errors import HintError
+from annot.runtime.tp_dropout import Call, sharded_sites
+from annot.specs import Col, Local, Row
+from annot.testing import run_ranks
+
+
+class Attention(nn.Module):
+    """Heads split over tp: ``nn.Dropout`` on the eager path's weights (heads
+    dim sharded), ``dropout_p`` inside SDPA on the other."""
+
+    def __init__(self, dim, heads, eager):
+        super().__init__()
+        self.heads, self.eager = heads, eager
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a k bias has a zero gradient
+        self.proj = nn.Linear(dim, dim)
+        self.attn_drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.eager:
+            w = (q @ k.transpose(-2, -1)) / q.size(-1) ** 0.5
+            y = self.attn_drop(w.softmax(-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=0.2 if self.training else 0.0
+            )
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, eager):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, eager)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(0.25)  # on the replicated residual stream
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln(x)))
+        h = F.dropout(F.gelu(self.fc1(x)), 0.4, self.training)  # MLP hidden: columns sharded
+        return x + self.drop(self.fc2(h))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=32, dim=16, heads=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim, heads, eager=True), Block(dim, heads, False)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, targets):
+        x = F.dropout(self.emb(ids), 0.1, self.training)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+HINTS = {
+    "blocks.*.attn.qkv": Col(chunks=3),
+    "blocks.*.attn.proj": Row(),
+    "blocks.*.attn": Local("heads"),
+    "blocks.*.fc1": Col(),
+    "blocks.*.fc2": Row(),
+}
+
+
+def _dropout_parity(cache: str, checkpoint: bool):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    from tests.parity import train_against_reference
+
+    if checkpoint:  # the recomputation in backward must draw the same masks
+        annot.checkpoint(Block)
+    torch.manual_seed(0)
+    model = annot.parallelize(
+        Net(), mesh=annot.Mesh(tp=2), hints=HINTS, verify=True, sample=_batch(0)[:2]
+    )
+    torch.manual_seed(0)
+    ref = Net()
+    after = {}
+
+    def run(m, batch):
+        ids, targets, seed = batch
+        torch.manual_seed(seed)
+        loss = m(ids, targets)
+        after[m is ref] = torch.rand(1)  # the generator ends where the reference's does
+        return loss, {}
+
+    train_against_reference(model, ref, [_batch(s) for s in (1, 2)], run, "dropout", lr=1e-2)
+    assert torch.equal(after[True], after[False])
+    assert model.dropout, "no dropout site was found sharded"
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 32, (2, 6), generator=g)
+    return ids, torch.roll(ids, -1, 1), 100 + seed
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_dropout_in_tp_regions_equals_the_single_device_run(tmp_path, checkpoint):
+    run_ranks(_dropout_parity, 2, str(tmp_path), checkpoint, timeout=240)
+
+
+def _call(shape, func=F.dropout, line=1, p=0.1):
+    return Call(func, ("blocks.0.attn", "model.py", line), shape, p)
+
+
+def test_sites_are_found_by_comparing_shapes():
+    local = [_call((2, 2, 6, 6)), _call((2, 6, 16), line=2), _call((2, 6, 32), line=3, p=0.0)]
+    ref = [_call((2, 4, 6, 6)), _call((2, 6, 16), line=2), _call((2, 6, 64), line=3, p=0.0)]
+    assert sharded_sites(local, ref, 2) == {("blocks.0.attn", "model.py", 1): 1}
+
+
+@pytest.mark.parametrize(
+    "local, ref, words",
+    [
+        ([_call((2, 2, 3))], [_call((2, 4, 6))], "not one dim split 2 ways"),
+        ([_call((2, 2), F.alpha_dropout)], [_call((2, 4), F.alpha_dropout)], "alpha_dropout"),
+        ([_call((2, 2)), _call((4, 4))], [_call((2, 4)), _call((4, 4))], "on some calls"),
+        ([_call((2, 2))], [], "makes 1 dropout calls where the single-device model makes 0"),
+    ],
+)
+def test_what_cannot_be_drawn_exactly_is_refused(local, ref, words):
+    with pytest.raises(HintError, match=words):
+        sharded_sites(local, ref, 2)
