@@ -44,12 +44,19 @@ class ParallelModel(nn.Module):
         autocast = forward_context(self.ctx.device, self.autocast_dtype)
         if not self.dropout:
             return autocast
-        from annot.runtime.tp_dropout import ShardedDropout
-
         stack = contextlib.ExitStack()
         stack.enter_context(autocast)
-        stack.enter_context(ShardedDropout.for_model(self.module, self.dropout))
+        stack.enter_context(self.dropout_context())
         return stack
+
+    def dropout_context(self):
+        """:class:`~annot.runtime.tp_dropout.ShardedDropout` over this rank's
+        model, unless it is on already (never twice: each would draw a mask)."""
+        from annot.runtime.tp_dropout import ShardedDropout, active
+
+        if not self.dropout or active() is not None:
+            return contextlib.nullcontext()
+        return ShardedDropout.for_model(self.module, self.dropout)
 
     def backward_context(self):
         """Autocast off for backward (a no-op in fp32)."""
@@ -66,6 +73,9 @@ class ParallelModel(nn.Module):
             check, self.preflight = self.preflight, None
             with self.forward_context():
                 self.dropout = check(self.module, args, kwargs)
+            if self.dropout:  # a step's context entered before the sites were known
+                with self.dropout_context():
+                    return self.forward(*args, **kwargs)
         if self._step is not None:
             return self._step.call(*args, **kwargs)
         if self.pipeline is not None and self.pipeline.num_stages > 1:

@@ -7,6 +7,8 @@
     with ColwiseParallel / RowwiseParallel on the same model: step time (goal <= 0.8)
 (c) rewriting a large model file vs a bare libcst parse + codegen of it (goal <= 1.5)
 (d) JIT: parallelize() with a warm rewrite cache vs the first compile
+(e) HF GPT-2 with dropout 0.1 at tp=2: each rank's slice of the single-device masks
+    (annot's default, exact) vs per-rank masks of the local shape (the cost of exactness)
 
 Each timing is the median of interleaved repeats (annot, peer, annot, peer, ...).
 """
@@ -131,6 +133,54 @@ def bench_tp2() -> tuple[float, float]:
     return max(r[0] for r in res), max(r[1] for r in res)
 
 
+def _dropout_rank(cache: str) -> tuple[float, float]:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import transformers
+
+    import annot
+
+    cfg = transformers.GPT2Config(
+        n_layer=4, n_embd=256, n_head=8, vocab_size=512, n_positions=SEQ,
+        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1,
+    )  # fmt: skip
+    hints = {
+        "transformer.h.*.attn.c_attn": annot.Col(chunks=3),
+        "transformer.h.*.attn.c_proj": annot.Row(),
+        "transformer.h.*.attn": annot.Local("split_size"),
+        "transformer.h.*.mlp.c_fc": annot.Col(),
+        "transformer.h.*.mlp.c_proj": annot.Row(),
+    }
+    mesh = annot.Mesh(tp=2)
+    cls = transformers.GPT2LMHeadModel
+    exact = annot.parallelize(cls, cfg, mesh=mesh, seed=0, hints=hints)
+    local = annot.parallelize(cls, cfg, mesh=mesh, seed=0, hints=hints)
+    assert exact.dropout
+    local.dropout = {}  # every dropout draws a mask of this rank's shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+
+    def step_of(model):
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step():
+            model.backward(model(x, labels=x, use_cache=False).loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return _time_pair(step_of(exact), step_of(local))
+
+
+def bench_dropout() -> tuple[float, float]:
+    from annot.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as cache:
+        res = run_ranks(_dropout_rank, 2, cache, timeout=600)
+    return max(r[0] for r in res), max(r[1] for r in res)
+
+
 def _large_source(copies: int = 60) -> str:
     base = (ROOT / "examples" / "gpt" / "model.py").read_text()
     head, _, body = base.partition("from annot import Col, Row, Vocab, shard, stage\n")
@@ -188,6 +238,8 @@ def main() -> None:
     rows.append((f"(c) rewrite / libcst parse+codegen ({lines} lines)", a, b, a / b, "<= 1.5"))
     a, b = bench_cache()
     rows.append(("(d) JIT cache hit / first compile", b, a, b / a, "(lower is better)"))
+    a, b = bench_dropout()
+    rows.append(("(e) GPT-2 dropout tp=2: exact / per-rank masks", a, b, a / b, "(cost of exact)"))
     print(f"{'measurement':52} {'annot':>10} {'peer':>10} {'ratio':>7}  goal")
     for name, x, y, r, goal in rows:
         print(f"{name:52} {x * 1000:9.2f}ms {y * 1000:9.2f}ms {r:7.3f}  {goal}")

@@ -47,7 +47,14 @@ from torch.overrides import TorchFunctionMode
 
 from annot.errors import HintError
 
-__all__ = ["Call", "Recorder", "ShardedDropout", "recompute_context", "sharded_sites"]
+__all__ = [
+    "Call",
+    "Recorder",
+    "ShardedDropout",
+    "active",
+    "recompute_context",
+    "sharded_sites",
+]
 
 # (input, p=0.5, training=True, inplace=False)
 FUNCTIONAL = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d)
@@ -270,6 +277,11 @@ def _attention(args: tuple, kwargs: dict, p: float, dim: int, tp: int, rank: int
     full[d] *= tp
     drop = F.dropout(torch.ones(full, dtype=weights.dtype, device=weights.device), p, True)
     return (weights * drop.narrow(d, rank * weights.shape[d], weights.shape[d])) @ v
+
+
+def active() -> Optional[ShardedDropout]:
+    """The sharded-dropout mode forward runs under here, if any."""
+    return _ACTIVE.get()
 
 
 def recompute_context() -> tuple[Any, Any]:

@@ -80,7 +80,7 @@ HINTS = {
 }
 
 
-def _dropout_parity(cache: str, checkpoint: bool):
+def _dropout_parity(cache: str, checkpoint: bool, when: str):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from tests.parity import train_against_reference
@@ -88,9 +88,8 @@ def _dropout_parity(cache: str, checkpoint: bool):
     if checkpoint:  # the recomputation in backward must draw the same masks
         annot.checkpoint(Block)
     torch.manual_seed(0)
-    model = annot.parallelize(
-        Net(), mesh=annot.Mesh(tp=2), hints=HINTS, verify=True, sample=_batch(0)[:2]
-    )
+    sample = _batch(0)[:2] if when == "build" else None  # else: on the first call
+    model = annot.parallelize(Net(), mesh=annot.Mesh(tp=2), hints=HINTS, verify=True, sample=sample)
     torch.manual_seed(0)
     ref = Net()
     after = {}
@@ -113,9 +112,13 @@ def _batch(seed):
     return ids, torch.roll(ids, -1, 1), 100 + seed
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_dropout_in_tp_regions_equals_the_single_device_run(tmp_path, checkpoint):
-    run_ranks(_dropout_parity, 2, str(tmp_path), checkpoint, timeout=240)
+@pytest.mark.parametrize(
+    "checkpoint, when", [(False, "build"), (True, "build"), (False, "first-call")]
+)
+def test_dropout_in_tp_regions_equals_the_single_device_run(tmp_path, checkpoint, when):
+    """The pre-flight at build (a sample given) or on the first call, whose
+    forward then draws the single-device masks too."""
+    run_ranks(_dropout_parity, 2, str(tmp_path), checkpoint, when, timeout=240)
 
 
 def _call(shape, func=F.dropout, line=1, p=0.1):
