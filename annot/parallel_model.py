@@ -35,6 +35,7 @@ class ParallelModel(nn.Module):
         self._step = None  # the active jit step (set by annot.jit while it runs)
         self.preflight = None  # annot.preflight's check, run on the first call when set
         self.dropout = None  # annot.runtime.tp_dropout.ShardedDropout's sites, from the pre-flight
+        self._dropout_names = None
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -52,11 +53,13 @@ class ParallelModel(nn.Module):
     def dropout_context(self):
         """:class:`~annot.runtime.tp_dropout.ShardedDropout` over this rank's
         model, unless it is on already (never twice: each would draw a mask)."""
-        from annot.runtime.tp_dropout import ShardedDropout, active
+        from annot.runtime.tp_dropout import ShardedDropout, active, module_names
 
         if not self.dropout or active() is not None:
             return contextlib.nullcontext()
-        return ShardedDropout.for_model(self.module, self.dropout)
+        if self._dropout_names is None:  # module id -> path, found once
+            self._dropout_names = module_names(self.module)
+        return ShardedDropout(self._dropout_names, self.dropout)
 
     def backward_context(self):
         """Autocast off for backward (a no-op in fp32)."""

@@ -52,6 +52,7 @@ __all__ = [
     "Recorder",
     "ShardedDropout",
     "active",
+    "module_names",
     "recompute_context",
     "sharded_sites",
 ]
@@ -126,7 +127,7 @@ class Recorder(TorchFunctionMode):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.names = _module_names(model)
+        self.names = module_names(model)
         self.calls: list[Call] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -137,7 +138,8 @@ class Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _module_names(model: nn.Module) -> dict[int, str]:
+def module_names(model: nn.Module) -> dict[int, str]:
+    """Module id -> its first path in ``model`` (what a site names)."""
     names: dict[int, str] = {}
     for path, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), path)
@@ -210,10 +212,6 @@ class ShardedDropout(TorchFunctionMode):
     def __init__(self, names: Mapping[int, str], sites: Mapping[Site, int]) -> None:
         super().__init__()
         self.names, self.sites = names, sites
-
-    @classmethod
-    def for_model(cls, model: nn.Module, sites: Mapping[Site, int]) -> ShardedDropout:
-        return cls(_module_names(model), dict(sites))
 
     def __enter__(self):
         self._token = _ACTIVE.set(self)
