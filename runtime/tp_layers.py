@@ -402,6 +402,37 @@ class RowParallelConv1D(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
+def _table(
+    layer: nn.Module,
+    full: tuple[int, int],
+    dim: int,
+    start: int,
+    _weight: Optional[torch.Tensor],
+    freeze: bool,
+    device,
+    dtype,
+) -> None:
+    """An embedding layer's ``weight``: this rank's ``full[dim] // tp`` rows
+    (``dim`` 0) or columns (``dim`` 1) from ``start``. A given ``_weight`` is the
+    full table and this rank copies its block (with tp=1 it is used as is);
+    otherwise the block is initialised by the layer's ``reset_parameters``."""
+    name = type(layer).__name__
+    shape = list(full)
+    shape[dim] //= layer.tp
+    if _weight is None:
+        layer.weight = nn.Parameter(torch.empty(shape, **_factory(device, dtype)))
+        layer.reset_parameters()
+    else:
+        if tuple(_weight.shape) != tuple(full):
+            raise HintError(
+                f"{name}: _weight has shape {tuple(_weight.shape)}, expected the full "
+                f"table {tuple(full)}"
+            )
+        block = _weight if layer.tp == 1 else _weight.narrow(dim, start, shape[dim])
+        layer.weight = nn.Parameter(block if layer.tp == 1 else block.detach().clone())
+    layer.weight.requires_grad_(not freeze)
+
+
 def _lookup(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """``F.embedding`` of ``layer``'s whole weight with its ``nn.Embedding`` options."""
     return F.embedding(
@@ -482,19 +513,8 @@ class VocabParallelEmbedding(nn.Module):
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
         self.tp = tp
-        local_shape = (self.num_embeddings_local, embedding_dim)
-        if _weight is None:
-            self.weight = nn.Parameter(torch.empty(local_shape, **_factory(device, dtype)))
-            self.reset_parameters()
-        else:
-            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
-                raise HintError(
-                    f"{name}: _weight has shape {tuple(_weight.shape)}, expected the full "
-                    f"table ({num_embeddings}, {embedding_dim})"
-                )
-            block = _weight if tp == 1 else _weight.narrow(0, self.vocab_start, local_shape[0])
-            self.weight = nn.Parameter(block if tp == 1 else block.detach().clone())
-        self.weight.requires_grad_(not _freeze)
+        full = (num_embeddings, embedding_dim)
+        _table(self, full, 0, self.vocab_start, _weight, _freeze, device, dtype)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -575,16 +595,9 @@ class ColumnParallelEmbedding(nn.Module):
         self.sparse = sparse
         self.gather = gather
         self.tp = tp
-        local = embedding_dim // tp
-        if _weight is None:
-            shape = (num_embeddings, local)
-            self.weight = nn.Parameter(torch.empty(shape, **_factory(device, dtype)))
-            self.reset_parameters()
-        else:
-            rank = ctx.tp_rank if ctx is not None else 0
-            cut = _weight if tp == 1 else _weight.narrow(1, rank * local, local).detach().clone()
-            self.weight = nn.Parameter(cut)
-        self.weight.requires_grad_(not _freeze)
+        rank = ctx.tp_rank if ctx is not None else 0
+        full = (num_embeddings, embedding_dim)
+        _table(self, full, 1, rank * (embedding_dim // tp), _weight, _freeze, device, dtype)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
