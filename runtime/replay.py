@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_map
 from annot.errors import PipelineError
 
 __all__ = [
+    "MetaOps",
     "ReplayStage",
     "StageDone",
     "install_boundaries",
@@ -141,6 +142,8 @@ def replaying() -> bool:
 
 
 _PLAIN = (type(None), bool, int, float, str)
+# values an op's key or result may hold as they are (hashable, no tensor inside)
+_VALUES = (*_PLAIN, torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
 
 
 def _signature(leaf: Any) -> Any:
@@ -170,6 +173,47 @@ def _unflat(spec: Any, leaves: Any) -> Any:
     return t(_unflat(v, leaves) for v in items)
 
 
+def _recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
+    """How to make ``out`` again for inputs of the same shapes: each tensor in
+    it is input ``i`` (``inputs``: id -> position), an earlier output, or a new
+    meta tensor of its shape, dtype and strides; None if ``out`` holds other
+    objects."""
+    outs: list = []
+    spec = _flat(out, outs)
+    seen: dict[int, int] = {}
+    recipe = []
+    for j, x in enumerate(outs):
+        if isinstance(x, torch.Tensor):
+            if id(x) in inputs:
+                recipe.append(("in", inputs[id(x)]))
+            elif id(x) in seen:
+                recipe.append(("out", seen[id(x)]))
+            else:
+                recipe.append(("new", (tuple(x.shape), tuple(x.stride()), x.dtype)))
+            seen.setdefault(id(x), j)
+        elif isinstance(x, _VALUES):
+            recipe.append(("plain", x))
+        else:
+            return None
+    return tuple(recipe), spec
+
+
+def _remake(hit: tuple, leaves: list) -> Any:
+    recipe, spec = hit
+    built: list = []
+    with torch._C.DisableTorchFunction():
+        for kind, a in recipe:
+            if kind == "new":
+                built.append(torch.empty_strided(a[0], a[1], dtype=a[2], device="meta"))
+            elif kind == "in":
+                built.append(leaves[a])
+            elif kind == "out":
+                built.append(built[a])
+            else:
+                built.append(a)
+    return _unflat(spec, iter(built))
+
+
 def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
     """Run another stage's module for shapes while replaying: on meta the first
     time for each signature of its inputs, then from ``cache`` (fresh meta
@@ -179,45 +223,46 @@ def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> An
     or are not plain pytrees is never cached."""
     run = _ACTIVE[-1]
     leaves: list = []
-    key = (_flat((args, kwargs), leaves), tuple(_signature(x) for x in leaves))
+    with torch._C.DisableTorchFunction():  # .shape / .dtype without the replay mode
+        key = (_flat((args, kwargs), leaves), tuple(_signature(x) for x in leaves))
     hit = cache.get(key)
     if hit is not None:
-        recipe, spec = hit
-        built: list = []
-        for kind, a, b in recipe:
-            if kind == "new":
-                built.append(torch.empty(a, dtype=b, device="meta"))
-            elif kind == "in":
-                built.append(leaves[a])
-            elif kind == "out":
-                built.append(built[a])
-            else:
-                built.append(a)
-        return _unflat(spec, iter(built))
+        return _remake(hit, leaves)
     pos = run.pos
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     out = shadow(*meta[0], **meta[1])
-    outs: list = []
-    spec = _flat(out, outs)
-    if run.pos == pos and all(isinstance(x, (torch.Tensor, *_PLAIN)) for x in outs):
+    if run.pos == pos:
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         metas: list = []
         _flat(meta, metas)
         ins.update({id(x): i for i, x in enumerate(metas)})
-        seen: dict[int, int] = {}
-        recipe = []
-        for j, x in enumerate(outs):
-            if not isinstance(x, torch.Tensor):
-                recipe.append(("plain", x, None))
-            elif id(x) in ins:
-                recipe.append(("in", ins[id(x)], None))
-            elif id(x) in seen:
-                recipe.append(("out", seen[id(x)], None))
-            else:
-                recipe.append(("new", tuple(x.shape), x.dtype))
-            seen.setdefault(id(x), j)
-        cache[key] = (recipe, spec)
+        hit = _recipe(out, ins)
+        if hit is not None:
+            cache[key] = hit
     return out
+
+
+def _op_key(func, args: tuple, kwargs: dict) -> tuple[Optional[tuple], list]:
+    """The key of an op on meta operands for :class:`_ReplayMode`'s cache: the
+    op, the structure of its arguments and each one's value (a tensor's shape,
+    strides and dtype); None where an argument is something else, or for an op
+    that changes its operand in place or writes to ``out=``."""
+    leaves: list = []
+    spec = _flat((args, kwargs), leaves)
+    name = getattr(func, "__name__", "_")
+    if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
+        return None, leaves  # (resize_, unsqueeze_, ... change the operand's shape)
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append((x.shape, x.stride(), x.dtype, x.is_meta))
+        elif isinstance(x, _VALUES) or x is Ellipsis:
+            sig.append(x)
+        elif isinstance(x, slice) and all(isinstance(v, _PLAIN) for v in (x.start, x.stop, x.step)):
+            sig.append((slice, x.start, x.stop, x.step))
+        else:
+            return None, leaves
+    return (func, spec, tuple(sig)), leaves
 
 
 def _is_meta(x: Any) -> bool:
@@ -238,6 +283,39 @@ def _has_meta(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+class MetaOps:
+    """Ops with a meta operand, run on meta once per signature and then made
+    from the recorded result's shapes: a replay passes through the same glue
+    (masks, rotary tables, reshapes) every microbatch, and a meta kernel written
+    in Python costs 0.1-0.5 ms where a fresh meta tensor costs a few us.
+
+    The key is the op and each argument (a tensor's shape, strides, dtype and
+    whether it is on meta; plain values as they are). Ops that change an
+    operand's shape in place (``unsqueeze_``, ``resize_``), write to ``out=``,
+    or take or return other objects run every time."""
+
+    def __init__(self, size: int = 100_000):
+        self.size = size
+        self.entries: dict = {}
+
+    def __call__(self, func, args: tuple, kwargs: dict) -> Any:
+        key, leaves = _op_key(func, args, kwargs)
+        if key is not None:
+            hit = self.entries.get(key)
+            if hit is not None:
+                return _remake(hit, leaves)
+        args, kwargs = _on_meta(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if key is not None:
+            # an output that is an operand already on meta is that operand again
+            hit = _recipe(out, {id(x): i for i, x in enumerate(leaves) if _is_meta(x)})
+            if hit is not None:
+                if len(self.entries) >= self.size:
+                    self.entries.clear()  # shapes that change every step: start over
+                self.entries[key] = hit
+        return out
+
+
 class _ReplayMode(TorchFunctionMode):
     """Active while a stage replays the earlier stages' part: ops with a meta
     operand run on meta; value reads are answered from the log."""
@@ -251,9 +329,9 @@ class _ReplayMode(TorchFunctionMode):
         meta = _has_meta(args, kwargs)
         if func in _DECISIONS:
             return self._decide(func, args, kwargs, meta)
-        if meta:
-            args, kwargs = _on_meta(func, args, kwargs)
-        return func(*args, **kwargs)
+        if not meta:
+            return func(*args, **kwargs)
+        return self.run.stage.meta_ops(func, args, kwargs)
 
     def _decide(self, func, args, kwargs, meta: bool):
         run = self.run
@@ -530,6 +608,7 @@ class ReplayStage:
         self.boundaries = tuple(boundaries)
         self.num_stages = len(self.boundaries) + 1
         self.state_ids = _state_ids(root)
+        self.meta_ops = MetaOps()  # the replay's ops on meta, by signature
         self.outputs: Optional[dict] = None
 
     def __call__(self, received: Optional[dict], call) -> Any:

@@ -105,7 +105,9 @@ def call_order_stage_modules(
     them (a module called by two stages is tied across them); the rest go by
     the order the model registers them: stage ``k`` from boundary ``k`` up to
     boundary ``k + 1``. Modules without parameters (activations, rotary
-    tables) are held by every stage; a container's own parameters
+    tables) go with the stages that call them (so a block of another stage is
+    one meta shadow, not a shell around its activation), or to every stage
+    where the probe did not see them called; a container's own parameters
     (``cls_token``) go with the stage of its position."""
     named = dict(root.named_modules(remove_duplicate=False))
     called = set().union(*calls.values()) if calls else set()
@@ -118,8 +120,10 @@ def call_order_stage_modules(
         ):
             stage += 1
         own = [k for k, p in m._parameters.items() if p is not None]
-        if path and next(m.parameters(), None) is None:  # stateless or buffers only: everywhere
-            for s in out:
+        if path and next(m.parameters(), None) is None:  # stateless or buffers only
+            # with its callers where the probe saw it called (elsewhere the replay
+            # runs it inside another stage's meta shadow), else on every stage
+            for s in [s for s in out if path in calls[s]] if path in called else out:
                 out[s].add(path)
         elif own:
             container = any(True for _ in m.children())

@@ -1,0 +1,44 @@
+"""Which modules a replayed pipeline stage holds (annot.runtime.stages)."""
+
+from __future__ import annotations
+
+import torch
+
+from annot.runtime.stages import call_order_stage_modules, record_calls, stage_calls
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_a_block_of_another_stage_is_held_whole_by_that_stage():
+    """A block's activation (no weights) goes with the stage that calls it, so on
+    the other stage the whole block is one meta shadow, not a shell of
+    placeholders around an activation the replay would run op by op."""
+    model = _llama()
+    boundaries = ("model.layers.2",)
+    calls = stage_calls(
+        record_calls(model, {"input_ids": torch.zeros(1, 5, dtype=torch.long)}), boundaries
+    )
+    held = call_order_stage_modules(model, boundaries, calls)
+    for stage, other in ((0, 1), (1, 0)):
+        mine = [f"model.layers.{i}" for i in ((0, 1), (2, 3))[stage]]
+        for block in mine:
+            assert f"{block}.mlp.act_fn" in held[stage]
+            assert not any(p == block or p.startswith(block + ".") for p in held[other])
+    assert "model.rotary_emb" in held[0] and "model.rotary_emb" not in held[1]
+    # without a probe, modules without weights are on every stage
+    blind = call_order_stage_modules(model, boundaries)
+    assert all("model.layers.0.mlp.act_fn" in blind[s] for s in (0, 1))
