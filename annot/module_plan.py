@@ -13,13 +13,14 @@ then gives the exact min-bottleneck contiguous split::
     print(plan.table())
     annot.parallelize(LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=4), split=plan.boundaries)
 
-Measured time holds up under load: each unit's forward is timed in
-``repeats`` full forwards and the *median* is kept (one load spike moves a
-mean or a single run, not a median), backward counted as twice forward.
+Measured time holds up under load: each unit's forward and backward are
+timed in ``repeats`` full steps and the *median* is kept (one load spike moves
+a mean or a single run, not a median).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -121,15 +122,47 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     return fixed
 
 
+def _first_grad_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return a
+    return None
+
+
+def _output_scalar(out: Any) -> Optional[torch.Tensor]:
+    """A scalar to run backward from: the sum of every floating output that
+    requires grad (the loss of a step body is not part of the model)."""
+    from torch.utils._pytree import tree_leaves
+
+    if hasattr(out, "to_tuple"):  # transformers' ModelOutput
+        out = out.to_tuple()
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    parts = [
+        t.float().sum()
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+    return torch.stack(parts).sum() if parts else None
+
+
 def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
-    """Median forward time of each unit over ``repeats`` forwards (a unit runs
-    from its call until the next unit's call), times 3 for forward+backward."""
+    """Median forward + backward time of each unit over ``repeats`` steps (a
+    unit runs from its call until the next unit's call).
+
+    Forward: a clock that a pre-hook on each unit's module moves on. Backward
+    runs the same spans in reverse: a gradient hook on the first input of each
+    unit that requires grad fires when backward has passed that unit's start,
+    so the time since the previous such hook is that unit's backward. Glue with
+    no backward (masks, position tables) thus costs its forward only; a model
+    that gives no input a gradient path (frozen) counts backward as twice
+    forward. The model's ``.grad``s are cleared afterwards."""
     from annot.runtime.replay import call_with
 
     starts = {u.path: i for i, u in enumerate(found)}
     modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
     samples: list[list[float]] = [[] for _ in found]
-    clock = {"unit": None, "t": 0.0, "acc": [0.0] * len(found)}
+    clock: dict = {}
 
     def mark(i: Optional[int]) -> None:
         now = time.perf_counter()
@@ -137,23 +170,53 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
             clock["acc"][clock["unit"]] += now - clock["t"]
         clock["unit"], clock["t"] = i, now
 
-    handles = []
-    for path, i in starts.items():
-        handles.append(modules[path].register_forward_pre_hook(lambda m, a, i=i: mark(i)))
+    def back_mark(i: int) -> None:
+        # backward has reached unit i's start: the time since the last mark is
+        # the backward of units i .. (the last marked unit - 1), shared among
+        # them as their forwards are
+        now = time.perf_counter()
+        span = range(i, clock["bw_last"]) if i < clock["bw_last"] else range(i, i + 1)
+        fw = [clock["fw"][j] for j in span]
+        total = sum(fw)
+        for j, f in zip(span, fw):
+            clock["acc"][j] += (now - clock["bw_t"]) * (f / total if total else 1 / len(fw))
+        clock["bw_t"], clock["bw_last"] = now, min(i, clock["bw_last"])
+
+    def pre_hook(module, args, kwargs, i):
+        mark(i)
+        if torch.is_grad_enabled():
+            t = _first_grad_input(args, kwargs)
+            if t is not None and i not in clock["hooked"]:
+                clock["hooked"].add(i)
+                t.register_hook(lambda g, i=i: back_mark(i))
+
+    handles = [
+        modules[path].register_forward_pre_hook(
+            lambda m, a, k, i=i: pre_hook(m, a, k, i), with_kwargs=True
+        )
+        for path, i in starts.items()
+    ]
     try:
-        with torch.no_grad():
-            for r in range(repeats + 1):
-                clock["acc"] = [0.0] * len(found)
-                clock["unit"] = None
-                call_with(model, sample)
-                mark(None)
-                if r:  # the first forward warms up
-                    for j, t in enumerate(clock["acc"]):
-                        samples[j].append(t)
+        for r in range(repeats + 1):
+            clock.update(unit=None, t=0.0, acc=[0.0] * len(found), hooked=set())
+            out = call_with(model, sample)
+            mark(None)
+            clock["fw"] = list(clock["acc"])
+            loss = _output_scalar(out)
+            if loss is None:  # no backward to time: twice forward
+                clock["acc"] = [3 * t for t in clock["fw"]]
+            else:
+                clock.update(bw_t=time.perf_counter(), bw_last=len(found))
+                loss.backward()
+                back_mark(0)  # the rest of backward: the units before the first mark
+            model.zero_grad(set_to_none=True)
+            if r:  # the first step warms up
+                for j, t in enumerate(clock["acc"]):
+                    samples[j].append(t)
     finally:
         for h in handles:
             h.remove()
-    return [3 * statistics.median(s) for s in samples]
+    return [statistics.median(s) for s in samples]
 
 
 def plan_module_boundaries(

@@ -2,6 +2,7 @@
 torch.distributed.pipelining with the same uniform split done by hand.
 
     python benchmarks/pp_llama.py        # a few minutes on 2 CPU cores
+    BENCH_PP=4 BENCH_STEPS=4 python benchmarks/pp_llama.py    # one pp, fewer steps
 
 The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
 cuts it inside the nested ``LlamaModel.forward`` (annot.runtime.replay). Per pp
@@ -178,11 +179,12 @@ def _rank(pp: int, auto_split: list, cache: str):
                 m.zero_grad(set_to_none=True)
             stage.submod.zero_grad(set_to_none=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = {}
+    ratio, stage_ms = {}, {}
     for name, rows in busy.items():
         per_stage = [statistics.median(r[s] for r in rows) for s in range(pp)]
         ratio[name] = max(per_stage) / (sum(per_stage) / pp)
-    return med, ratio, uniform
+        stage_ms[name] = [round(t / 1e3, 1) for t in per_stage]  # trace durations are in us
+    return med, ratio, uniform, stage_ms
 
 
 def main() -> None:
@@ -202,13 +204,13 @@ def main() -> None:
         f"{'pp':>3} {'auto ms':>9} {'uniform ms':>11} {'torch ms':>9} {'auto/torch':>11} "
         f"{'uniform/torch':>14} {'max/mean auto':>14} {'uniform':>8}"
     )
-    for pp in (2, 4):
+    for pp in (int(x) for x in os.environ.get("BENCH_PP", "2,4").split(",")):
         t0 = time.perf_counter()
         plan = plan_module_boundaries(model, pp, sample=sample, cost="time")
         planned = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as cache:
             res = run_ranks(_rank, pp, pp, plan.boundaries, cache, timeout=900)
-        med, ratio, uniform = res[0]
+        med, ratio, uniform, stage_ms = res[0]
         print(
             f"{pp:>3} {med['auto'] * 1e3:>9.1f} {med['uniform'] * 1e3:>11.1f} "
             f"{med['torch'] * 1e3:>9.1f} {med['auto'] / med['torch']:>11.2f} "
@@ -217,6 +219,9 @@ def main() -> None:
         print(
             f"    auto split {plan.boundaries} (planned in {planned:.1f} s, predicted "
             f"max/mean {plan.imbalance:.2f}); uniform {uniform}"
+        )
+        print(
+            f"    measured busy ms per stage: auto {stage_ms['auto']}, uniform {stage_ms['uniform']}"
         )
 
 

@@ -535,7 +535,9 @@ def _make_hook(k: int, path: str):
 
 
 def _enter(run: _Run, frame) -> None:
-    """Boundary ``run.index``: swap the received tensors in, stop replaying."""
+    """Boundary ``run.index``: stop replaying, swap the received tensors in."""
+    run.replaying = False
+    run.mode.__exit__(None, None, None)  # (the checks below read shapes without it)
     mine, names = _frame_tensors(frame, run.top_code, run.stage.state_ids)
     got = run.received["t"]
     path = run.stage.boundaries[run.index - 1]
@@ -564,8 +566,6 @@ def _enter(run: _Run, frame) -> None:
             f"reads before boundary {path!r} but this rank's replay made {run.pos}; the forward "
             "took a different path on the two ranks"
         )
-    run.replaying = False
-    run.mode.__exit__(None, None, None)
     if run.record:
         run.patches = _log_reads(run.decisions_out)
     torch.set_grad_enabled(run.grad_mode)
