@@ -44,7 +44,12 @@ def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
     # kwargs go through a partial: checkpoint() keeps some names for itself
     # (use_reentrant, context_fn, determinism_check, debug, preserve_rng_state).
     inner = functools.partial(fn, **kwargs) if kwargs else fn
-    return _torch_checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context)
+    # Early stop (torch's default, forced here): the recomputation ends once it
+    # has remade what backward needs. A block a pipeline boundary cuts in two
+    # (annot.runtime.replay) ran only its first part on this stage, and its
+    # recomputation must not go on into the part another stage holds.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(True):
+        return _torch_checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context)
 
 
 class _CheckpointedForward:

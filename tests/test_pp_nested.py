@@ -61,6 +61,17 @@ def _hf_labels(model, b):
     return model(input_ids=b["ids"], labels=b["ids"]).loss
 
 
+def _llama_checkpointed():
+    """Llama with every decoder layer checkpointed (``annot.checkpoint`` applied
+    to the installed class, as a user who cannot edit it would)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import annot
+
+    annot.checkpoint(LlamaDecoderLayer)
+    return _llama()
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -198,6 +209,7 @@ CASES = {
     "timm": (_timm, _images, _plain_ce),
     "resnet": (_resnet, _images, _plain_ce),
     "sequential": (_sequential, _vectors, _plain_ce),
+    "llama_ckpt": (_llama_checkpointed, _tokens, _ce_on_logits),
     "branchy": (_branchy, _vectors, _branchy_loss),
 }
 
@@ -227,6 +239,9 @@ def _parity(
         ref = cls(*args)
         model.train()
         ref.train()
+        if case == "llama_ckpt":  # this rank's decoder layers recompute in backward
+            layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+            assert layers and all(repr(m.forward).startswith("checkpointed(") for m in layers)
 
         @annot.jit(model, microbatches=MICRO, schedule=schedule)
         def step(b):
@@ -349,6 +364,12 @@ def test_tp2_pp2_llama_mid_block(tmp_path):
 
 
 # ---- composition: interleaved virtual stages, DCP checkpoints ---------------------------
+
+
+def test_checkpointed_blocks_with_boundaries_between_and_inside_them(tmp_path):
+    # @checkpoint on the installed decoder-layer class; a boundary inside a
+    # checkpointed block: stage 0's recomputation stops where its part ended
+    _run(tmp_path, "llama_ckpt", [["model.layers.2"], ["model.layers.1.mlp"]])
 
 
 def _interleaved_and_checkpoint(cache: str, ckpt: str) -> int:
