@@ -47,6 +47,8 @@ __all__ = [
     "save",
     "shard",
     "stage",
+    "state_bytes",
+    "zero_optimizer",
 ]
 
 # The torch-heavy entry points load on first use, so `annot rewrite` and the
@@ -60,6 +62,8 @@ _LAZY = {
     "save": "annot.dcp",
     "load": "annot.dcp",
     "load_full": "annot.dcp",
+    "zero_optimizer": "annot.optim",
+    "state_bytes": "annot.optim",
 }
 
 
