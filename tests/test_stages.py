@@ -5,22 +5,14 @@ from __future__ import annotations
 import torch
 
 from annot.runtime.stages import call_order_stage_modules, record_calls, stage_calls
+from tests.test_hf_gpt2 import LLAMA_KW
 
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
+        return LlamaForCausalLM(LlamaConfig(**{**LLAMA_KW, "num_hidden_layers": 4}))
 
 
 def test_a_block_of_another_stage_is_held_whole_by_that_stage():
