@@ -21,6 +21,7 @@ a mean or a single run, not a median).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
             clock["acc"][j] += (now - clock["bw_t"]) * (f / total if total else 1 / len(fw))
         clock["bw_t"], clock["bw_last"] = now, min(i, clock["bw_last"])
 
-    def pre_hook(module, args, kwargs, i):
+    def pre_hook(i: int, module, args, kwargs) -> None:
         mark(i)
         if torch.is_grad_enabled():
             t = _first_grad_input(args, kwargs)
@@ -191,9 +192,7 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
                 t.register_hook(lambda g, i=i: back_mark(i))
 
     handles = [
-        modules[path].register_forward_pre_hook(
-            lambda m, a, k, i=i: pre_hook(m, a, k, i), with_kwargs=True
-        )
+        modules[path].register_forward_pre_hook(functools.partial(pre_hook, i), with_kwargs=True)
         for path, i in starts.items()
     ]
     try:

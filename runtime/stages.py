@@ -120,15 +120,15 @@ def call_order_stage_modules(
         ):
             stage += 1
         own = [k for k, p in m._parameters.items() if p is not None]
+        callers = [s for s in out if path in calls[s]] if path in called else []
         if path and next(m.parameters(), None) is None:  # stateless or buffers only
             # with its callers where the probe saw it called (elsewhere the replay
             # runs it inside another stage's meta shadow), else on every stage
-            for s in [s for s in out if path in calls[s]] if path in called else out:
+            for s in callers or out:
                 out[s].add(path)
         elif own:
             container = any(True for _ in m.children())
-            targets = [s for s in out if path in calls[s]] if path in called else [stage]
-            for s in targets:
+            for s in callers or [stage]:
                 if container:  # a container's own weights, used somewhere in its forward
                     out[s].update(f"{path}.{k}" if path else k for k in own)
                 elif path:
