@@ -32,515 +32,45 @@ needs once more, whole (its CRC-32), before DCP reads the parts it needs.
 ``load_full`` holds the whole model and optimizer state, as the
 single-device model does.
 
-Atomic. Rank 0 creates ``<path>.tmp-<id>`` and writes ``annot-info.pt``
-(step, extra, names, optimizer groups) there; every rank writes its chunks
-into it through ``dcp.save``; after DCP's last collective each rank records
-its own files' sizes and CRC-32s, and rank 0 writes the completion marker
-``annot-complete.json`` last, then renames the directory to ``path`` (an
-older checkpoint there is moved aside first, removed after). A crash before
-that leaves no new ``path``; a directory without the marker, with a
-truncated or altered file, or with corrupt metadata is refused with
-:class:`~annot.errors.CheckpointError`. ``path`` must be on a file system
-every rank sees (as DCP's ``FileSystemWriter`` assumes).
-
-Safe. DCP pickles its ``.metadata``; it is read here with an unpickler that
-only builds DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths,
-and refuses anything else (nothing in it can run code). Data files are read
-by DCP with ``torch.load(weights_only=True)``; pickled byte entries are
-refused; ``annot-info.pt`` is read with ``weights_only=True`` (so ``extra``
-must be plain data: numbers, strings, tensors, lists, tuples, dicts).
+Atomic (:mod:`annot.dcp_publish`): ``path`` appears only once the save is
+complete; an incomplete, truncated, altered or corrupt checkpoint is refused
+with :class:`~annot.errors.CheckpointError`. Safe (:mod:`annot.dcp_read`):
+nothing read from a checkpoint can run code.
 """
 
 from __future__ import annotations
 
 import copy
 import io
-import json
 import os
-import pickle
 import shutil
 import uuid
 import warnings
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from annot.dcp_adapter import (
+    LoadPlanner,
+    SavePlanner,
+    Target,
+    all_gather,
+    dcp_error,
+    exchange,
+    from_rank0,
+    full_shape,
+    param_name,
+    view_of,
+)
+from annot.dcp_publish import check_replaceable, own_files, publish, seal, write_file
+from annot.dcp_read import FORMAT, INFO, Opened, SafeReader, open_checkpoint
 from annot.errors import CheckpointError
 
 __all__ = ["save", "load", "load_full"]
-
-FORMAT = "annot.checkpoint/1"
-MARKER = "annot-complete.json"  # written last: its presence means complete
-INFO = "annot-info.pt"
-METADATA = ".metadata"  # DCP's
-
-Layout = tuple[int, int, int]  # (dim, chunks, tp), as in annot.runtime.state_dict
-
-
-# --------------------------------------------------------------------------- #
-# A tp shard as DCP chunks of the full tensor.
-# --------------------------------------------------------------------------- #
-
-
-class _Shard:
-    """This rank's shard ``local`` of a tensor of full shape ``full``: the full
-    tensor cut along ``dim`` into ``chunks`` equal blocks, of each of which
-    this rank holds the ``rank``-th of ``tp`` slices (the layout of
-    ``annot.runtime.tp_comm.split_local``). Speaks DCP's chunk protocol."""
-
-    def __init__(self, local: torch.Tensor, layout: Layout, rank: int):
-        dim, chunks, tp = layout
-        dim %= local.dim()
-        full = list(local.shape)
-        full[dim] *= tp
-        self.full = torch.Size(full)
-        n = local.shape[dim] // chunks  # this rank's length in each block
-        block = self.full[dim] // chunks
-        self.pieces: dict[torch.Size, torch.Tensor] = {}
-        for c in range(chunks):
-            offsets = [0] * local.dim()
-            offsets[dim] = c * block + rank * n
-            self.pieces[torch.Size(offsets)] = local.narrow(dim, c * n, n)
-        self.properties = TensorProperties.create_from_tensor(local)
-
-    def size(self) -> torch.Size:
-        return self.full
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=p.size()) for o, p in self.pieces.items()]
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, o),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=o, sizes=p.size()),
-                    properties=self.properties,
-                    size=self.full,
-                ),
-            )
-            for o, p in self.pieces.items()
-        ]
-
-    def piece(self, index: MetadataIndex) -> torch.Tensor:
-        try:
-            return self.pieces[torch.Size(index.offset)]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"{index.fqn}: no local chunk at offset {index.offset}") from None
-
-
-class _SavePlanner(DefaultSavePlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.piece(index) if isinstance(obj, _Shard) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        # DefaultLoadPlanner's _init_state_dict would replace values it does not
-        # know (our _Shard) with None; our buffers are allocated already.
-        self.original_state_dict = state_dict
-        self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.piece(index) if isinstance(obj, _Shard) else super().lookup_tensor(index)
-
-    def load_bytes(self, read_item, value) -> None:
-        # DCP would torch.load(weights_only=False) these: code could run.
-        raise CheckpointError(
-            f"{read_item.dest_index.fqn}: stored as pickled bytes; annot checkpoints hold "
-            "only tensors and never unpickle data"
-        )
-
-
-# --------------------------------------------------------------------------- #
-# Reading a checkpoint safely.
-# --------------------------------------------------------------------------- #
-
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    _DCP_MD: {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's ``Metadata`` and nothing else: ``find_class`` allows only
-    the classes a real ``.metadata`` file names (found by logging them)."""
-
-    def __init__(self, file, where: str):
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise CheckpointError(
-            f"{self.where}: refusing to unpickle {module}.{name}: DCP metadata never holds it, so "
-            "the file was crafted or damaged; nothing from it was run. Load only checkpoints "
-            "written by annot.checkpoint.save"
-        )
-
-
-def _read_metadata(file: str) -> Metadata:
-    try:
-        with open(file, "rb") as f:
-            md = _MetadataUnpickler(f, file).load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
-        raise CheckpointError(f"{file}: corrupt DCP metadata ({type(e).__name__}: {e})") from e
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{file}: not DCP metadata (a {type(md).__name__})")
-    return md
-
-
-def _crc32(file: str) -> int:
-    crc = 0
-    with open(file, "rb") as f:
-        while block := f.read(1 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
-@dataclass
-class _Opened:
-    """A checkpoint whose marker, sizes, metadata and info have been checked."""
-
-    path: str
-    files: dict[str, dict]  # name -> {"size": int, "crc32": int}
-    metadata: Metadata
-    info: dict
-    verified: set = field(default_factory=set)
-
-    def verify(self, name: str) -> None:
-        """Check one file's CRC-32 against the marker (once per file)."""
-        if name in self.verified:
-            return
-        entry = self.files.get(name)
-        if entry is None:
-            raise CheckpointError(f"{self.path}: {name} is not listed in {MARKER}")
-        crc = _crc32(os.path.join(self.path, name))
-        if crc != entry["crc32"]:
-            raise CheckpointError(
-                f"{os.path.join(self.path, name)}: corrupt: CRC-32 {crc:#010x}, the marker "
-                f"recorded {entry['crc32']:#010x}; the file changed after the save"
-            )
-        self.verified.add(name)
-
-    def tensor_md(self, key: str) -> Optional[TensorStorageMetadata]:
-        md = self.metadata.state_dict_metadata.get(key)
-        return md if isinstance(md, TensorStorageMetadata) else None
-
-
-def _plain_name(name: Any) -> bool:
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-    )
-
-
-def _open(path: str) -> _Opened:
-    """Check ``path`` is a complete, intact annot checkpoint; read its metadata
-    (safely) and info. Raises :class:`CheckpointError` otherwise."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no checkpoint there (not a directory)")
-    marker = os.path.join(path, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointError(
-            f"{path}: incomplete checkpoint: no completion marker {MARKER} (the save did not "
-            "finish, or this is not an annot checkpoint); load an earlier checkpoint"
-        )
-    try:
-        with open(marker, encoding="utf-8") as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        ok = manifest.get("format") == FORMAT and isinstance(files, dict)
-        ok = ok and all(
-            _plain_name(n)
-            and isinstance(e, dict)
-            and isinstance(e.get("size"), int)
-            and isinstance(e.get("crc32"), int)
-            for n, e in files.items()
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{marker}: corrupt completion marker ({e})") from e
-    if not ok:
-        raise CheckpointError(f"{marker}: not an {FORMAT} completion marker")
-    for name, entry in files.items():
-        file = os.path.join(path, name)
-        size = os.path.getsize(file) if os.path.isfile(file) else None
-        if size is None:
-            raise CheckpointError(f"{file}: missing (listed in {MARKER})")
-        if size != entry["size"]:
-            raise CheckpointError(
-                f"{file}: truncated or altered: {size} bytes, the save wrote {entry['size']}"
-            )
-    for name in (METADATA, INFO):
-        if name not in files:
-            raise CheckpointError(f"{marker}: does not list {name}")
-    opened = _Opened(path, files, None, {})  # type: ignore[arg-type]
-    opened.verify(METADATA)
-    opened.verify(INFO)
-    opened.metadata = _read_metadata(os.path.join(path, METADATA))
-    _check_metadata(opened)
-    opened.info = _read_info(os.path.join(path, INFO))
-    return opened
-
-
-def _check_metadata(ck: _Opened) -> None:
-    md, where = ck.metadata, os.path.join(ck.path, METADATA)
-    entries = md.state_dict_metadata
-    if not isinstance(entries, dict) or not all(
-        isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
-        for k, v in entries.items()
-    ):
-        raise CheckpointError(f"{where}: malformed state_dict_metadata")
-    if not isinstance(md.storage_data, dict):
-        raise CheckpointError(f"{where}: malformed storage_data")
-    for index, info in md.storage_data.items():
-        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)):
-            raise CheckpointError(f"{where}: malformed storage_data entry {index!r}")
-        entry = ck.files.get(info.relative_path) if _plain_name(info.relative_path) else None
-        if entry is None:
-            raise CheckpointError(
-                f"{where}: {index.fqn} points at {info.relative_path!r}, which is not a file of "
-                "this checkpoint"
-            )
-        if not (isinstance(info.offset, int) and isinstance(info.length, int)) or not (
-            0 <= info.offset and 0 <= info.length and info.offset + info.length <= entry["size"]
-        ):
-            raise CheckpointError(
-                f"{where}: {index.fqn} lies outside {info.relative_path} ({entry['size']} bytes)"
-            )
-
-
-_INFO_KEYS = ("format", "step", "extra", "mesh", "order", "aliases", "optimizer")
-
-
-def _read_info(file: str) -> dict:
-    try:
-        info = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - weights_only refusals and corrupt zips alike
-        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from e
-    if not isinstance(info, dict) or info.get("format") != FORMAT or set(info) != set(_INFO_KEYS):
-        raise CheckpointError(f"{file}: not an {FORMAT} info file")
-    return info
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, given metadata already read safely (never
-    ``pickle.load``) and checking each data file's CRC-32 before reading it."""
-
-    def __init__(self, ck: _Opened):
-        super().__init__(ck.path)
-        self._ck = ck
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = copy.deepcopy(self._ck.metadata)
-        if md.storage_meta is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-    def read_data(self, plan, planner):
-        for name in sorted({self.storage_data[i.storage_index].relative_path for i in plan.items}):
-            self._ck.verify(name)
-        return super().read_data(plan, planner)
-
-
-# --------------------------------------------------------------------------- #
-# What this rank holds, by canonical (single-device) name.
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class _Target:
-    module: nn.Module
-    plan: Any  # annot.runtime.stages.PipelinePlan or None
-    tp: int
-    tp_rank: int
-    distributed: bool
-    rank: int
-    mesh: Optional[tuple[int, int, int]]
-
-    @staticmethod
-    def of(model: nn.Module) -> _Target:
-        from annot.parallel_model import ParallelModel
-
-        if isinstance(model, ParallelModel):
-            ctx = model.ctx
-            m = ctx.mesh
-            return _Target(
-                model.module, model.pipeline, m.tp, ctx.tp_rank, ctx.distributed,
-                ctx.rank, (m.dp, m.pp, m.tp),
-            )  # fmt: skip
-        if isinstance(model, nn.Module):
-            from annot.runtime.mesh import current
-
-            ctx = current()
-            on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            return _Target(
-                model, None, ctx.mesh.tp if ctx else 1, ctx.tp_rank if ctx else 0, on,
-                dist.get_rank() if on else 0, None,
-            )  # fmt: skip
-        raise CheckpointError(
-            f"expected the model (an annot.ParallelModel or an nn.Module), got {type(model).__name__}"
-        )
-
-    def stored(self, t: torch.Tensor, layout: Optional[Layout]) -> Any:
-        return t if layout is None else _Shard(t, layout, self.tp_rank)
-
-
-@dataclass
-class _View:
-    tensors: dict[str, torch.Tensor]  # canonical name -> this rank's tensor
-    layouts: dict[str, Layout]  # canonical name -> layout, for sharded ones
-    aliases: dict[str, str]  # other name -> canonical name
-    param_names: dict[int, str]  # id(parameter) -> canonical name
-
-
-def _view(target: _Target) -> _View:
-    from annot.runtime.state_dict import shard_layouts
-
-    by_id = shard_layouts(target.module)
-    tie = {n: t.names[0] for t in getattr(target.plan, "ties", ()) for n in t.names}
-    groups: dict[int, list[str]] = {}
-    local: dict[int, torch.Tensor] = {}
-    for key, t in target.module.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(key)
-        local[id(t)] = t
-    view = _View({}, {}, {}, {})
-    for tid, names in groups.items():
-        canon = next((tie[n] for n in names if n in tie), names[0])
-        t = local[tid]
-        if t.is_meta:
-            raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
-        view.tensors[canon] = t.detach()
-        layout = by_id.get(tid)
-        if layout is not None:
-            if layout[2] != target.tp:
-                raise CheckpointError(
-                    f"{canon} is sharded for tp={layout[2]} but the mesh has tp={target.tp}"
-                )
-            view.layouts[canon] = layout
-        for n in [*names, *(k for k, v in tie.items() if v == canon)]:
-            if n != canon:
-                view.aliases[n] = canon
-        if isinstance(t, nn.Parameter):
-            view.param_names[tid] = canon
-    return view
-
-
-def _full_shape(t: torch.Tensor, layout: Optional[Layout]) -> tuple[int, ...]:
-    shape = list(t.shape)
-    if layout is not None:
-        shape[layout[0]] *= layout[2]
-    return tuple(shape)
-
-
-def _param_name(view: _View, p: torch.Tensor, gi: int) -> str:
-    name = view.param_names.get(id(p))
-    if name is None:
-        raise CheckpointError(
-            f"optimizer param group {gi} holds a {tuple(p.shape)} parameter that is not in the "
-            "model; build the optimizer from model.parameters()"
-        )
-    return name
-
-
-# --------------------------------------------------------------------------- #
-# Collectives (skipped in a single process).
-# --------------------------------------------------------------------------- #
-
-
-def _all_gather(target: _Target, obj: Any) -> list[Any]:
-    if not target.distributed:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _exchange(target: _Target, err: Optional[BaseException], payload: Any, what: str) -> list:
-    """Every rank's ``payload``; raises on every rank if any rank failed (so
-    none is left waiting in a later collective)."""
-    got = _all_gather(target, (None if err is None else str(err), payload))
-    if err is not None:
-        raise err
-    for r, (e, _) in enumerate(got):
-        if e is not None:
-            raise CheckpointError(f"{what}: rank {r} failed: {e}")
-    return [p for _, p in got]
-
-
-def _from_rank0(target: _Target, fn: Callable[[], Any], what: str) -> Any:
-    """Run ``fn`` on rank 0; every rank gets its result or raises its error."""
-    result = err = None
-    if target.rank == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - the others must hear of any failure
-            err = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    if target.distributed:
-        box = [(result, err)]
-        dist.broadcast_object_list(box, src=0)
-        result, err = box[0]
-    if err is not None:
-        raise CheckpointError(f"{what}: {err}" if target.rank != 0 else err)
-    return result
-
-
-def _dcp_error(e: CheckpointException, what: str) -> CheckpointError:
-    parts = [f"rank {r}: {exc}" for r, (exc, _) in sorted(e.failures.items())]
-    return CheckpointError(f"{what}: " + "; ".join(parts))
 
 
 # --------------------------------------------------------------------------- #
@@ -548,9 +78,9 @@ def _dcp_error(e: CheckpointException, what: str) -> CheckpointError:
 # --------------------------------------------------------------------------- #
 
 
-def _collect(target: _Target, optimizer) -> tuple[dict[str, Any], dict]:
+def _collect(target: Target, optimizer) -> tuple[dict[str, Any], dict]:
     """This rank's DCP state dict and its part of the info file."""
-    view = _view(target)
+    view = view_of(target)
     state: dict[str, Any] = {
         f"model/{n}": target.stored(t, view.layouts.get(n)) for n, t in view.tensors.items()
     }
@@ -561,7 +91,7 @@ def _collect(target: _Target, optimizer) -> tuple[dict[str, Any], dict]:
     for gi, group in enumerate(optimizer.param_groups):
         names = []
         for p in group["params"]:
-            name = _param_name(view, p, gi)
+            name = param_name(view, p, gi)
             names.append(name)
             st = optimizer.state.get(p, {})
             keys[name] = list(st)
@@ -605,75 +135,6 @@ def _merge(parts: list[dict]) -> dict:
     return {"order": order, "aliases": aliases, "optimizer": optim}
 
 
-def _check_replaceable(path: str) -> None:
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path) or (
-        os.listdir(path) and not os.path.isfile(os.path.join(path, MARKER))
-    ):
-        raise CheckpointError(
-            f"{path}: exists and is not an annot checkpoint; refusing to replace it. Pick a new "
-            "path or remove it"
-        )
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _own_files(tmp: str, rank: int) -> dict[str, dict]:
-    """Size and CRC-32 of the data files this rank wrote (DCP names them ``__<rank>_*``)."""
-    prefix = f"__{rank}_"
-    return {
-        n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": _crc32(os.path.join(tmp, n))}
-        for n in sorted(os.listdir(tmp))
-        if n.startswith(prefix)
-    }
-
-
-def _seal(tmp: str, known: dict[str, dict], info: dict) -> None:
-    """Write the completion marker, last: every file's size and CRC-32."""
-    files = {}
-    for n in sorted(os.listdir(tmp)):
-        file = os.path.join(tmp, n)
-        if n == MARKER or not os.path.isfile(file):
-            continue
-        files[n] = known.get(n) or {"size": os.path.getsize(file), "crc32": _crc32(file)}
-    manifest = {"format": FORMAT, "step": info["step"], "mesh": info["mesh"], "files": files}
-    part = os.path.join(tmp, MARKER + ".part")
-    _write_file(part, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    os.rename(part, os.path.join(tmp, MARKER))
-    _fsync_dir(tmp)
-
-
-def _publish(tmp: str, path: str) -> None:
-    old = None
-    if os.path.lexists(path):
-        _check_replaceable(path)
-        old = f"{path}.old-{uuid.uuid4().hex[:12]}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def save(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer],
@@ -691,14 +152,14 @@ def save(
     replaced; ``path`` appears only once the save is complete. Returns the
     absolute path.
     """
-    target = _Target.of(model)
+    target = Target.of(model)
     final = os.path.abspath(os.fspath(path))
     err = state = part = None
     try:
         state, part = _collect(target, optimizer)
     except CheckpointError as e:
         err = e
-    parts = _exchange(target, err, part, f"save({final!r})")
+    parts = exchange(target, err, part, f"save({final!r})")
     info = {"format": FORMAT, "step": step, "extra": extra, "mesh": target.mesh}
     info.update(_merge(parts))
     buf = io.BytesIO()
@@ -713,30 +174,30 @@ def save(
         ) from e
 
     def start() -> str:
-        _check_replaceable(final)
+        check_replaceable(final)
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
         os.makedirs(tmp)
-        _write_file(os.path.join(tmp, INFO), buf.getvalue())
+        write_file(os.path.join(tmp, INFO), buf.getvalue())
         return tmp
 
-    tmp = _from_rank0(target, start, f"save({final!r})")
+    tmp = from_rank0(target, start, f"save({final!r})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns when run in a single process
             dcp.save(
                 state,
                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                planner=_SavePlanner(),
+                planner=SavePlanner(),
                 no_dist=not target.distributed,
             )
     except CheckpointException as e:
         if target.rank == 0:  # every rank is past DCP's last collective: nothing writes now
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _dcp_error(e, f"save({final!r}) failed; nothing was published there") from None
+        raise dcp_error(e, f"save({final!r}) failed; nothing was published there") from None
     known = {}
-    for own in _all_gather(target, _own_files(tmp, target.rank)):
+    for own in all_gather(target, own_files(tmp, target.rank)):
         known.update(own)
-    _from_rank0(target, lambda: (_seal(tmp, known, info), _publish(tmp, final)), f"save({final!r})")
+    from_rank0(target, lambda: (seal(tmp, known, info), publish(tmp, final)), f"save({final!r})")
     return final
 
 
@@ -745,11 +206,11 @@ def save(
 # --------------------------------------------------------------------------- #
 
 
-def _prepare(target: _Target, optimizer, ck: _Opened) -> tuple[dict, Callable[[], None], set]:
+def _prepare(target: Target, optimizer, ck: Opened) -> tuple[dict, Callable[[], None], set]:
     """Fresh buffers for everything this rank loads, checked against the
     checkpoint; the function that copies them into the model and optimizer
     (run only after every rank read everything); the names this rank holds."""
-    view = _view(target)
+    view = view_of(target)
     dest: dict[str, Any] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     problems: list[str] = []
@@ -758,10 +219,10 @@ def _prepare(target: _Target, optimizer, ck: _Opened) -> tuple[dict, Callable[[]
         md = ck.tensor_md(f"model/{name}")
         if md is None:
             problems.append(f"{name}: not in the checkpoint")
-        elif tuple(md.size) != _full_shape(t, layout):
+        elif tuple(md.size) != full_shape(t, layout):
             problems.append(
                 f"{name}: the checkpoint has shape {tuple(md.size)}, the model expects "
-                f"{_full_shape(t, layout)}"
+                f"{full_shape(t, layout)}"
             )
         else:
             fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -782,7 +243,7 @@ def _prepare(target: _Target, optimizer, ck: _Opened) -> tuple[dict, Callable[[]
             options.append(sg["options"])
             names = set(sg["names"])
             for p in group["params"]:
-                name = _param_name(view, p, gi)
+                name = param_name(view, p, gi)
                 if name not in names:
                     problems.append(
                         f"{name}: not in param group {gi} of the checkpoint's optimizer"
@@ -798,7 +259,7 @@ def _prepare(target: _Target, optimizer, ck: _Opened) -> tuple[dict, Callable[[]
                     if md is None:
                         problems.append(f"optimizer state {name}/{k}: not in the checkpoint")
                         continue
-                    if layout is not None and tuple(md.size) == _full_shape(p, layout):
+                    if layout is not None and tuple(md.size) == full_shape(p, layout):
                         fresh = torch.empty(p.shape, dtype=md.properties.dtype, device=p.device)
                         dest[f"optim/{name}/{k}"] = target.stored(fresh, layout)
                     else:  # replicated (a scalar step lives on the CPU, like torch's)
@@ -842,15 +303,15 @@ def load(
     unchanged. The optimizer must hold the model's parameters in the same
     param groups as the saved one (their order within a group may differ).
     """
-    target = _Target.of(model)
+    target = Target.of(model)
     final = os.path.abspath(os.fspath(path))
     err = ck = dest = commit = names = None
     try:
-        ck = _open(final)
+        ck = open_checkpoint(final)
         dest, commit, names = _prepare(target, optimizer, ck)
     except CheckpointError as e:
         err = e
-    held = set().union(*_exchange(target, err, names, f"load({final!r})"))
+    held = set().union(*exchange(target, err, names, f"load({final!r})"))
     unexpected = [n for n in ck.info["order"] if n not in held]
     if unexpected:
         raise CheckpointError(
@@ -862,12 +323,12 @@ def load(
             warnings.simplefilter("ignore")
             dcp.load(
                 dest,
-                storage_reader=_SafeReader(ck),
-                planner=_LoadPlanner(),
+                storage_reader=SafeReader(ck),
+                planner=LoadPlanner(),
                 no_dist=not target.distributed,
             )
     except CheckpointException as e:
-        raise _dcp_error(
+        raise dcp_error(
             e, f"load({final!r}) failed; the model and optimizer are unchanged"
         ) from None
     commit()
@@ -885,7 +346,7 @@ def load_full(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Optiona
     groups filtered out of ``model.named_parameters()`` in order).
     """
     final = os.path.abspath(os.fspath(path))
-    ck = _open(final)
+    ck = open_checkpoint(final)
     info = ck.info
     optim = info["optimizer"]
     wanted = [f"model/{n}" for n in info["order"]]
@@ -903,9 +364,9 @@ def load_full(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Optiona
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(dest, storage_reader=_SafeReader(ck), planner=_LoadPlanner(), no_dist=True)
+            dcp.load(dest, storage_reader=SafeReader(ck), planner=LoadPlanner(), no_dist=True)
     except CheckpointException as e:
-        raise _dcp_error(e, f"load_full({final!r}) failed") from None
+        raise dcp_error(e, f"load_full({final!r}) failed") from None
     model_state = {n: dest[f"model/{n}"] for n in info["order"]}
     for alias, canon in info["aliases"].items():
         model_state[alias] = model_state[canon]

@@ -21,6 +21,9 @@ import pytest
 import torch
 
 from annot import dcp as ck
+from annot.dcp_adapter import Shard
+from annot.dcp_publish import seal
+from annot.dcp_read import INFO, MARKER, METADATA
 from annot.errors import CheckpointError
 from annot.testing import RanksFailed, run_ranks
 
@@ -208,7 +211,7 @@ def test_shard_chunks_are_split_local():
     for dim, chunks, tp in [(1, 3, 2), (1, 1, 4), (0, 1, 2), (-1, 1, 3), (1, 2, 3)]:
         for rank in range(tp):
             local = split_local(full, dim, chunks, tp, rank).clone()
-            shard = ck._Shard(local, (dim, chunks, tp), rank)
+            shard = Shard(local, (dim, chunks, tp), rank)
             assert shard.size() == full.shape
             got = shard.__create_chunk_list__()
             assert len(got) == chunks
@@ -302,7 +305,7 @@ def test_crash_mid_save_publishes_nothing(saved, cache, tmp_path):
     assert len(partial) == 1
     partial = str(tmp_path / partial[0])
     assert any(n.startswith("__1_") for n in os.listdir(partial)), "rank 1 wrote its files"
-    assert ck.MARKER not in os.listdir(partial)
+    assert MARKER not in os.listdir(partial)
     with pytest.raises(CheckpointError, match="incomplete checkpoint: no completion marker"):
         ck.load_full(partial)
     model_sd, _ = ck.load_full(target)  # the old checkpoint is untouched
@@ -355,19 +358,19 @@ def test_damaged_checkpoint_is_refused_and_changes_nothing(saved, tmp_path, dama
     data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]
     file = os.path.join(path, data)
     if damage == "marker":
-        os.remove(os.path.join(path, ck.MARKER))
+        os.remove(os.path.join(path, MARKER))
     elif damage == "truncate":
         os.truncate(file, os.path.getsize(file) // 2)
     elif damage in ("flip", "metadata-unsealed"):  # same size, some bytes changed
-        file = os.path.join(path, ck.METADATA) if damage == "metadata-unsealed" else file
+        file = os.path.join(path, METADATA) if damage == "metadata-unsealed" else file
         with open(file, "r+b") as f:
             f.seek(os.path.getsize(file) // 2)
             f.write(b"\x7f" * 16)
     else:
-        name = ck.INFO if damage == "info" else ck.METADATA
+        name = INFO if damage == "info" else METADATA
         with open(os.path.join(path, name), "wb") as f:
             f.write(b"PK\x03\x04 this is not what was saved")
-        ck._seal(path, {}, {"step": 2, "mesh": None})  # a valid marker over the damage
+        seal(path, {}, {"step": 2, "mesh": None})  # a valid marker over the damage
     with pytest.raises(CheckpointError, match=message):
         ck.load_full(path)
     plain, opt = _plain_trained()
@@ -394,7 +397,7 @@ def test_crafted_metadata_pickle_is_refused_and_nothing_runs(saved, tmp_path):
 
     path = _copy(saved[0], tmp_path / "ck")
     marker = tmp_path / "pwned"
-    with open(os.path.join(path, ck.METADATA), "rb") as f:
+    with open(os.path.join(path, METADATA), "rb") as f:
         real = pickle.load(f)  # our own file, written by the save above
     payloads = {
         "top": _Evil(marker),  # the whole file is the payload
@@ -406,9 +409,9 @@ def test_crafted_metadata_pickle_is_refused_and_nothing_runs(saved, tmp_path):
     }
     plain, opt = _plain_trained()
     for what, payload in payloads.items():
-        with open(os.path.join(path, ck.METADATA), "wb") as f:
+        with open(os.path.join(path, METADATA), "wb") as f:
             pickle.dump(payload, f)
-        ck._seal(path, {}, {"step": 2, "mesh": None})  # an attacker writes a valid marker
+        seal(path, {}, {"step": 2, "mesh": None})  # an attacker writes a valid marker
         with pytest.raises(CheckpointError, match=r"refusing to unpickle posix\.system"):
             ck.load_full(path)
         _assert_unchanged_after(
