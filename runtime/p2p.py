@@ -14,7 +14,8 @@ values and their shapes may change on every call::
 Gradients go back the same way: the receiving stage sends
 ``[t.grad for t in tensors_requiring_grad(inputs)]`` and the sending stage
 calls ``torch.autograd.backward(tensors_requiring_grad(outputs), grads)``
-(skipping pairs whose gradient is None).
+(skipping pairs whose gradient is None). The pytree codec (:func:`flatten`,
+:func:`unflatten`, :func:`tensors_requiring_grad`) is :mod:`annot.runtime.p2p_codec`.
 
 Wire format: one message is one to three sends on the pair, in this order:
 
@@ -51,21 +52,18 @@ copied to it.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import struct
-import sys
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from annot.errors import PipelineError
 from annot.runtime import faults
+from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, unflatten
 
-__all__ = ["Handle", "flatten", "recv_pytree", "send_pytree", "tensors_requiring_grad", "unflatten"]
+__all__ = ["Handle", "recv_pytree", "send_pytree"]
 
 MAGIC = int.from_bytes(b"annotP2P", "big")
 VERSION = 2
@@ -97,270 +95,6 @@ ALIGN = 16
 MAX_HEADER_BYTES = 16 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
 
-_DTYPE_NAMES = (
-    "float64 float32 float16 bfloat16 complex128 complex64 complex32 bool"
-    " int8 int16 int32 int64 uint8 uint16 uint32 uint64"
-    " float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu"
-)
-# Byte-addressable dtypes only (no quantized, bit or sub-byte shells).
-_DTYPES = {n: getattr(torch, n) for n in _DTYPE_NAMES.split() if hasattr(torch, n)}
-_SUPPORTED = (
-    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, slices"
-    " of ints, Ellipsis, and tuples, lists, dicts (str or int keys), namedtuples and dataclasses of those"
-)
-
-
-# -- flatten / unflatten ----------------------------------------------------
-
-
-def _type_name(x: Any) -> str:
-    t = type(x)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-def _type_ref(cls: type) -> Optional[str]:
-    """``module:qualname`` if the class can be found again by that name."""
-    return (
-        f"{cls.__module__}:{cls.__qualname__}"
-        if _lookup(cls.__module__, cls.__qualname__) is cls
-        else None
-    )
-
-
-def _lookup(module: str, qualname: str) -> Any:
-    """Find an already imported class by name (never imports anything)."""
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        if obj is None or part.startswith("<"):
-            return None
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _hint(x: Any) -> str:
-    if isinstance(x, (set, frozenset)):
-        return " Sort it into a list or tuple."
-    if isinstance(x, np.ndarray) or type(x).__module__ == "numpy":
-        return " Convert it with torch.from_numpy(...) or .item()."
-    if isinstance(x, torch.Tensor):
-        return " Send a plain dense tensor (.to_dense(), .full_tensor(), .to_local())."
-    if callable(x):
-        return " Code never crosses a process boundary: compute it on the stage that uses it."
-    return " Convert it to those types before the boundary, or keep it on one stage."
-
-
-def _unsupported(x: Any, path: str, why: str = "") -> PipelineError:
-    why = why or f"a pipeline boundary carries only {_SUPPORTED}."
-    return PipelineError(f"cannot send {path} of type {_type_name(x)}: {why}{_hint(x)}")
-
-
-def flatten(obj: Any, *, root: str = "obj") -> tuple[Any, list[torch.Tensor]]:
-    """Split ``obj`` into a JSON-able structure and its tensors (depth first,
-    dicts in insertion order, dataclass fields in declaration order): the
-    inverse of :func:`unflatten`. Raises PipelineError naming the path of the
-    first value that cannot cross a pipeline boundary (e.g. ``obj['cache'][1]``)."""
-    tensors: list[torch.Tensor] = []
-    tree = _flatten(obj, root, tensors, set())
-    return tree, tensors
-
-
-def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
-    if isinstance(x, torch.Tensor):
-        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
-            raise _unsupported(x, path, "only plain dense (strided) tensors can be sent.")
-        if x.dtype not in _DTYPES.values():
-            raise _unsupported(x, path, f"dtype {x.dtype} cannot be sent (quantized or sub-byte).")
-        if x.is_meta:
-            raise _unsupported(x, path, "a meta tensor has no data to send.")
-        tensors.append(x)
-        return {"k": "T", "i": len(tensors) - 1}
-    if x is None or type(x) in (bool, int, str, float):
-        return x
-    if isinstance(x, torch.dtype):
-        return {"k": "dtype", "v": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.device):
-        return {"k": "device", "v": str(x)}
-    if type(x) is torch.Size:
-        return {"k": "size", "v": list(x)}
-    if type(x) is slice and all(v is None or type(v) is int for v in (x.start, x.stop, x.step)):
-        return {"k": "slice", "v": [x.start, x.stop, x.step]}
-    if x is Ellipsis:
-        return {"k": "ellipsis"}
-    if id(x) in active:
-        raise _unsupported(x, path, "it contains itself (a reference cycle).")
-    active.add(id(x))
-    try:
-        if isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            ref = _type_ref(type(x))
-            if ref is None:
-                raise _unsupported(
-                    x,
-                    path,
-                    "the receiver cannot find this namedtuple class by name; define it at module level.",
-                )
-            return {
-                "k": "nt",
-                "type": ref,
-                "v": [_flatten(v, f"{path}.{f}", tensors, active) for f, v in zip(x._fields, x)],
-            }
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            ref = _type_ref(type(x))
-            if ref is None:
-                raise _unsupported(
-                    x,
-                    path,
-                    "the receiver cannot find this dataclass by name; define it at module level.",
-                )
-            return {
-                "k": "dc",
-                "type": ref,
-                "v": [
-                    [f.name, _flatten(getattr(x, f.name), f"{path}.{f.name}", tensors, active)]
-                    for f in dataclasses.fields(x)
-                ],
-            }
-        if type(x) in (tuple, list):
-            kind = "tuple" if type(x) is tuple else "list"
-            return {
-                "k": kind,
-                "v": [_flatten(v, f"{path}[{i}]", tensors, active) for i, v in enumerate(x)],
-            }
-        if type(x) in (dict, collections.OrderedDict):
-            items = []
-            for key, v in x.items():
-                if type(key) not in (str, int):
-                    raise _unsupported(
-                        key, f"key {key!r} of {path}", "dict keys must be str or int."
-                    )
-                items.append([key, _flatten(v, f"{path}[{key!r}]", tensors, active)])
-            return {"k": "dict" if type(x) is dict else "odict", "v": items}
-    finally:
-        active.discard(id(x))
-    raise _unsupported(x, path)
-
-
-class _Bad(Exception):
-    """A received structure is malformed (turned into a PipelineError)."""
-
-
-def unflatten(tree: Any, tensors: list, *, device: Optional[torch.device] = None) -> Any:
-    """Rebuild the object from :func:`flatten`'s output. ``torch.device`` leaves
-    become ``device`` (default: torch's default device): a device never crosses
-    as-is. Validates the structure (it may come from the network)."""
-    device = torch.get_default_device() if device is None else torch.device(device)
-    used = [0] * len(tensors)
-    try:
-        obj = _unflatten(tree, tensors, device, used)
-    except RecursionError:
-        raise PipelineError("the structure is nested too deeply to rebuild") from None
-    except _Bad as bad:
-        raise PipelineError(f"malformed structure: {bad}") from None
-    if any(n != 1 for n in used):
-        raise PipelineError(f"malformed structure: tensor uses {used} (each must appear once)")
-    return obj
-
-
-def _items(node: dict) -> list:
-    v = node.get("v")
-    if not isinstance(v, list):
-        raise _Bad(f"{node.get('k')!r} node without a list of values")
-    return v
-
-
-def _resolve_type(node: dict, want: str) -> type:
-    ref = node.get("type")
-    if not isinstance(ref, str) or ref.count(":") != 1:
-        raise _Bad(f"bad type reference {ref!r}")
-    module, qualname = ref.split(":")
-    cls = _lookup(module, qualname)
-    ok = isinstance(cls, type) and (
-        (want == "nt" and issubclass(cls, tuple) and hasattr(cls, "_fields"))
-        or (want == "dc" and dataclasses.is_dataclass(cls))
-    )
-    if not ok:
-        raise _Bad(
-            f"class {ref} is not a loaded {'namedtuple' if want == 'nt' else 'dataclass'} on"
-            f" this rank; import {module} on every rank before the pipeline runs"
-        )
-    return cls
-
-
-def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> Any:
-    if node is None or type(node) in (bool, int, float, str):
-        return node
-    if type(node) is not dict:
-        raise _Bad(f"unexpected {type(node).__name__} node")
-    kind = node.get("k")
-
-    def rec(n: Any) -> Any:
-        return _unflatten(n, tensors, device, used)
-
-    if kind == "T":
-        i = node.get("i")
-        if type(i) is not int or not 0 <= i < len(tensors):
-            raise _Bad(f"tensor index {i!r} out of range (0..{len(tensors) - 1})")
-        used[i] += 1
-        return tensors[i]
-    if kind == "dtype":
-        dt = _DTYPES.get(node.get("v"))
-        if dt is None:
-            raise _Bad(f"unknown dtype {node.get('v')!r}")
-        return dt
-    if kind == "device":
-        return device
-    if kind == "size":
-        v = _items(node)
-        if not all(type(d) is int for d in v):
-            raise _Bad("torch.Size with non-int entries")
-        return torch.Size(v)
-    if kind == "slice":
-        v = _items(node)
-        if len(v) != 3 or not all(d is None or type(d) is int for d in v):
-            raise _Bad("slice with entries other than three ints or None")
-        return slice(*v)
-    if kind == "ellipsis":
-        return Ellipsis
-    if kind in ("tuple", "list"):
-        values = [rec(v) for v in _items(node)]
-        return tuple(values) if kind == "tuple" else values
-    if kind in ("dict", "odict"):
-        out = {} if kind == "dict" else collections.OrderedDict()
-        for pair in _items(node):
-            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int)):
-                raise _Bad("dict item is not a [str|int key, value] pair")
-            out[pair[0]] = rec(pair[1])
-        return out
-    if kind == "nt":
-        cls = _resolve_type(node, "nt")
-        values = [rec(v) for v in _items(node)]
-        if len(values) != len(cls._fields):
-            raise _Bad(f"{cls.__qualname__} has {len(cls._fields)} fields, received {len(values)}")
-        return cls._make(values)
-    if kind == "dc":
-        cls = _resolve_type(node, "dc")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = {}
-        for pair in _items(node):
-            if not (isinstance(pair, list) and len(pair) == 2 and pair[0] in fields):
-                raise _Bad(f"{cls.__qualname__} has no field {pair!r:.60}")
-            values[pair[0]] = rec(pair[1])
-        if set(values) != set(fields):
-            raise _Bad(f"{cls.__qualname__} fields {sorted(fields)} != received {sorted(values)}")
-        obj = cls(**{k: v for k, v in values.items() if fields[k].init})
-        for k, v in values.items():
-            if not fields[k].init:
-                object.__setattr__(obj, k, v)
-        return obj
-    raise _Bad(f"unknown node kind {kind!r}")
-
-
-def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
-    """The tensors of ``obj`` with ``requires_grad``, in :func:`flatten` order:
-    the same order on the sending and the receiving stage, so gradients sent
-    back as a list line up with the tensors that produced them."""
-    return [t for t in flatten(obj)[1] if t.requires_grad]
-
-
 # -- layout -----------------------------------------------------------------
 
 
@@ -370,7 +104,7 @@ def _layout(metas: list) -> tuple[list[Optional[int]], int]:
     offsets: list[Optional[int]] = []
     cursor = 0
     for dtype_name, shape, _ in metas:
-        nbytes = _DTYPES[dtype_name].itemsize * _numel(shape)
+        nbytes = DTYPES[dtype_name].itemsize * _numel(shape)
         if nbytes == 0:
             offsets.append(None)
             continue
@@ -584,7 +318,7 @@ def recv_pytree(
         raise reject(f"the {hlen}-byte header is not valid UTF-8 JSON ({err})") from None
     try:
         metas = _check_header(header)
-    except _Bad as bad:
+    except Malformed as bad:
         raise reject(f"malformed header: {bad}") from None
     offsets, total = _layout(metas)
     if total != plen:
@@ -600,7 +334,7 @@ def recv_pytree(
     _CHANNELS[key] = _next_first(hlen, plen)
     tensors = []
     for (dtype_name, shape, requires_grad), off in zip(metas, offsets):
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         if off is None:
             t = torch.empty(shape, dtype=dtype, device=target)
         else:
@@ -629,26 +363,28 @@ def _inline_payload_at(hlen: int, plen: int, size: int) -> Optional[int]:
 
 def _check_header(header: Any) -> list:
     if not isinstance(header, dict) or header.get("v") != VERSION or "tree" not in header:
-        raise _Bad(f"expected an object with v={VERSION} and a tree")
+        raise Malformed(f"expected an object with v={VERSION} and a tree")
     metas = header.get("tensors")
     if not isinstance(metas, list):
-        raise _Bad("no tensor list")
+        raise Malformed("no tensor list")
     for i, meta in enumerate(metas):
         if not (isinstance(meta, list) and len(meta) == 3):
-            raise _Bad(f"tensor {i}: expected [dtype, shape, requires_grad], received {meta!r:.80}")
+            raise Malformed(
+                f"tensor {i}: expected [dtype, shape, requires_grad], received {meta!r:.80}"
+            )
         dtype_name, shape, requires_grad = meta
-        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise _Bad(f"tensor {i}: unknown dtype {dtype_name!r:.40}")
+            raise Malformed(f"tensor {i}: unknown dtype {dtype_name!r:.40}")
         if not (
             isinstance(shape, list)
             and all(type(d) is int and 0 <= d <= MAX_PAYLOAD_BYTES for d in shape)
         ):
-            raise _Bad(f"tensor {i}: bad shape {shape!r:.80}")
+            raise Malformed(f"tensor {i}: bad shape {shape!r:.80}")
         if type(requires_grad) is not bool or (
             requires_grad and not (dtype.is_floating_point or dtype.is_complex)
         ):
-            raise _Bad(f"tensor {i}: requires_grad={requires_grad!r} for {dtype_name}")
+            raise Malformed(f"tensor {i}: requires_grad={requires_grad!r} for {dtype_name}")
         if _numel(shape) * dtype.itemsize > MAX_PAYLOAD_BYTES:
-            raise _Bad(f"tensor {i}: shape {shape} is larger than the payload limit")
+            raise Malformed(f"tensor {i}: shape {shape} is larger than the payload limit")
     return metas

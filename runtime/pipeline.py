@@ -25,7 +25,7 @@ locally, detached, so each stage's graph stays its own. Only tensors that
 require grad cross the backward: other values (ints, masks, targets) cross
 forward only, and a tensor that got no gradient is sent back as ``None``.
 
-Gradients cross as a list in :func:`annot.runtime.p2p.tensors_requiring_grad`
+Gradients cross as a list in :func:`annot.runtime.p2p_codec.tensors_requiring_grad`
 order, the same on both sides of a boundary.
 
 Sends are async and waited at the end of the step; every p2p wait runs under
@@ -52,7 +52,8 @@ import torch.nn as nn
 
 from annot.errors import PipelineError, RankFailure
 from annot.runtime.faults import report_failure
-from annot.runtime.p2p import flatten, recv_pytree, send_pytree, tensors_requiring_grad, unflatten
+from annot.runtime.p2p import recv_pytree, send_pytree
+from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedules import (
     RECV_B,

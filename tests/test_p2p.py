@@ -22,13 +22,11 @@ from annot.runtime.p2p import (
     FIRST_BYTES,
     MAGIC,
     VERSION,
-    flatten,
     recv_pytree,
     reset_channels,
     send_pytree,
-    tensors_requiring_grad,
-    unflatten,
 )
+from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0
