@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -108,6 +108,8 @@ def parallelize(
     sample: Any = None,
     precision: Optional[str] = None,
     verify: Optional[bool] = None,
+    sequence_parallel: Union[bool, str, list[str]] = False,
+    sequence_dim: int = 1,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -133,6 +135,11 @@ def parallelize(
     the same gradient on every tp rank, and raises :class:`VerifyError` naming
     the parameters that do not (their gradients are partial: hint them
     ``Replicate(sum_grad=True)``).
+    ``sequence_parallel=True`` runs the model's blocks on sequence shards
+    (Megatron-SP, :mod:`annot.runtime.sequence_parallel`): its block list (a
+    transformers model's pp plan, else its largest ``nn.ModuleList``), or the
+    container or block paths given, split along ``sequence_dim`` (1: batch
+    first).
     Returns a :class:`ParallelModel`.
     """
     from annot.compiler import compile_classes
@@ -157,6 +164,11 @@ def parallelize(
             f"parallelize: expected an nn.Module class (and its constructor arguments) or a "
             f"built nn.Module, got {type(model).__name__}; e.g. "
             "annot.parallelize(GPT, config, mesh=mesh)"
+        )
+    if sequence_parallel is not False and mesh.pp * chunks > 1:
+        raise HintError(
+            "parallelize: sequence_parallel= with pipeline stages is not supported yet; "
+            "use it at pp=1 (tp and dp), or build without it"
         )
     ctx = rmesh.init(mesh)
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
@@ -274,6 +286,12 @@ def parallelize(
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
     _mark_grad_sums(local, paths)
+    if sequence_parallel is not False and mesh.tp > 1:
+        from annot.runtime.sequence_parallel import apply_sequence_parallel
+
+        apply_sequence_parallel(
+            local, _sequence_blocks(local, sequence_parallel), sequence_dim, mesh.tp
+        )
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
 
@@ -298,6 +316,32 @@ def parallelize(
                 built.dropout = call_with(lambda *a, **k: check(local, a, k), probe)
         log.debug("annot: step 6: pre-flight %s", "deferred" if probe is None else "passed")
     return built
+
+
+def _sequence_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list[str]:
+    """The block paths ``sequence_parallel=`` names: ``True`` the model's block
+    list, a container's path its children, else the paths given."""
+    from annot.hf import nested_blocks
+
+    if option is True:
+        option = nested_blocks(model)
+        if option is None:
+            raise HintError(
+                f"parallelize: sequence_parallel=True, but {type(model).__name__} has no "
+                "nn.ModuleList of blocks; name them, e.g. sequence_parallel='blocks' or "
+                "sequence_parallel=['blocks.0', 'blocks.1']"
+            )
+    if isinstance(option, str):
+        container = dict(model.named_modules()).get(option)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            return [f"{option}.{name}" for name, _ in container.named_children()]
+        return [option]
+    if isinstance(option, (list, tuple)) and all(isinstance(p, str) for p in option):
+        return list(option)
+    raise HintError(
+        f"parallelize: sequence_parallel={option!r}; expected True, a container's path "
+        "('model.layers') or a list of block paths"
+    )
 
 
 def _mark_grad_sums(local: nn.Module, paths: dict) -> None:

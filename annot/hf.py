@@ -325,7 +325,7 @@ def _pp_plan_of(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def _nested_blocks(model: nn.Module) -> Optional[str]:
+def nested_blocks(model: nn.Module) -> Optional[str]:
     """The block list the pp plan names (``model.layers``), else the model's
     largest ``nn.ModuleList`` (``transformer.h`` for GPT-2)."""
     modules = dict(model.named_modules())
@@ -358,7 +358,7 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
         raise HintError(f"stages_from_hf_config: n_stages={n_stages!r}; expected an int >= 1")
     if n_stages == 1:
         return []
-    blocks = _nested_blocks(model)
+    blocks = nested_blocks(model)
     if blocks is not None:
         # balance the blocks, wherever they sit (annot.runtime.replay cuts nested forwards)
         n = len(model.get_submodule(blocks))

@@ -11,6 +11,18 @@ function               forward                     backward
 ``scatter_to_tp(x)``   keep this rank's slice      all-gather along ``dim``
 =====================  ==========================  ==========================
 
+and the two of Megatron's sequence parallelism (Korthikanti et al., 2022),
+which replace the all-reduces when the activations between the row- and the
+column-parallel layers are split along the sequence (a ring all-reduce *is* a
+reduce-scatter then an all-gather, so this costs no more communication):
+
+==========================  ===========================  ==========================
+function                    forward                      backward
+==========================  ===========================  ==========================
+``gather_sequence(x)``      all-gather along ``dim``     reduce-scatter along ``dim``
+``reduce_scatter_seq(x)``   reduce-scatter along ``dim`` all-gather along ``dim``
+==========================  ===========================  ==========================
+
 With no active context, or a tp degree of 1, each is the identity and does no
 communication. A column-parallel then row-parallel block therefore costs one
 all-reduce forward (``reduce_from_tp`` after the row layer) and one backward
@@ -21,7 +33,8 @@ in-place variants (``inplace=True``) on tensors they just produced, which saves
 one activation-sized copy per collective.
 
 Counting collectives: :class:`torch.distributed.tensor.debug.CommDebugMode`
-counts the c10d calls made here (``c10d.allreduce_``, ``c10d._allgather_base_``)
+counts the c10d calls made here (``c10d.allreduce_``, ``c10d._allgather_base_``,
+``c10d._reduce_scatter_base_``)
 in forward and backward, so tests use it directly::
 
     with CommDebugMode() as comm:
@@ -39,10 +52,19 @@ import torch.distributed as dist
 from annot.errors import HintError
 from annot.runtime.mesh import current
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "scatter_to_tp",
+    "gather_sequence",
+    "reduce_scatter_seq",
+]
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old
+# names warn); keep both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def tp_env() -> tuple[Optional[object], int, int]:
@@ -103,6 +125,22 @@ def gather_full(
     # (size, ..., chunks, local, ...) -> (..., chunks, size, local, ...) -> merge
     blocks = buf.view(size, *shape[:dim], chunks, local, *shape[dim + 1 :])
     return blocks.movedim(0, dim + 1).reshape(out_shape)
+
+
+def reduce_scatter_full(
+    x: torch.Tensor, dim: int, size: int, group: Optional[object]
+) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's contiguous ``1/size`` slice
+    along ``dim`` (rank order): the reduce-scatter that :func:`gather_full`
+    inverts. A meta tensor only shapes the result."""
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    rows = x.movedim(dim, 0).contiguous()  # the collective splits the flat dim-0 form
+    out = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
+    if not x.is_meta:
+        _reduce_scatter_single(out, rows, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -175,6 +213,35 @@ class ScatterToTP(torch.autograd.Function):
         return gather_full(grad, *ctx.args), None, None, None, None, None
 
 
+class GatherSequence(torch.autograd.Function):
+    """Forward all-gather along ``dim``, backward reduce-scatter: enter a
+    column-parallel layer from sequence shards (each rank's gradient for the
+    whole sequence is partial over the ranks' columns)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, dim):
+        ctx.args = (dim, size, group)
+        return gather_full(x, dim, 1, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_full(grad, *ctx.args), None, None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Forward reduce-scatter along ``dim``, backward all-gather: leave a
+    row-parallel layer with this rank's sequence shard of the summed output."""
+
+    @staticmethod
+    def forward(ctx, x, group, size, dim):
+        ctx.args = (dim, 1, size, group)
+        return reduce_scatter_full(x, dim, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_full(grad, *ctx.args), None, None, None
+
+
 # --------------------------------------------------------------------------- #
 # Public API
 # --------------------------------------------------------------------------- #
@@ -220,3 +287,31 @@ def scatter_to_tp(x: torch.Tensor, dim: int = -1, chunks: int = 1) -> torch.Tens
             f"tp({size}) * chunks({chunks})"
         )
     return ScatterToTP.apply(x, group, size, rank, dim, chunks)
+
+
+def check_sequence_split(x: torch.Tensor, dim: int, size: int, what: str) -> None:
+    if x.shape[dim] % size:
+        raise HintError(
+            f"{what}: sequence parallelism splits dim {dim} of a {list(x.shape)} tensor "
+            f"over tp={size} ranks, but {x.shape[dim]} does not divide by {size}; pad the "
+            "sequence to a multiple of tp, or build with sequence_parallel=False"
+        )
+
+
+def gather_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from the ranks' shards along ``dim``: all-gather
+    forward, reduce-scatter of the gradient backward."""
+    group, size, _ = tp_env()
+    if size == 1:
+        return x
+    return GatherSequence.apply(x, group, size, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """This rank's shard along ``dim`` of the ranks' summed partial results:
+    reduce-scatter forward, all-gather of the gradient backward."""
+    group, size, _ = tp_env()
+    if size == 1:
+        return x
+    check_sequence_split(x, dim, size, "reduce_scatter_seq")
+    return ReduceScatterSequence.apply(x, group, size, dim)

@@ -31,12 +31,19 @@ how its parameters map to the full tensors with ``annot_shard_layout()``:
 
 With ``tp=1`` every layer is its torch counterpart plus one attribute check:
 no autograd function, no context lookup.
+
+Sequence parallelism (:mod:`annot.runtime.sequence_parallel`) sets a row
+layer's ``sequence_dim``: it reduce-scatters its output to sequence shards in
+place of the all-reduce. A column layer reads its input whole, gathered by
+the module around it (``sequence_gathered``), or gathers it itself from the
+shards (``sequence_dim``; sibling layers reading one shard share one gather).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -48,9 +55,12 @@ from annot.runtime.mesh import ParallelContext, current
 from annot.runtime.tp_comm import (
     CopyToTP,
     GatherFromTP,
+    GatherSequence,
     ReduceFromTP,
+    ReduceScatterSequence,
     ScatterToTP,
     all_reduce_,
+    check_sequence_split,
     split_local,
 )
 
@@ -145,6 +155,22 @@ def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
     _mesh_for(name, tp)
 
 
+# The last sequence all-gather: (input ref, its version, grad mode, dim, output).
+# Sibling column layers reading one shard (q, k, v) reuse it while the input
+# is alive and unchanged, so a block costs one gather per shard it reads.
+_last_gather: list = [None]
+
+
+def _gathered(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
+    key = (x._version, torch.is_grad_enabled(), dim)
+    last = _last_gather[0]
+    if last is not None and last[0]() is x and last[1] == key:
+        return last[2]
+    out = GatherSequence.apply(x, group, size, dim)
+    _last_gather[0] = (weakref.ref(x), key, out)
+    return out
+
+
 def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     """Megatron's column block: replicated input (gradient all-reduced in
     backward), this rank's slice of the output, gathered when asked."""
@@ -152,7 +178,11 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
         return matmul(x, layer.weight, layer.bias)
     ctx = _mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
-    if x.requires_grad:
+    if layer.sequence_gathered:
+        pass  # whole already: the region's gather reduce-scatters the partial gradient
+    elif layer.sequence_dim is not None:
+        x = _gathered(x, group, layer.tp, layer.sequence_dim)
+    elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmul's backward.
         x = CopyToTP.apply(x, group, True)
     y = matmul(x, layer.weight, layer.bias)
@@ -172,6 +202,10 @@ def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     if layer.split_input:
         x = ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
     y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
+    if layer.sequence_dim is not None:
+        check_sequence_split(y, layer.sequence_dim, layer.tp, type(layer).__name__)
+        y = ReduceScatterSequence.apply(y, group, layer.tp, layer.sequence_dim)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
     if y.requires_grad:
         y = ReduceFromTP.apply(y, group, True)
         # In y's dtype, as nn.Linear under autocast adds its bias (bf16 out).
@@ -193,6 +227,9 @@ class ColumnParallelLinear(nn.Module):
     ``in_features`` / ``out_features`` are the full sizes, as on ``nn.Linear``;
     ``out_features_local`` is this rank's.
     """
+
+    sequence_dim: Optional[int] = None  # set by sequence parallelism
+    sequence_gathered = False  # input gathered by the enclosing region
 
     def __init__(
         self,
@@ -257,6 +294,8 @@ class RowParallelLinear(nn.Module):
     ``ColumnParallelLinear``); each rank's partial product is all-reduced and
     the bias is added once, after the reduction.
     """
+
+    sequence_dim: Optional[int] = None  # set by sequence parallelism
 
     def __init__(
         self,
@@ -331,6 +370,9 @@ class ColumnParallelConv1D(nn.Module):
     on ``Conv1D``; ``nf_local`` is this rank's.
     """
 
+    sequence_dim: Optional[int] = None  # set by sequence parallelism
+    sequence_gathered = False  # input gathered by the enclosing region
+
     def __init__(
         self, nf: int, nx: int, *, chunks: int = 1, gather: bool = False, tp: int = 1
     ) -> None:
@@ -371,6 +413,8 @@ class RowParallelConv1D(nn.Module):
     last dim (a column-parallel output), the partial products are all-reduced
     and the bias is added once, after the reduction.
     """
+
+    sequence_dim: Optional[int] = None  # set by sequence parallelism
 
     def __init__(self, nf: int, nx: int, *, split_input: bool = False, tp: int = 1) -> None:
         super().__init__()
