@@ -99,6 +99,7 @@ def _llama_parity_and_counts(cache: str):
     return counts
 
 
+@pytest.mark.slow
 def test_hf_llama_parity_and_two_gathers_two_scatters_per_block(tmp_path):
     for counts in run_ranks(_llama_parity_and_counts, 2, str(tmp_path), timeout=300):
         for one, two in zip(counts[1], counts[2]):  # forward, then backward
@@ -107,6 +108,50 @@ def test_hf_llama_parity_and_two_gathers_two_scatters_per_block(tmp_path):
                 "_allgather_base_": 2,
                 "_reduce_scatter_base_": 2,
             }, counts
+
+
+class GatedMLP(torch.nn.Module):
+    """A tp region whose replicated gate reads the region's input itself."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(dim, 4 * dim)
+        self.fc2 = torch.nn.Linear(4 * dim, dim)
+        self.gate = torch.nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * torch.sigmoid(self.gate(x))
+
+
+class Gated(torch.nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(dim), GatedMLP(dim)) for _ in range(2)
+        )
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _gated(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    hints = {"blocks.*.1.fc1": annot.Col(), "blocks.*.1.fc2": annot.Row()}
+    x = torch.zeros(2, 4, 16)
+    annot.parallelize(
+        Gated(), mesh=annot.Mesh(tp=2), hints=hints, sample=(x,), sequence_parallel=True
+    )
+
+
+def test_a_replicated_module_reading_the_gathered_sequence_is_refused(tmp_path):
+    """Its gradient is whole on every rank: the region's reduce-scatter would
+    add it twice. Refused at build, by the pre-flight, naming it."""
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_gated, 2, str(tmp_path), timeout=240)
+    for text in err.value.failures.values():
+        assert "HintError: sequence_parallel: blocks.0.1.gate (Linear) reads the whole" in text
 
 
 def _odd_length(cache: str):
