@@ -9,6 +9,10 @@
 (d) JIT: parallelize() with a warm rewrite cache vs the first compile
 (e) HF GPT-2 with dropout 0.1 at tp=2: each rank's slice of the single-device masks
     (annot's default, exact) vs per-rank masks of the local shape (the cost of exactness)
+(f) HF Llama at tp=2, zero hints (its tp plan) vs DTensor parallelize_module with the
+    same plan: step time
+(g) the same with sequence parallelism: annot's sequence_parallel=True vs DTensor's
+    SequenceParallel / PrepareModuleInput plan (torchtitan's), step time
 
 Each timing is the median of interleaved repeats (annot, peer, annot, peer, ...).
 """
@@ -181,6 +185,104 @@ def bench_dropout() -> tuple[float, float]:
     return max(r[0] for r in res), max(r[1] for r in res)
 
 
+def _llama_config():
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=SEQ,
+    )  # fmt: skip
+
+
+def _dtensor_llama_plan(n_layers: int, sp: bool) -> dict:
+    """HF Llama's tp plan for parallelize_module; with ``sp`` torchtitan's
+    sequence-parallel form of it (norms on sequence shards, the attention and
+    MLP inputs gathered on entry, the row layers' outputs reduce-scattered)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    shard = {"output_layouts": Shard(1), "use_local_output": False} if sp else {}
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **shard),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()
+        ),
+    }
+    if sp:
+        plan["model.norm"] = SequenceParallel()
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
+        for name in ("mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(**shard)
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(**shard)
+        if sp:
+            plan[f"{p}.input_layernorm"] = SequenceParallel()
+            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{p}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            )
+            plan[f"{p}.mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    return plan
+
+
+def _llama_rank(cache: str, sp: bool) -> tuple[float, float]:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import LlamaForCausalLM
+
+    import annot
+
+    tp = dist.get_world_size()
+    cfg = _llama_config()
+    model = annot.parallelize(
+        LlamaForCausalLM, cfg, mesh=annot.Mesh(tp=tp), seed=0, sequence_parallel=sp
+    )
+    torch.manual_seed(0)
+    peer = LlamaForCausalLM(cfg)
+    parallelize_module(peer, init_device_mesh("cpu", (tp,)), _dtensor_llama_plan(4, sp))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+
+    def step_of(m, opt, backward):
+        def step():
+            backward(m(x, labels=x, use_cache=False).loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    a = step_of(model, torch.optim.AdamW(model.parameters()), model.backward)
+    b = step_of(peer, torch.optim.AdamW(peer.parameters(), foreach=False), lambda t: t.backward())
+    ta, tb = _time_pair(a, b)
+    with torch.no_grad():  # same math: the two losses agree
+        la = model(x, labels=x, use_cache=False).loss.item()
+        lb = peer(x, labels=x, use_cache=False).loss.item()
+    assert abs(la - lb) < 1e-4 * max(1.0, abs(lb)), (la, lb)
+    return ta, tb
+
+
+def bench_llama(sp: bool) -> tuple[float, float]:
+    from annot.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as cache:
+        res = run_ranks(_llama_rank, 2, cache, sp, timeout=600)
+    return max(r[0] for r in res), max(r[1] for r in res)
+
+
 def _large_source(copies: int = 60) -> str:
     base = (ROOT / "examples" / "gpt" / "model.py").read_text()
     head, _, body = base.partition("from annot import Col, Row, Vocab, shard, stage\n")
@@ -240,6 +342,10 @@ def main() -> None:
     rows.append(("(d) JIT cache hit / first compile", b, a, b / a, "(lower is better)"))
     a, b = bench_dropout()
     rows.append(("(e) GPT-2 dropout tp=2: exact / per-rank masks", a, b, a / b, "(cost of exact)"))
+    a, b = bench_llama(sp=False)
+    rows.append(("(f) HF Llama tp=2: annot / DTensor, step", a, b, a / b, "<= 0.60 (issue 10)"))
+    a, b = bench_llama(sp=True)
+    rows.append(("(g) HF Llama tp=2 + SP: annot / DTensor, step", a, b, a / b, "(lower is better)"))
     print(f"{'measurement':52} {'annot':>10} {'peer':>10} {'ratio':>7}  goal")
     for name, x, y, r, goal in rows:
         print(f"{name:52} {x * 1000:9.2f}ms {y * 1000:9.2f}ms {r:7.3f}  {goal}")
