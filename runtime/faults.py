@@ -21,35 +21,12 @@ how long a rank whose wait failed looks in the store for a better culprit than
 its own peer before it blames the peer (half of it when the peer's connection
 closed rather than timed out).
 
-The store (keys under ``annot/``):
+The records of who failed, in torch.distributed's key-value store, are
+:mod:`annot.runtime.fault_store`; waiting on one Work with a timeout and telling
+a communication failure from any other error, :mod:`annot.runtime.comm_wait`.
 
-- ``annot/failure/self``: the first rank that reported its own failure (an
-  exception in its compute, a bad message it received). First writer wins.
-- ``annot/failure/blame``: the first rank that another rank blamed (it did not
-  respond in time, or its connection closed without a report). First writer
-  wins, except that a rank still alive replaces a blame that names itself.
-- ``annot/waiting/<rank>``: written by a rank whose wait on ``peer`` failed.
-  Following these from one's own peer (0 waited on 1, 1 waited on 2) reaches
-  the rank that is not itself waiting on anyone: the one that hung or died.
+What gloo does on teardown (torch 2.13, measured):
 
-The store is a ``torch.distributed.TCPStore`` client connected to the store of
-the default group (``MASTER_ADDR:MASTER_PORT``, which torchrun and the env://
-init both serve), made when the first guard is entered, while every rank is
-still alive. Without it (no environment, store host gone) each rank only
-reports what it saw itself.
-
-What gloo does (torch 2.13, measured):
-
-- ``Work.wait(timeout=timedelta(...))`` raises ``RuntimeError: ... Timed out
-  waiting 1000ms for recv operation to complete`` and closes *every* connection
-  of that process group (later calls: "Application timeout caused pair
-  closure"), so the group is unusable after a timeout and the peers of the
-  timed-out rank see "Connection closed by peer" at once.
-- A peer that exits (even ``os._exit``) shows at once as ``RuntimeError: ...
-  Connection closed by peer``.
-- ``Work.is_completed()`` of a gloo recv stays False until ``wait()`` is called,
-  so a gloo wait cannot be sliced into short polls: it is one ``wait(timeout)``.
-  (NCCL is the other way round: :func:`wait_work` polls ``is_completed()``.)
 - ``destroy_process_group()`` returns at once after a timeout, with only
   point-to-point work pending, or with a collective pending on a subgroup; it
   blocks while a collective of the default group is in flight for a peer that
@@ -70,42 +47,30 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from annot.errors import AnnotError, RankFailure
+from annot.runtime.comm_wait import classify
+from annot.runtime.fault_store import (
+    BLAME_KEY,
+    MAX_ERROR_CHARS,
+    PREFIX,
+    connect_store,
+    first_failure,
+    follow_waiting,
+    my_rank,
+    put_first,
+    report_failure,
+)
 
-__all__ = [
-    "CommTimeout",
-    "abort_process_group",
-    "classify",
-    "connect_store",
-    "describe",
-    "default_grace",
-    "default_timeout",
-    "first_failure",
-    "guard",
-    "report_failure",
-    "set_store",
-    "wait_work",
-]
+__all__ = ["abort_process_group", "default_grace", "default_timeout", "describe", "guard"]
 
 TIMEOUT_ENV = "ANNOT_TIMEOUT_S"
 GRACE_ENV = "ANNOT_FAULT_GRACE_S"
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 2.0
-PREFIX = "annot/"
-_SELF_KEY = PREFIX + "failure/self"
-_BLAME_KEY = PREFIX + "failure/blame"
-_STORE_TIMEOUT_S = 5.0
-_MAX_ERROR_CHARS = 2000
-
-
-class CommTimeout(TimeoutError):
-    """A communication did not complete within its timeout (raised by
-    :func:`wait_work` on backends whose ``Work`` is polled)."""
 
 
 # -- settings ---------------------------------------------------------------
@@ -138,181 +103,6 @@ def default_grace(grace_s: Optional[float] = None) -> float:
     if grace_s is not None:
         return max(0.0, float(grace_s))
     return _env_seconds(GRACE_ENV, DEFAULT_GRACE_S)
-
-
-def _my_rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-# -- the store --------------------------------------------------------------
-
-_store_state: dict[str, Any] = {"pid": None, "store": None}
-
-
-def set_store(store: Any) -> None:
-    """Use ``store`` (any ``torch.distributed.Store``, e.g. a ``HashStore`` in a
-    test) for failure records; ``None`` disables the side channel."""
-    _store_state.update(pid=os.getpid(), store=store)
-
-
-def connect_store() -> Any:
-    """The store for failure records, connected on first use; None when there is
-    none (no process group, no ``MASTER_ADDR``/``MASTER_PORT``, or unreachable)."""
-    if _store_state["pid"] == os.getpid():
-        return _store_state["store"]
-    if not (dist.is_available() and dist.is_initialized()):
-        return None  # not yet: try again once the process group exists
-    store = None
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if addr and port:
-        try:
-            store = dist.TCPStore(
-                addr,
-                int(port),
-                is_master=False,
-                timeout=timedelta(seconds=_STORE_TIMEOUT_S),
-            )
-        except Exception:  # noqa: BLE001 - degrade to local messages
-            store = None
-    set_store(store)
-    return store
-
-
-def _get(store: Any, key: str) -> Optional[dict]:
-    """The JSON record under ``key``, or None, without blocking on a missing key."""
-    try:
-        if not store.check([key]):
-            return None
-        return json.loads(store.get(key))
-    except Exception:  # noqa: BLE001 - a dead store reads as empty
-        return None
-
-
-def _put_first(store: Any, key: str, record: dict, me: Optional[int] = None) -> dict:
-    """Write ``record`` unless ``key`` holds one already; return whichever holds.
-    A record that names ``me`` (a live rank blamed by mistake) is replaced."""
-    text = json.dumps(record)
-    try:
-        held = store.compare_set(key, "", text)
-        first = json.loads(held)
-        if me is not None and first.get("rank") == me and first != record:
-            first = json.loads(store.compare_set(key, held.decode(), text))
-        return first
-    except Exception:  # noqa: BLE001 - a dead store: keep our own view
-        return record
-
-
-def report_failure(
-    rank: int,
-    stage: Optional[int],
-    op: str,
-    microbatch: Optional[int],
-    error: str,
-    *,
-    kind: Optional[str] = None,
-    reporter: Optional[int] = None,
-    timeout_s: Optional[float] = None,
-) -> dict:
-    """Record that ``rank`` failed (first writer wins); return the record that
-    now stands: ours, or the one written before it.
-
-    ``kind``: ``"error"`` (the rank reports its own exception; the default when
-    ``rank`` is the reporter), ``"timeout"`` (did not respond within
-    ``timeout_s``) or ``"lost"`` (its connection closed; the default otherwise).
-    ``reporter`` (default: this rank) is the rank that saw it.
-    """
-    reporter = _my_rank() if reporter is None else reporter
-    kind = kind or ("error" if rank == reporter else "lost")
-    record = {
-        "rank": rank,
-        "stage": stage,
-        "op": op,
-        "microbatch": microbatch,
-        "error": error[:_MAX_ERROR_CHARS],
-        "kind": kind,
-        "reporter": reporter,
-        "timeout_s": timeout_s,
-        "time": time.time(),
-    }
-    store = connect_store()
-    if store is None:
-        return record
-    key = _SELF_KEY if kind == "error" else _BLAME_KEY
-    return _put_first(store, key, record, me=None if kind == "error" else _my_rank())
-
-
-def first_failure() -> Optional[dict]:
-    """The first failure recorded by any rank, without blocking: a rank's own
-    report wins over another rank's blame. None if nothing is recorded (or there
-    is no store). Keys: rank, stage, op, microbatch, error, kind, reporter,
-    timeout_s, time."""
-    store = connect_store()
-    if store is None:
-        return None
-    return _get(store, _SELF_KEY) or _get(store, _BLAME_KEY)
-
-
-# -- waiting with a timeout -------------------------------------------------
-
-
-def wait_work(work: Any, timeout_s: float, *, backend: Optional[str] = None) -> None:
-    """Wait for one ``torch.distributed`` Work, at most ``timeout_s`` seconds.
-
-    gloo: ``work.wait(timeout=...)`` (a timeout raises RuntimeError and, in
-    gloo, breaks the whole group). Other backends (NCCL): poll
-    ``work.is_completed()`` from the host, then ``work.wait()`` to order the
-    current stream after it; :class:`CommTimeout` past the deadline.
-    """
-    if backend is None:
-        backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    if "gloo" in str(backend).lower():
-        if work.wait(timeout=timedelta(seconds=timeout_s)) is False:
-            raise RuntimeError("connection closed: the operation was aborted")
-        return
-    deadline = time.monotonic() + timeout_s
-    pause = 5e-5
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise CommTimeout(f"timed out after {timeout_s:g} s waiting for the operation")
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-    work.wait()
-
-
-_LOST_MARKS = (
-    "pair closure",
-    "connection closed",
-    "connection reset",
-    "connection refused",
-    "broken pipe",
-    "remote worker",
-    "socket closed",
-    "end of file",
-    "communicator was aborted",
-    "remote process exited",
-    "network error",
-    "ncclremoteerror",
-)
-_TIMEOUT_MARKS = ("timed out", "timeout", "deadline exceeded")
-
-
-def classify(exc: BaseException) -> Optional[str]:
-    """``"timeout"``, ``"lost"`` (a peer's connection went away), or None when
-    ``exc`` is not a communication failure."""
-    if isinstance(exc, CommTimeout):
-        return "timeout"
-    if not isinstance(exc, (RuntimeError, OSError)):
-        return None
-    text = str(exc).lower()
-    if any(mark in text for mark in _LOST_MARKS):
-        return "lost"
-    if any(mark in text for mark in _TIMEOUT_MARKS):
-        return "timeout"
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return "timeout" if isinstance(exc, TimeoutError) else "lost"
-    return None
 
 
 # -- the guard --------------------------------------------------------------
@@ -369,22 +159,6 @@ def describe(record: dict, me: int, mine: str) -> str:
     return text
 
 
-def _follow(store: Any, me: int, peer: int) -> tuple[Optional[dict], list]:
-    """Follow ``annot/waiting/<rank>`` records from ``peer``; return the waiting
-    record of the last rank in the chain (``peer`` is its culprit) and the chain."""
-    chain = [me, peer]
-    last = None
-    while store is not None:
-        rec = _get(store, f"{PREFIX}waiting/{chain[-1]}")
-        if rec is None or not isinstance(rec.get("peer"), int):
-            break
-        last = rec
-        chain.append(rec["peer"])
-        if rec["peer"] in chain[:-1]:
-            break
-    return last, chain
-
-
 def _resolve(
     exc: BaseException,
     kind: str,
@@ -406,7 +180,7 @@ def _resolve(
         "stage": peer_stage,
         "op": op,
         "microbatch": microbatch,
-        "error": _short(exc)[:_MAX_ERROR_CHARS],
+        "error": _short(exc)[:MAX_ERROR_CHARS],
         "kind": kind,
         "reporter": me,
         "timeout_s": timeout_s,
@@ -429,7 +203,7 @@ def _resolve(
             break
         time.sleep(0.05)
     if found is None and peer is not None:
-        last, chain = _follow(store, me, peer)
+        last, chain = follow_waiting(store, me, peer)
         if chain[-1] in chain[:-1]:
             cycle = chain[chain.index(chain[-1]) :]
             found = dict(mine_rec, kind="deadlock", rank=None, error=" -> ".join(map(str, cycle)))
@@ -449,7 +223,7 @@ def _resolve(
                     "time": time.time(),
                 }
             if store is not None:
-                stood = _put_first(store, _BLAME_KEY, found, me=me)
+                stood = put_first(store, BLAME_KEY, found, me=me)
                 if stood.get("rank") != me:
                     found = stood
     if found is None:
@@ -502,7 +276,7 @@ def guard(
     A RankFailure raised inside passes through unchanged. After a RankFailure
     the process group is unusable: stop, and see :func:`abort_process_group`.
     """
-    me = _my_rank() if rank is None else rank
+    me = my_rank() if rank is None else rank
     timeout = default_timeout(timeout_s)
     is_comm = (peer is not None) if comm is None else comm
     connect_store()  # now, while every rank (and the store's host) is alive

@@ -61,6 +61,8 @@ import torch.distributed as dist
 
 from annot.errors import PipelineError
 from annot.runtime import faults
+from annot.runtime.comm_wait import wait_work
+from annot.runtime.fault_store import report_failure
 from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, unflatten
 
 __all__ = ["Handle", "recv_pytree", "send_pytree"]
@@ -176,7 +178,7 @@ class Handle:
             kwargs["timeout_s"] = timeout_s
         with faults.guard(**kwargs) as timeout:
             while self._works:
-                faults.wait_work(self._works[0], timeout, backend=self._backend)
+                wait_work(self._works[0], timeout, backend=self._backend)
                 self._works.pop(0)
         self._keep = ()
 
@@ -279,14 +281,14 @@ def recv_pytree(
     def receive(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=dtype, device=comm)
         with faults.guard(timeout_s=timeout_s, **guard_kwargs) as timeout:
-            faults.wait_work(dist.irecv(buf, src=src, group=group), timeout, backend=backend)
+            wait_work(dist.irecv(buf, src=src, group=group), timeout, backend=backend)
         return buf
 
     def reject(reason: str) -> PipelineError:
         label = f" ({what})" if what else ""
         message = f"recv_pytree from rank {src}{label}: {reason}"
         me = dist.get_rank()
-        faults.report_failure(me, stage, op, microbatch, f"PipelineError: {message}", reporter=me)
+        report_failure(me, stage, op, microbatch, f"PipelineError: {message}", reporter=me)
         return PipelineError(
             message + "\n  Both ranks must run the same annot version and post their sends and"
             " receives between them in the same order (from one thread)."

@@ -32,7 +32,7 @@ Sends are async and waited at the end of the step; every p2p wait runs under
 :func:`annot.runtime.faults.guard` with the timeout, so a dead or hung peer becomes
 :class:`~annot.errors.RankFailure` instead of a hang. An exception on this
 rank (a stage, the body, a bad value) is recorded with
-:func:`annot.runtime.faults.report_failure` before it propagates, so the ranks
+:func:`annot.runtime.fault_store.report_failure` before it propagates, so the ranks
 waiting on this one name it, its stage and the microbatch. Every message
 carries its key ``(direction, stage, microbatch)``; one that arrives before
 it is needed is kept until its RECV, so no schedule depends on two ranks
@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PipelineError, RankFailure
-from annot.runtime.faults import report_failure
+from annot.runtime.fault_store import report_failure
 from annot.runtime.p2p import recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 from annot.runtime.replay import ReplayStage, StageDone

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from annot.errors import AnnotError, RankFailure
-from annot.runtime import faults
+from annot.runtime import comm_wait, fault_store, faults
 from annot.runtime.faults import abort_process_group, guard
 from annot.testing import RanksFailed, run_ranks
 
@@ -25,14 +25,14 @@ FAULT_ENV = {"ANNOT_FAULT_GRACE_S": "1"}
 @pytest.fixture
 def store():
     s = dist.HashStore()
-    faults.set_store(s)
+    fault_store.set_store(s)
     yield s
-    faults.set_store(None)
+    fault_store.set_store(None)
 
 
 @pytest.fixture
 def no_store():
-    faults.set_store(None)
+    fault_store.set_store(None)
     yield
 
 
@@ -59,13 +59,13 @@ def test_classify_gloo_messages():
         "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting"
         " 1000ms for recv operation to complete"
     )
-    assert faults.classify(closed) == "lost"
-    assert faults.classify(RuntimeError("Connection reset by peer")) == "lost"
-    assert faults.classify(RuntimeError("Application timeout caused pair closure")) == "lost"
-    assert faults.classify(timed) == "timeout"
-    assert faults.classify(faults.CommTimeout("x")) == "timeout"
-    assert faults.classify(ValueError("Connection closed")) is None
-    assert faults.classify(RuntimeError("shape mismatch")) is None
+    assert comm_wait.classify(closed) == "lost"
+    assert comm_wait.classify(RuntimeError("Connection reset by peer")) == "lost"
+    assert comm_wait.classify(RuntimeError("Application timeout caused pair closure")) == "lost"
+    assert comm_wait.classify(timed) == "timeout"
+    assert comm_wait.classify(comm_wait.CommTimeout("x")) == "timeout"
+    assert comm_wait.classify(ValueError("Connection closed")) is None
+    assert comm_wait.classify(RuntimeError("shape mismatch")) is None
 
 
 def test_local_failure_is_reported_and_named(store):
@@ -76,18 +76,18 @@ def test_local_failure_is_reported_and_named(store):
     assert str(err) == "rank 3 (stage 1) failed during forward of microbatch 2: ValueError: boom"
     assert (err.rank, err.stage, err.op, err.microbatch) == (3, 1, "forward", 2)
     assert isinstance(err.__cause__, ValueError)
-    first = faults.first_failure()
+    first = fault_store.first_failure()
     assert first["rank"] == 3 and first["kind"] == "error" and first["error"] == "ValueError: boom"
 
 
 def test_first_writer_wins_and_own_report_beats_blame(store):
-    assert faults.first_failure() is None
-    faults.report_failure(2, 1, "recv grads", 0, "RuntimeError: closed", reporter=1)
-    faults.report_failure(5, None, "recv grads", 0, "RuntimeError: closed", reporter=4)
-    assert faults.first_failure()["rank"] == 2  # a blame, the first one
-    faults.report_failure(3, 1, "forward", 0, "ValueError: a", reporter=3)
-    faults.report_failure(4, 2, "forward", 0, "ValueError: b", reporter=4)
-    first = faults.first_failure()
+    assert fault_store.first_failure() is None
+    fault_store.report_failure(2, 1, "recv grads", 0, "RuntimeError: closed", reporter=1)
+    fault_store.report_failure(5, None, "recv grads", 0, "RuntimeError: closed", reporter=4)
+    assert fault_store.first_failure()["rank"] == 2  # a blame, the first one
+    fault_store.report_failure(3, 1, "forward", 0, "ValueError: a", reporter=3)
+    fault_store.report_failure(4, 2, "forward", 0, "ValueError: b", reporter=4)
+    first = fault_store.first_failure()
     assert (first["rank"], first["kind"], first["error"]) == (3, "error", "ValueError: a")
 
 
@@ -134,16 +134,16 @@ def test_lost_peer_follows_the_waiting_chain(store):
         "rank 2 (stage 2) exited or closed its connection while rank 1 waited in recv grads"
         " of microbatch 0; this rank (0) stopped in recv grads of microbatch 0"
     )
-    assert faults.first_failure()["rank"] == 2  # the verdict is shared
+    assert fault_store.first_failure()["rank"] == 2  # the verdict is shared
 
 
 def test_a_live_rank_replaces_a_blame_naming_it(store):
-    faults.report_failure(1, 1, "recv grads", 0, "timeout", kind="timeout", reporter=0)
+    fault_store.report_failure(1, 1, "recv grads", 0, "timeout", kind="timeout", reporter=0)
     with pytest.raises(RankFailure) as info:
         with guard("recv grads", rank=1, stage=1, microbatch=0, peer=2, grace_s=0.1):
             raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     assert info.value.rank == 2
-    assert faults.first_failure()["rank"] == 2
+    assert fault_store.first_failure()["rank"] == 2
 
 
 def test_waiting_cycle_is_a_deadlock(store):
