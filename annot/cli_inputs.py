@@ -1,6 +1,7 @@
 """What the ``annot`` commands build from their arguments: the model
-(``FILE:CLASS`` or an installed module, ``--init EXPR``, ``--config-json``)
-and sample inputs for its forward (``--input NAME=DTYPE[SHAPE][:HIGH]``).
+(``FILE:CLASS`` or an installed module, ``--init EXPR``, ``--config-json``),
+sample inputs for its forward (``--input NAME=DTYPE[SHAPE][:HIGH]``) and the
+parallel degrees (``--tp N``, ``--pp N``).
 
 ``--init`` is parsed, never ``eval``-ed: it may call only classes and
 functions defined in FILE, with literal arguments.
@@ -8,6 +9,7 @@ functions defined in FILE, with literal arguments.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -15,11 +17,21 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-__all__ = ["Refusal", "build_model", "describe", "import_target", "parse_inputs"]
+__all__ = ["Refusal", "build_model", "degree", "describe", "import_target", "parse_inputs"]
 
 
 class Refusal(Exception):
     """A command-line mistake: printed as ``annot <command>: <message>``, exit 2."""
+
+
+def degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 _DTYPES = {
