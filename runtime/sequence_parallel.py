@@ -40,13 +40,12 @@ from annot.runtime.tp_comm import (
     gather_sequence,
     scatter_to_tp,
 )
+from annot.runtime.tp_embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from annot.runtime.tp_layers import (
     ColumnParallelConv1D,
-    ColumnParallelEmbedding,
     ColumnParallelLinear,
     RowParallelConv1D,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 
 __all__ = ["apply_sequence_parallel"]

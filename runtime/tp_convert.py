@@ -55,6 +55,7 @@ from torch import nn
 from annot.errors import HintError
 from annot.runtime import tp_layers as L
 from annot.runtime.state_dict import load_full_state_dict
+from annot.runtime.tp_checks import mesh_for
 from annot.specs import Col, Heads, P, Partial, Row, Vocab
 
 __all__ = [
@@ -408,7 +409,7 @@ def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
     """``Partial()`` applied to a built module: its output is summed over tp and
     its inputs' gradients too (see :class:`annot.specs.Partial`). Returns
     ``module`` itself, hooked once."""
-    L._mesh_for("partial_module", tp)
+    mesh_for("partial_module", tp)
     if tp > 1 and not getattr(module, "annot_partial", False):
         module.register_forward_pre_hook(_PartialHooks.enter, with_kwargs=True)
         module.register_forward_hook(_PartialHooks.leave, with_kwargs=True)
@@ -420,7 +421,7 @@ def slice_heads(module: nn.Module, name: str, spec: Heads, tp: int, where: str =
     """``Heads()`` on argument ``name`` of a built module: a forward pre-hook
     gives its forward this rank's heads of that argument (see
     :class:`annot.specs.Heads`). Hooked once per argument."""
-    L._mesh_for("slice_heads", tp)
+    mesh_for("slice_heads", tp)
     done = module.__dict__.setdefault("annot_heads", set())
     if tp == 1 or name in done:
         return

@@ -18,6 +18,12 @@ projections): a linear layer whose weight is stored transposed, ``(nx, nf)`` =
 same features as the Linear ones (out for Col, in for Row), so the split dim
 of the weight is 1 for Col and 0 for Row.
 
+This module holds the linear and ``Conv1D`` layers. The embeddings live in
+:mod:`annot.runtime.tp_embedding`, ``shard_parameter`` in
+:mod:`annot.runtime.tp_parameters` and the checks they share in
+:mod:`annot.runtime.tp_checks`; the first two are re-exported here, so the
+rewritten code imports every name above from this one module.
+
 Each layer takes the same arguments as the torch layer it replaces, holds only
 this rank's shard, and reads the tp group from ``annot.runtime.mesh.current()``. It
 checks that ``tp`` equals the current mesh's tp degree (:class:`MeshError`
@@ -41,7 +47,6 @@ shards (``sequence_dim``; sibling layers reading one shard share one gather).
 
 from __future__ import annotations
 
-import copy
 import math
 import weakref
 from typing import Optional
@@ -50,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from annot.errors import HintError, MeshError
-from annot.runtime.mesh import ParallelContext, current
+from annot.errors import HintError
+from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import (
     CopyToTP,
     GatherFromTP,
@@ -61,8 +66,9 @@ from annot.runtime.tp_comm import (
     ScatterToTP,
     all_reduce_,
     check_sequence_split,
-    split_local,
 )
+from annot.runtime.tp_embedding import ColumnParallelEmbedding, VocabParallelEmbedding
+from annot.runtime.tp_parameters import ShardedParameter, shard_parameter
 
 __all__ = [
     "ColumnParallelLinear",
@@ -76,57 +82,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- #
-# Checks shared by the layers
-# --------------------------------------------------------------------------- #
-
-
-def _check_degree(layer: str, tp: object) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise HintError(f"{layer}: tp={tp!r} must be an int >= 1")
-
-
-def _check_divisible(
-    layer: str, arg: str, value: int, tp: int, chunks: Optional[int] = None
-) -> None:
-    """``value`` must split evenly over tp (and over each of ``chunks`` blocks)."""
-    if chunks is None:
-        if value % tp:
-            raise HintError(
-                f"{layer}: {arg}={value} is not divisible by tp({tp}); "
-                f"choose a tp that divides {value}, or pad {arg} to a multiple of {tp}"
-            )
-        return
-    if value % (tp * chunks):
-        hint = (
-            f"each of the {chunks} fused blocks must split evenly over tp"
-            if chunks > 1
-            else f"choose a tp that divides {value}, or pad {arg} to a multiple of {tp}"
-        )
-        raise HintError(
-            f"{layer}: {arg}={value} is not divisible by tp({tp}) * chunks({chunks}) = "
-            f"{tp * chunks}; {hint}"
-        )
-
-
-def _mesh_for(layer: str, tp: int) -> Optional[ParallelContext]:
-    """The active context, checked against the degree the code was written for."""
-    ctx = current()
-    have = 1 if ctx is None else ctx.mesh.tp
-    if have != tp:
-        where = (
-            "no parallel context is active (tp=1)"
-            if ctx is None
-            else f"the current mesh is {ctx.mesh!r}"
-        )
-        raise MeshError(
-            f"{layer}(tp={tp}): this code was rewritten for tp={tp} but {where}; "
-            f"run it under a mesh with tp={tp} (inside annot.runtime.mesh.use(ctx)), "
-            f"or rewrite the model again with --tp {have}"
-        )
-    return ctx
-
-
 def _linear_init(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int) -> None:
     """nn.Linear's init (kaiming_uniform(a=sqrt(5)) and its bias rule) computed
     with the *full* layer's fan-in, so a shard has the full layer's distribution."""
@@ -137,10 +92,6 @@ def _linear_init(weight: torch.Tensor, bias: Optional[torch.Tensor], fan_in: int
             nn.init.uniform_(bias, -bound, bound)
 
 
-def _factory(device, dtype) -> dict:
-    return {"device": device, "dtype": dtype}
-
-
 # --------------------------------------------------------------------------- #
 # Linear layers
 # --------------------------------------------------------------------------- #
@@ -148,11 +99,11 @@ def _factory(device, dtype) -> dict:
 
 def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
     """The checks every column-parallel layer makes on its arguments."""
-    _check_degree(name, tp)
+    check_degree(name, tp)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise HintError(f"{name}: chunks={chunks!r} must be an int >= 1")
-    _check_divisible(name, arg, size, tp, chunks)
-    _mesh_for(name, tp)
+    check_divisible(name, arg, size, tp, chunks)
+    mesh_for(name, tp)
 
 
 # The last sequence all-gather: (input ref, its version, grad mode, dim, output).
@@ -176,7 +127,7 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     backward), this rank's slice of the output, gathered when asked."""
     if layer.tp == 1:
         return matmul(x, layer.weight, layer.bias)
-    ctx = _mesh_for(type(layer).__name__, layer.tp)
+    ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
@@ -197,7 +148,7 @@ def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     the reduction."""
     if layer.tp == 1:
         return matmul(x, layer.weight, layer.bias)
-    ctx = _mesh_for(type(layer).__name__, layer.tp)
+    ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.split_input:
         x = ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
@@ -251,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
         self.chunks = chunks
         self.gather = bool(gather)
         self.tp = tp
-        kw = _factory(device, dtype)
+        kw = factory(device, dtype)
         self.weight = nn.Parameter(torch.empty((self.out_features_local, in_features), **kw))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_features_local, **kw))
@@ -310,15 +261,15 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        _check_degree(name, tp)
-        _check_divisible(name, "in_features", in_features, tp)
-        _mesh_for(name, tp)
+        check_degree(name, tp)
+        check_divisible(name, "in_features", in_features, tp)
+        mesh_for(name, tp)
         self.in_features = in_features
         self.out_features = out_features
         self.in_features_local = in_features // tp
         self.split_input = bool(split_input)
         self.tp = tp
-        kw = _factory(device, dtype)
+        kw = factory(device, dtype)
         self.weight = nn.Parameter(torch.empty((out_features, self.in_features_local), **kw))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **kw))
@@ -419,9 +370,9 @@ class RowParallelConv1D(nn.Module):
     def __init__(self, nf: int, nx: int, *, split_input: bool = False, tp: int = 1) -> None:
         super().__init__()
         name = type(self).__name__
-        _check_degree(name, tp)
-        _check_divisible(name, "nx", nx, tp)
-        _mesh_for(name, tp)
+        check_degree(name, tp)
+        check_divisible(name, "nx", nx, tp)
+        mesh_for(name, tp)
         self.nf = nf
         self.nx = nx
         self.nx_local = nx // tp
@@ -439,288 +390,3 @@ class RowParallelConv1D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"
-
-
-# --------------------------------------------------------------------------- #
-# Embedding
-# --------------------------------------------------------------------------- #
-
-
-def _table(
-    layer: nn.Module,
-    full: tuple[int, int],
-    dim: int,
-    start: int,
-    _weight: Optional[torch.Tensor],
-    freeze: bool,
-    device,
-    dtype,
-) -> None:
-    """An embedding layer's ``weight``: this rank's ``full[dim] // tp`` rows
-    (``dim`` 0) or columns (``dim`` 1) from ``start``. A given ``_weight`` is the
-    full table and this rank copies its block (with tp=1 it is used as is);
-    otherwise the block is initialised by the layer's ``reset_parameters``."""
-    name = type(layer).__name__
-    shape = list(full)
-    shape[dim] //= layer.tp
-    if _weight is None:
-        layer.weight = nn.Parameter(torch.empty(shape, **_factory(device, dtype)))
-        layer.reset_parameters()
-    else:
-        if tuple(_weight.shape) != tuple(full):
-            raise HintError(
-                f"{name}: _weight has shape {tuple(_weight.shape)}, expected the full "
-                f"table {tuple(full)}"
-            )
-        block = _weight if layer.tp == 1 else _weight.narrow(dim, start, shape[dim])
-        layer.weight = nn.Parameter(block if layer.tp == 1 else block.detach().clone())
-    layer.weight.requires_grad_(not freeze)
-
-
-def _lookup(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """``F.embedding`` of ``layer``'s whole weight with its ``nn.Embedding`` options."""
-    return F.embedding(
-        ids,
-        layer.weight,
-        layer.padding_idx,
-        layer.max_norm,
-        layer.norm_type,
-        layer.scale_grad_by_freq,
-        layer.sparse,
-    )
-
-
-class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` split on the vocabulary: rank ``r`` holds the contiguous
-    rows ``[r * V/tp, (r + 1) * V/tp)``. Ids outside the block look up zeros and
-    the ranks' results are all-reduced, so every rank gets the full lookup.
-
-    ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused with tp > 1
-    (each needs the whole table); with tp=1 this is ``nn.Embedding`` exactly.
-    A given ``_weight`` is the full table: this rank copies its block.
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        max_norm: Optional[float] = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: Optional[torch.Tensor] = None,
-        _freeze: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        tp: int = 1,
-    ) -> None:
-        super().__init__()
-        name = type(self).__name__
-        _check_degree(name, tp)
-        if tp > 1:
-            for arg, value, default in (
-                ("max_norm", max_norm, None),
-                ("scale_grad_by_freq", scale_grad_by_freq, False),
-                ("sparse", sparse, False),
-            ):
-                if value != default:
-                    raise HintError(
-                        f"{name}: {arg}={value!r} is not supported with tp > 1 (it needs "
-                        f"the whole table on one rank); drop {arg}, or leave this "
-                        f"embedding unsharded (Replicate()) instead of Vocab()"
-                    )
-        _check_divisible(name, "num_embeddings", num_embeddings, tp)
-        ctx = _mesh_for(name, tp)
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise HintError(
-                    f"{name}: padding_idx={padding_idx} must be within "
-                    f"[-{num_embeddings}, {num_embeddings})"
-                )
-            padding_idx %= num_embeddings
-        rank = ctx.tp_rank if ctx is not None else 0
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.num_embeddings_local = num_embeddings // tp
-        self.vocab_start = rank * self.num_embeddings_local
-        self.padding_idx = padding_idx
-        self.local_padding_idx = (
-            padding_idx - self.vocab_start
-            if padding_idx is not None
-            and 0 <= padding_idx - self.vocab_start < self.num_embeddings_local
-            else None
-        )
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.scale_grad_by_freq = scale_grad_by_freq
-        self.sparse = sparse
-        self.tp = tp
-        full = (num_embeddings, embedding_dim)
-        _table(self, full, 0, self.vocab_start, _weight, _freeze, device, dtype)
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.weight)
-            if self.local_padding_idx is not None:
-                self.weight[self.local_padding_idx].fill_(0)
-
-    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
-        return {"weight": (0, 1)}
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return _lookup(self, ids)
-        group = _mesh_for(type(self).__name__, self.tp).tp_group
-        start = self.vocab_start
-        outside = (ids < start) | (ids >= start + self.num_embeddings_local)
-        local_ids = (ids - start).masked_fill_(outside, 0)
-        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
-        out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        if out.requires_grad:
-            return ReduceFromTP.apply(out, group, True)
-        return all_reduce_(out, group)
-
-    def extra_repr(self) -> str:
-        s = f"{self.num_embeddings}, {self.embedding_dim}"
-        if self.padding_idx is not None:
-            s += f", padding_idx={self.padding_idx}"
-        return (
-            f"{s}, tp={self.tp}, local_weight={tuple(self.weight.shape)}, "
-            f"rows=[{self.vocab_start}, {self.vocab_start + self.num_embeddings_local})"
-        )
-
-
-class ColumnParallelEmbedding(nn.Module):
-    """``nn.Embedding`` split on the embedding dim: rank ``r`` holds columns
-    ``[r * D/tp, (r + 1) * D/tp)`` of every row, and its lookup is that slice of
-    the full lookup (DTensor's ``ColwiseParallel`` on an embedding). Made for a
-    per-head table whose columns are heads (T5's relative-position bias), read
-    by the rank's own heads. ``gather=True`` all-gathers the output. Ids carry
-    no gradient, so nothing is communicated unless gathered.
-
-    ``max_norm`` is refused with tp > 1 (it renormalizes whole rows).
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        max_norm: Optional[float] = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: Optional[torch.Tensor] = None,
-        _freeze: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        gather: bool = False,
-        tp: int = 1,
-    ) -> None:
-        super().__init__()
-        name = type(self).__name__
-        _check_degree(name, tp)
-        if tp > 1 and max_norm is not None:
-            raise HintError(
-                f"{name}: max_norm={max_norm!r} renormalizes whole rows, which no rank holds "
-                "with tp > 1; drop max_norm, or leave this embedding unsharded (Replicate())"
-            )
-        _check_divisible(name, "embedding_dim", embedding_dim, tp)
-        ctx = _mesh_for(name, tp)
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.scale_grad_by_freq = scale_grad_by_freq
-        self.sparse = sparse
-        self.gather = gather
-        self.tp = tp
-        rank = ctx.tp_rank if ctx is not None else 0
-        full = (num_embeddings, embedding_dim)
-        _table(self, full, 1, rank * (embedding_dim // tp), _weight, _freeze, device, dtype)
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            nn.init.normal_(self.weight)
-            if self.padding_idx is not None:
-                self.weight[self.padding_idx].fill_(0)
-
-    def annot_shard_layout(self) -> dict[str, tuple[int, int]]:
-        return {"weight": (1, 1)}
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = _lookup(self, ids)
-        if self.gather and self.tp > 1:
-            ctx = _mesh_for(type(self).__name__, self.tp)
-            out = GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
-        return out
-
-    def extra_repr(self) -> str:
-        gather = ", gather=True" if self.gather else ""
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}{gather}, tp={self.tp}, "
-            f"local_weight={tuple(self.weight.shape)}"
-        )
-
-
-# --------------------------------------------------------------------------- #
-# Raw parameters
-# --------------------------------------------------------------------------- #
-
-
-class ShardedParameter(nn.Parameter):
-    """An ``nn.Parameter`` holding this rank's slice of a full parameter.
-
-    ``annot_shard_dim`` is the split dim and ``annot_tp`` the degree; both
-    survive ``copy.deepcopy`` (plain ``nn.Parameter`` drops attributes there),
-    pickling and ``.to()``.
-    """
-
-    def __deepcopy__(self, memo):
-        if id(self) in memo:
-            return memo[id(self)]
-        result = super().__deepcopy__(memo)
-        result.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return result
-
-    def __repr__(self) -> str:
-        return (
-            f"Parameter containing (tp shard dim={self.annot_shard_dim} of "
-            f"tp={self.annot_tp}):\n{self.detach()!r}"
-        )
-
-
-def shard_parameter(
-    param: torch.Tensor, *, dim: int, chunks: int = 1, tp: int = 1
-) -> ShardedParameter:
-    """This rank's contiguous ``1/tp`` slice of ``param`` along ``dim`` (of each
-    of ``chunks`` equal blocks), as a new parameter (same ``requires_grad``)
-    that records ``dim``, ``chunks`` and ``tp`` for ``annot.runtime.state_dict``. The
-    full ``param`` is not kept."""
-    name = "shard_parameter"
-    _check_degree(name, tp)
-    if not -param.dim() <= dim < param.dim():
-        raise HintError(
-            f"{name}: dim={dim} is out of range for a {param.dim()}-D parameter of shape "
-            f"{tuple(param.shape)}"
-        )
-    dim %= param.dim()
-    size = param.shape[dim]
-    if size % (tp * chunks):
-        raise HintError(
-            f"{name}: dim {dim} of shape {tuple(param.shape)} has size {size}, which is not "
-            f"divisible by tp({tp}) * chunks({chunks}); split another dim or pad this one"
-        )
-    ctx = _mesh_for(name, tp)
-    data = param.detach()
-    if tp > 1:
-        data = split_local(data, dim, chunks, tp, ctx.tp_rank).clone()
-    out = ShardedParameter(data, requires_grad=param.requires_grad)
-    out.annot_shard_dim = dim
-    out.annot_shard_chunks = chunks
-    out.annot_tp = tp
-    return out
