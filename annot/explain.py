@@ -31,6 +31,7 @@ def _params_under(module, paths: set[str]) -> int:
 def explain_step(step, args, kwargs) -> str:
     model = step.model
     ctx = model.ctx
+    report = model.report
     out = [
         f"annot plan: {ctx.mesh!r}, world size {ctx.world_size}, this rank {ctx.rank} "
         f"(dp {ctx.dp_rank}, pp {ctx.pp_rank}, tp {ctx.tp_rank}), device {ctx.device}"
@@ -66,8 +67,8 @@ def explain_step(step, args, kwargs) -> str:
             f"schedule {step.schedule}"
         )
         out.append(_table(rows, ["stage", "rank", "modules", "sends", "params (this rank)"]))
-        if "plan_table" in model.info:
-            out.append("boundaries chosen by the planner:\n" + model.info["plan_table"])
+        if report is not None and report.plan_table:
+            out.append("boundaries chosen by the planner:\n" + report.plan_table)
         for tie in plan.ties:
             out.append(
                 f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
@@ -79,7 +80,7 @@ def explain_step(step, args, kwargs) -> str:
         out.append(
             format_table(get_schedule(step.schedule, plan.pp, step.microbatches, plan.chunks))
         )
-    for rec in model.info.get("compiled", []):
+    for rec in report.compiled if report is not None else []:
         out.append(
             f"rewritten source of {rec.source_path} -> {rec.cache_path} "
             f"({'cache hit' if rec.hit else 'compiled'} in {rec.seconds * 1000:.0f} ms)"

@@ -23,13 +23,13 @@ __all__ = ["ParallelModel", "clip_grad_norm_"]
 
 class ParallelModel(nn.Module):
     def __init__(
-        self, module: nn.Module, ctx, *, pipeline=None, info=None, autocast=None, verify=False
+        self, module: nn.Module, ctx, *, pipeline=None, report=None, autocast=None, verify=False
     ):
         super().__init__()
         self.module = module
         self.ctx = ctx
         self.pipeline = pipeline  # annot.runtime.stages.PipelinePlan or None
-        self.info = info or {}
+        self.report = report  # annot.build_report.BuildReport: what parallelize did
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
         self._step = None  # the active jit step (set by annot.jit while it runs)

@@ -1,0 +1,31 @@
+"""What :func:`annot.parallelize` built, step by step: ``model.report``.
+
+Read by :func:`annot.explain` and by tests; every field is set by the build
+step named beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from annot.hints import ShardSpec
+from annot.mesh import Mesh
+
+__all__ = ["BuildReport"]
+
+
+@dataclass
+class BuildReport:
+    mesh: Mesh
+    # step 3, hints: the shard spec each class's rewrite applies
+    specs: dict[type, ShardSpec] = field(default_factory=dict)
+    # stages: where they begin, and whether they are cut at run time (replay)
+    boundaries: tuple[str, ...] = ()
+    replay: bool = False
+    plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
+    # step 4, rewrite: annot.compiler's record of each rewritten source
+    compiled: list = field(default_factory=list)
+    # sequence parallelism: the blocks run on sequence shards
+    sequence_blocks: list[str] = field(default_factory=list)
+    # step 6: "passed", "on the first call" or "not run" (tp = 1, or pp > 1)
+    preflight: str = "not run"

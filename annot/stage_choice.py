@@ -1,0 +1,185 @@
+"""Where the pipeline stages begin (:func:`annot.parallelize` with pp > 1):
+``annot.boundary()`` markers, ``split=`` / ``@stage(split=[...])`` as given, a
+transformers model's blocks, else the planner's balanced partition; and
+whether the stage-split rewriter can cut the root's forward there or the
+stages are cut at run time (:mod:`annot.runtime.replay`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from annot.build_report import BuildReport
+from annot.errors import HintError
+
+__all__ = ["choose_boundaries", "needs_replay", "record_calls", "resplit"]
+
+log = logging.getLogger("annot")
+
+
+def record_calls(ref: nn.Module, sample: Any) -> Optional[list]:
+    """The module calls of one meta forward of the reference on ``sample`` (for
+    a transformers model without one, a tiny input made from its config), in
+    order: which modules each replayed stage calls, and the planner's call
+    order. None when there is no sample or the meta forward fails: modules
+    then go by registration order."""
+    from annot.hf import sample_inputs
+    from annot.runtime.stages import record_calls as record
+
+    probe = sample if sample is not None else sample_inputs(ref)
+    if probe is None:
+        return None
+    try:
+        return record(ref, probe)
+    except Exception as exc:  # noqa: BLE001 - the order is a refinement, not required
+        log.debug("annot: the meta probe of %s failed (%s)", type(ref).__name__, exc)
+        return None
+
+
+def _module_boundaries(
+    ref: nn.Module, n_stages: int, calls: Optional[list], report: Optional[BuildReport]
+) -> list[str]:
+    """annot.module_plan's balanced split of a model without ``@stage``:
+    parameter counts over every block and block part, in call order."""
+    from annot.module_plan import call_order, plan_module_boundaries
+
+    order = call_order(calls) if calls is not None else None
+    plan = plan_module_boundaries(ref, n_stages, order=order)
+    log.debug("annot: planned stages\n%s", plan.table())
+    if report is not None:
+        report.plan_table = plan.table()
+    return plan.boundaries
+
+
+def needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool:
+    """Whether the stages are cut at run time (:mod:`annot.runtime.replay`): a
+    boundary the stage-split rewriter cannot place in the root's ``forward``
+    (inside a nested forward, a helper method, a container called whole).
+    Boundaries that name no submodule are refused here, listing the options."""
+    from annot.errors import RewriteError
+
+    if not boundaries:
+        return False  # annot.boundary() markers: the rewriter places them
+    names = dict(ref.named_modules(remove_duplicate=False))
+    for b in boundaries:
+        if b not in names:
+            near = [n for n in names if n and b.rsplit(".", 1)[0] in n][:8]
+            raise HintError(
+                f"pipeline boundary {b!r} names no submodule of {type(ref).__name__}; a "
+                f"boundary is the path of the module whose call begins a stage"
+                + (f" (e.g. {', '.join(near)})" if near else "")
+            )
+    try:
+        resplit(cls, boundaries)
+    except (RewriteError, OSError, TypeError):
+        return True
+    return False
+
+
+def resplit(cls: type, boundaries: tuple[str, ...]):
+    """On a cache hit the rewritten source already has the stage methods; the
+    plan (what each stage uses, what crosses) is the same as for the original
+    source, which the tensor-parallel rewrite does not rename, so split that."""
+    import inspect
+
+    from annot.compiler import read_source
+    from annot.rewriters.stage_split import split_stages
+
+    path = inspect.getfile(cls)
+    return split_stages(read_source(path), cls.__qualname__, list(boundaries), path=path)
+
+
+def choose_boundaries(
+    ref: nn.Module,
+    cls: type,
+    n_stages: int,
+    split: Optional[list[str]] = None,
+    *,
+    sample: Any = None,
+    tp: int = 1,
+    ctx=None,
+    seed: Optional[int] = None,
+    build=None,
+    report: Optional[BuildReport] = None,
+    calls=lambda: None,
+) -> tuple[str, ...]:
+    """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
+    ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
+    planner's optimal balanced partition over every place forward can be cut
+    (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``)."""
+    import inspect
+
+    from annot.compiler import read_source
+    from annot.hints import StageSpec, get_stage_spec
+    from annot.rewriters.stage_split import split_stages
+
+    path = inspect.getfile(cls)
+    markers = len(split_stages(read_source(path), cls.__qualname__, [], path=path).stages) - 1
+    if markers:
+        if markers != n_stages - 1:
+            raise HintError(
+                f"{cls.__name__}.forward has {markers} annot.boundary() markers, which make "
+                f"{markers + 1} stages, but the mesh needs pp * chunks = {n_stages}"
+            )
+        return ()
+    spec = get_stage_spec(cls)
+    if split is not None:
+        if isinstance(split, str) or not all(isinstance(b, str) for b in split):
+            raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
+        spec = StageSpec(split=tuple(split))
+    from annot.hf import is_hf_model
+
+    if spec is None or (not spec.split and is_hf_model(ref)):
+        # no @stage of the user's: balance every nested block and block part
+        return tuple(_module_boundaries(ref, n_stages, calls(), report))
+    if spec is not None and spec.split:
+        if len(spec.split) != n_stages - 1:
+            raise HintError(
+                f"@stage on {cls.__name__}: split={list(spec.split)!r} makes {len(spec.split) + 1} "
+                f"stages but the mesh needs pp * chunks = {n_stages}; give {n_stages - 1} boundaries "
+                "or use @stage(auto=True)"
+            )
+        return tuple(spec.split)
+    from annot.errors import AnnotError
+    from annot.planner import plan_stages
+
+    auto = spec or StageSpec(auto=True)
+    cost = auto.cost or ("flops" if sample is not None else "params")
+    from annot.compiler import cache_dir
+
+    # profiles are cached next to the rewritten sources
+    kw = dict(
+        cost=cost, memory=auto.memory, source_path=path, tp=tp, cache_dir=cache_dir() / "profiles"
+    )
+    if (
+        cost == "time"
+    ):  # needs real weights and a clock: rank 0 measures, every rank gets its answer
+        out: list = [None]
+        if ctx.rank == 0:
+            try:
+                with torch.random.fork_rng():
+                    if seed is not None:
+                        torch.manual_seed(seed)
+                    out[0] = plan_stages(build(), cls, n_stages, sample=sample, **kw).boundaries
+            except AnnotError as exc:
+                out[0] = exc
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(out, src=0)
+        if isinstance(out[0], Exception):
+            raise out[0]
+        return tuple(out[0])
+    meta = None
+    if sample is not None:
+        meta = torch.utils._pytree.tree_map(
+            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample
+        )
+    plan = plan_stages(ref, cls, n_stages, sample=meta, **kw)  # ref is on meta: same on every rank
+    log.debug("annot: planned stages\n%s", plan.table())
+    if report is not None:
+        report.plan_table = plan.table()
+    return tuple(plan.boundaries)
