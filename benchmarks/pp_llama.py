@@ -37,7 +37,7 @@ cannot; on the same split it is about 1.1x torch's hand-staged step at pp=2
 and 1.2x at pp=4. Each stage replays the earlier stages' Python on meta; since
 a block of another stage became one cached meta call (not a shell around its
 activation) and the glue's meta ops come from a shape cache
-(annot.runtime.replay.MetaOps), that costs little: the first version was
+(annot.runtime.meta_ops.MetaOps), that costs little: the first version was
 2.8x / 4.4x, the previous one 1.39x / 1.71x. The last stage is the busiest:
 it also runs the loss of the step body, which the planner (timing the model
 alone) does not see. The goal step <= 0.9x torch is not met; max/mean <= 1.10

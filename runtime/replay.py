@@ -38,11 +38,16 @@ The price: each stage re-runs the Python of the stages before it (on meta:
 no FLOPs), and tensors that are alive only inside an object (not a local, a
 tuple, a list, a dict or a dataclass) cannot cross; using one on a later
 stage is refused with a :class:`~annot.errors.PipelineError` that says so.
+
+Its parts: the ops on meta and their cache by signature in
+:mod:`annot.runtime.meta_ops`, the log of value reads in
+:mod:`annot.runtime.value_reads`, the walk that collects the frames' tensors in
+:mod:`annot.runtime.frame_walk`; here the boundaries, the replay mode and the
+stage.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -53,9 +58,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from annot.errors import PipelineError
+from annot.runtime.frame_walk import frame_tensors, state_ids
+from annot.runtime.meta_ops import MetaOps, flat, has_meta, on_meta, recipe, remake, signature
+from annot.runtime.value_reads import DECISIONS, log_reads, unlog
 
 __all__ = [
-    "MetaOps",
     "ReplayStage",
     "StageDone",
     "install_boundaries",
@@ -64,46 +71,6 @@ __all__ = [
     "shadow_call",
     "shape_run",
 ]
-
-# Tensor methods whose answer is a Python value read from the data: a branch on
-# them must take the same path on every stage, so their answers are logged.
-_DECISIONS = {
-    torch.Tensor.__bool__,
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__int__,
-    torch.Tensor.__float__,
-    torch.Tensor.__index__,
-    torch.Tensor.__complex__,
-    torch.equal,
-    torch.is_nonzero,
-}
-
-
-_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
-
-
-def _on_meta(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The op's tensor operands on meta; a move (``.to(device)``, ``.cpu()``)
-    keeps its dtype and stays on meta."""
-    args, kwargs = tree_map(
-        lambda t: t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t,
-        (args, kwargs),
-    )
-    if func in _MOVES:
-
-        def keep(a: Any) -> Any:
-            if isinstance(a, torch.device) or (
-                isinstance(a, (str, int)) and not isinstance(a, bool)
-            ):
-                return "meta"
-            return a
-
-        args = (args[0], *(keep(a) for a in args[1:])) if func is torch.Tensor.to else args[:1]
-        kwargs = {k: ("meta" if k == "device" else v) for k, v in kwargs.items()}
-        if func is not torch.Tensor.to:
-            kwargs = {}
-    return args, kwargs
 
 
 class StageDone(BaseException):
@@ -141,79 +108,6 @@ def replaying() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
 
 
-_PLAIN = (type(None), bool, int, float, str)
-# values an op's key or result may hold as they are (hashable, no tensor inside)
-_VALUES = (*_PLAIN, torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
-
-
-def _signature(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype)
-    return leaf if isinstance(leaf, _PLAIN) else type(leaf)
-
-
-def _flat(x: Any, leaves: list) -> Any:
-    """A structure spec of ``x`` over tuples, lists and plain dicts, its other
-    values appended to ``leaves`` (cheaper than a pytree for the hot path)."""
-    t = type(x)
-    if t is tuple or t is list:
-        return (t, tuple(_flat(v, leaves) for v in x))
-    if t is dict:
-        return (dict, tuple((k, _flat(v, leaves)) for k, v in x.items()))
-    leaves.append(x)
-    return None
-
-
-def _unflat(spec: Any, leaves: Any) -> Any:
-    if spec is None:
-        return next(leaves)
-    t, items = spec
-    if t is dict:
-        return {k: _unflat(v, leaves) for k, v in items}
-    return t(_unflat(v, leaves) for v in items)
-
-
-def _recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
-    """How to make ``out`` again for inputs of the same shapes: each tensor in
-    it is input ``i`` (``inputs``: id -> position), an earlier output, or a new
-    meta tensor of its shape, dtype and strides; None if ``out`` holds other
-    objects."""
-    outs: list = []
-    spec = _flat(out, outs)
-    seen: dict[int, int] = {}
-    recipe = []
-    for j, x in enumerate(outs):
-        if isinstance(x, torch.Tensor):
-            if id(x) in inputs:
-                recipe.append(("in", inputs[id(x)]))
-            elif id(x) in seen:
-                recipe.append(("out", seen[id(x)]))
-            else:
-                recipe.append(("new", (tuple(x.shape), tuple(x.stride()), x.dtype)))
-            seen.setdefault(id(x), j)
-        elif isinstance(x, _VALUES):
-            recipe.append(("plain", x))
-        else:
-            return None
-    return tuple(recipe), spec
-
-
-def _remake(hit: tuple, leaves: list) -> Any:
-    recipe, spec = hit
-    built: list = []
-    with torch._C.DisableTorchFunction():
-        for kind, a in recipe:
-            if kind == "new":
-                built.append(torch.empty_strided(a[0], a[1], dtype=a[2], device="meta"))
-            elif kind == "in":
-                built.append(leaves[a])
-            elif kind == "out":
-                built.append(built[a])
-            else:
-                built.append(a)
-    return _unflat(spec, iter(built))
-
-
 def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
     """Run another stage's module for shapes while replaying: on meta the first
     time for each signature of its inputs, then from ``cache`` (fresh meta
@@ -224,96 +118,22 @@ def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> An
     run = _ACTIVE[-1]
     leaves: list = []
     with torch._C.DisableTorchFunction():  # .shape / .dtype without the replay mode
-        key = (_flat((args, kwargs), leaves), tuple(_signature(x) for x in leaves))
+        key = (flat((args, kwargs), leaves), tuple(signature(x) for x in leaves))
     hit = cache.get(key)
     if hit is not None:
-        return _remake(hit, leaves)
+        return remake(hit, leaves)
     pos = run.pos
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     out = shadow(*meta[0], **meta[1])
     if run.pos == pos:
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         metas: list = []
-        _flat(meta, metas)
+        flat(meta, metas)
         ins.update({id(x): i for i, x in enumerate(metas)})
-        hit = _recipe(out, ins)
+        hit = recipe(out, ins)
         if hit is not None:
             cache[key] = hit
     return out
-
-
-def _op_key(func, args: tuple, kwargs: dict) -> tuple[Optional[tuple], list]:
-    """The key of an op on meta operands for :class:`_ReplayMode`'s cache: the
-    op, the structure of its arguments and each one's value (a tensor's shape,
-    strides and dtype); None where an argument is something else, or for an op
-    that changes its operand in place or writes to ``out=``."""
-    leaves: list = []
-    spec = _flat((args, kwargs), leaves)
-    name = getattr(func, "__name__", "_")
-    if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
-        return None, leaves  # (resize_, unsqueeze_, ... change the operand's shape)
-    sig = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            sig.append((x.shape, x.stride(), x.dtype, x.is_meta))
-        elif isinstance(x, _VALUES) or x is Ellipsis:
-            sig.append(x)
-        elif isinstance(x, slice) and all(isinstance(v, _PLAIN) for v in (x.start, x.stop, x.step)):
-            sig.append((slice, x.start, x.stop, x.step))
-        else:
-            return None, leaves
-    return (func, spec, tuple(sig)), leaves
-
-
-def _is_meta(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_meta
-
-
-def _has_meta(args: tuple, kwargs: dict) -> bool:
-    """Whether an op's operands hold a meta tensor (one level of lists/tuples,
-    which is where torch ops take tensors)."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            if a.is_meta:
-                return True
-        elif isinstance(a, (list, tuple)):
-            for t in a:
-                if isinstance(t, torch.Tensor) and t.is_meta:
-                    return True
-    return False
-
-
-class MetaOps:
-    """Ops with a meta operand, run on meta once per signature and then made
-    from the recorded result's shapes: a replay passes through the same glue
-    (masks, rotary tables, reshapes) every microbatch, and a meta kernel written
-    in Python costs 0.1-0.5 ms where a fresh meta tensor costs a few us.
-
-    The key is the op and each argument (a tensor's shape, strides, dtype and
-    whether it is on meta; plain values as they are). Ops that change an
-    operand's shape in place (``unsqueeze_``, ``resize_``), write to ``out=``,
-    or take or return other objects run every time."""
-
-    def __init__(self, size: int = 100_000):
-        self.size = size
-        self.entries: dict = {}
-
-    def __call__(self, func, args: tuple, kwargs: dict) -> Any:
-        key, leaves = _op_key(func, args, kwargs)
-        if key is not None:
-            hit = self.entries.get(key)
-            if hit is not None:
-                return _remake(hit, leaves)
-        args, kwargs = _on_meta(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if key is not None:
-            # an output that is an operand already on meta is that operand again
-            hit = _recipe(out, {id(x): i for i, x in enumerate(leaves) if _is_meta(x)})
-            if hit is not None:
-                if len(self.entries) >= self.size:
-                    self.entries.clear()  # shapes that change every step: start over
-                self.entries[key] = hit
-        return out
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -326,8 +146,8 @@ class _ReplayMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        meta = _has_meta(args, kwargs)
-        if func in _DECISIONS:
+        meta = has_meta(args, kwargs)
+        if func in DECISIONS:
             return self._decide(func, args, kwargs, meta)
         if not meta:
             return func(*args, **kwargs)
@@ -359,13 +179,13 @@ class _ShapeMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _has_meta(args, kwargs):
-            if func in _DECISIONS:
+        if has_meta(args, kwargs):
+            if func in DECISIONS:
                 t = args[0]
                 if func is torch.Tensor.tolist:
                     return torch.zeros(t.shape, dtype=t.dtype).tolist()
                 return False if func in (torch.Tensor.__bool__, torch.equal) else 0
-            args, kwargs = _on_meta(func, args, kwargs)
+            args, kwargs = on_meta(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -386,110 +206,6 @@ def shape_run(fn, sample: Any) -> Any:
     without autograd."""
     with torch.no_grad(), _ShapeMode():
         return call_with(fn, sample)
-
-
-# -- logging value reads while running for real ---------------------------------
-
-_READS = (
-    (torch.Tensor, "__bool__"),
-    (torch.Tensor, "item"),
-    (torch.Tensor, "tolist"),
-    (torch.Tensor, "__int__"),
-    (torch.Tensor, "__float__"),
-    (torch.Tensor, "__index__"),
-    (torch.Tensor, "__complex__"),
-    (torch, "equal"),
-    (torch, "is_nonzero"),
-)
-
-
-def _log_reads(log: list) -> list:
-    """Wrap the value-read methods so their answers are appended to ``log``
-    (cheaper than a mode over every op); returns what :func:`_unlog` restores."""
-    saved = []
-    for owner, name in _READS:
-        own = owner.__dict__.get(name)
-        orig = getattr(owner, name)
-
-        def read(*a, _orig=orig, **k):
-            value = _orig(*a, **k)
-            log.append(value)
-            return value
-
-        saved.append((owner, name, own))
-        setattr(owner, name, read)
-    return saved
-
-
-def _unlog(saved: list) -> None:
-    for owner, name, own in reversed(saved):
-        if own is None:
-            delattr(owner, name)  # inherited (torch._C.TensorBase) again
-        else:
-            setattr(owner, name, own)
-
-
-# -- the frame walk -----------------------------------------------------------
-
-
-def _frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor], list[str]]:
-    """Every tensor held by the locals of the frames from ``start`` outwards up
-    to (not including) the frame running ``stop_code``: innermost frame first,
-    locals in definition order, containers depth first, each object once.
-    Module state (ids in ``skip``) and modules are left out."""
-    out: list[torch.Tensor] = []
-    names: list[str] = []
-    seen: set[int] = set()
-
-    def visit(value: Any, where: str, depth: int) -> None:
-        if depth > 8:
-            return
-        if isinstance(value, torch.Tensor):
-            if id(value) in seen or id(value) in skip or isinstance(value, nn.Parameter):
-                return
-            seen.add(id(value))
-            out.append(value)
-            names.append(where)
-            return
-        if isinstance(value, (nn.Module, str, bytes, int, float, bool, type(None))):
-            return
-        if id(value) in seen:
-            return
-        if isinstance(value, dict):
-            seen.add(id(value))
-            for k, v in list(value.items()):
-                visit(v, f"{where}[{k!r}]", depth + 1)
-        elif isinstance(value, (list, tuple)):
-            seen.add(id(value))
-            for k, v in enumerate(value):
-                visit(v, f"{where}[{k}]", depth + 1)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            seen.add(id(value))
-            for f in dataclasses.fields(value):
-                visit(getattr(value, f.name, None), f"{where}.{f.name}", depth + 1)
-
-    frame = start
-    while frame is not None and frame.f_code is not stop_code:
-        where = f"{frame.f_code.co_qualname if hasattr(frame.f_code, 'co_qualname') else frame.f_code.co_name}"
-        for name, value in list(frame.f_locals.items()):
-            visit(value, f"{where}: {name}", 0)
-        frame = frame.f_back
-    if frame is None:
-        raise PipelineError(
-            "a pipeline boundary was reached outside the model call of the step (is the "
-            "model called from another thread?)"
-        )
-    return out, names
-
-
-def _state_ids(root: nn.Module) -> set[int]:
-    from annot.runtime.stages import shadow_modules
-
-    ids: set[int] = set()
-    for m in [root, *shadow_modules(root)]:
-        ids.update(id(t) for t in m.parameters())
-        ids.update(id(t) for t in m.buffers())
-    return ids
 
 
 # -- boundaries ---------------------------------------------------------------
@@ -538,7 +254,7 @@ def _enter(run: _Run, frame) -> None:
     """Boundary ``run.index``: stop replaying, swap the received tensors in."""
     run.replaying = False
     run.mode.__exit__(None, None, None)  # (the checks below read shapes without it)
-    mine, names = _frame_tensors(frame, run.top_code, run.stage.state_ids)
+    mine, names = frame_tensors(frame, run.top_code, run.stage.state_ids)
     got = run.received["t"]
     path = run.stage.boundaries[run.index - 1]
     if len(got) != len(mine):
@@ -567,7 +283,7 @@ def _enter(run: _Run, frame) -> None:
             "took a different path on the two ranks"
         )
     if run.record:
-        run.patches = _log_reads(run.decisions_out)
+        run.patches = log_reads(run.decisions_out)
     torch.set_grad_enabled(run.grad_mode)
 
 
@@ -584,7 +300,7 @@ def _swap(meta: torch.Tensor, real: torch.Tensor) -> None:
 
 def _leave(run: _Run, frame) -> None:
     """Boundary ``run.index + 1``: the live tensors are this stage's outputs."""
-    tensors, _ = _frame_tensors(frame, run.top_code, run.stage.state_ids)
+    tensors, _ = frame_tensors(frame, run.top_code, run.stage.state_ids)
     run.outputs = {"t": [None if t.is_meta else t for t in tensors], "d": run.decisions_out}
     raise StageDone()
 
@@ -607,7 +323,7 @@ class ReplayStage:
         self.index = index
         self.boundaries = tuple(boundaries)
         self.num_stages = len(self.boundaries) + 1
-        self.state_ids = _state_ids(root)
+        self.state_ids = state_ids(root)
         self.meta_ops = MetaOps()  # the replay's ops on meta, by signature
         self.outputs: Optional[dict] = None
 
@@ -622,7 +338,7 @@ class ReplayStage:
             run.mode.__enter__()
             torch.set_grad_enabled(False)
         elif run.record:
-            run.patches = _log_reads(run.decisions_out)
+            run.patches = log_reads(run.decisions_out)
         try:
             out = call()
         except StageDone:
@@ -640,7 +356,7 @@ class ReplayStage:
             if run.replaying:
                 run.mode.__exit__(None, None, None)
             if run.patches:
-                _unlog(run.patches)
+                unlog(run.patches)
             torch.set_grad_enabled(run.grad_mode)
             _ACTIVE.pop()
         if run.crossed < self.index:

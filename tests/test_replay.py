@@ -1,4 +1,4 @@
-"""The replay's op cache (annot.runtime.replay.MetaOps): an op answered from the
+"""The replay's op cache (annot.runtime.meta_ops.MetaOps): an op answered from the
 recorded shapes is the op run on meta, in shape, strides, dtype and aliasing.
 
 The end-to-end parity of replayed pipelines is in test_pp_nested.py; here each
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annot.runtime.replay import MetaOps
+from annot.runtime.meta_ops import MetaOps
 
 # (name, op): each op takes a meta tensor x of shape (a, b, c) and a real tensor r
 # of the same shape, and calls one torch function with the arguments it passes.

@@ -1,0 +1,67 @@
+"""Value reads: tensor methods that answer a Python value read from the data
+(``bool(x)``, ``x.item()``, ``x.tolist()``, ``torch.equal``, ...).
+
+A branch on such a value must take the same path on every pipeline stage, so
+the replay (:mod:`annot.runtime.replay`) logs the answers of the stage that
+computes them for real (:func:`log_reads`, undone by :func:`unlog`) and
+answers the later stages' replay from that log (the ops in :data:`DECISIONS`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DECISIONS", "log_reads", "unlog"]
+
+# Tensor methods whose answer is a Python value read from the data: a branch on
+# them must take the same path on every stage, so their answers are logged.
+DECISIONS = {
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.__complex__,
+    torch.equal,
+    torch.is_nonzero,
+}
+
+
+_READS = (
+    (torch.Tensor, "__bool__"),
+    (torch.Tensor, "item"),
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "__int__"),
+    (torch.Tensor, "__float__"),
+    (torch.Tensor, "__index__"),
+    (torch.Tensor, "__complex__"),
+    (torch, "equal"),
+    (torch, "is_nonzero"),
+)
+
+
+def log_reads(log: list) -> list:
+    """Wrap the value-read methods so their answers are appended to ``log``
+    (cheaper than a mode over every op); returns what :func:`unlog` restores."""
+    saved = []
+    for owner, name in _READS:
+        own = owner.__dict__.get(name)
+        orig = getattr(owner, name)
+
+        def read(*a, _orig=orig, **k):
+            value = _orig(*a, **k)
+            log.append(value)
+            return value
+
+        saved.append((owner, name, own))
+        setattr(owner, name, read)
+    return saved
+
+
+def unlog(saved: list) -> None:
+    for owner, name, own in reversed(saved):
+        if own is None:
+            delattr(owner, name)  # inherited (torch._C.TensorBase) again
+        else:
+            setattr(owner, name, own)
