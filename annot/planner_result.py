@@ -1,0 +1,154 @@
+"""The planner's result: :class:`StagePlanResult`, a plan with its per-stage
+figures, printed as a terminal table or given as plain data (JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from annot.runtime.cost import format_bytes, format_count, format_seconds
+
+__all__ = ["StagePlanResult"]
+
+_COST_WORDS = {
+    "time": "measured time (forward + backward of one sample microbatch)",
+    "flops": "FLOPs (forward + backward of one sample microbatch)",
+    "params": "parameter bytes",
+}
+
+# Units, shared with annot.runtime.cost's table.
+_bytes, _count, _seconds = format_bytes, format_count, format_seconds
+
+
+@dataclass(frozen=True)
+class StagePlanResult:
+    """A plan: ``boundaries`` (module paths where stages 1.. begin, for
+    ``split_stages`` / ``parallelize(split=...)``), the ``partition`` over
+    the ``segments`` (their names: the split point each begins at) and their
+    ``costs`` (:class:`annot.runtime.cost.SegmentCost`)."""
+
+    class_name: str
+    boundaries: tuple[str, ...]
+    partition: Any  # annot.runtime.partition.Partition
+    segments: tuple[str, ...]
+    costs: tuple[Any, ...]
+    cost: str
+    measured: bool
+    tp: int = 1
+    memory_budget: Optional[int] = None
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def n_stages(self) -> int:
+        return self.partition.n_stages
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage / mean stage, in the balanced cost."""
+        return self.partition.imbalance
+
+    def stages(self) -> list[dict[str, Any]]:
+        """Per stage: its segments, first/last segment names, parameters
+        (shared ones counted once per stage), FLOPs, measured seconds, memory
+        (as the partitioner charged it), bytes it sends on, balanced cost."""
+        out = []
+        part = self.partition
+        for s, (a, b) in enumerate(part.bounds):
+            seg = self.costs[a:b]
+            n_params, seen = 0, set()
+            for c in seg:
+                n_params += c.n_params
+                for key, numel in c.shared_numel.items():
+                    n_params -= numel if key in seen else 0
+                    seen.add(key)
+            last = s == part.n_stages - 1
+            out.append(
+                {
+                    "stage": s,
+                    "segments": [a, b],
+                    "first": self.segments[a],
+                    "last": self.segments[b - 1],
+                    "params": n_params,
+                    "flops": sum(c.flops for c in seg) if self.measured else None,
+                    "time": sum(c.time for c in seg) if self.measured else None,
+                    "memory": part.stage_memory[s],
+                    "sends": None if last or not self.measured else seg[-1].output_bytes,
+                    "cost": part.stage_costs[s],
+                }
+            )
+        return out
+
+    def table(self) -> str:
+        """The plan as a terminal table, with the imbalance and any warnings."""
+        what = _COST_WORDS[self.cost]
+        head = [
+            f"annot plan: {self.class_name} in {self.n_stages} stages over "
+            f"{len(self.segments)} segments; balanced cost: {what}"
+        ]
+        if not self.measured:
+            head.append(
+                "  no sample input: FLOPs, time and activation memory not measured "
+                "(give a sample to balance measured time)"
+            )
+        if self.tp > 1:
+            head.append(
+                f"  tp={self.tp}: parameters and FLOPs of @shard-ed layers divided by "
+                f"{self.tp} (approximate: FLOPs by their parameter share)"
+            )
+        if self.memory_budget is not None:
+            head.append(f"  memory budget per device: {_bytes(self.memory_budget)}")
+        header = ("stage", "first", "last", "params", "FLOPs", "time", "memory", "sends")
+        rows = []
+        for st in self.stages():
+            rows.append(
+                (
+                    str(st["stage"]),
+                    st["first"],
+                    st["last"],
+                    _count(st["params"]),
+                    "-" if st["flops"] is None else _count(st["flops"]),
+                    "-" if st["time"] is None else _seconds(st["time"]),
+                    _bytes(st["memory"]),
+                    "-" if st["sends"] is None else _bytes(st["sends"]),
+                )
+            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+        def line(r: Sequence[str]) -> str:
+            return "  ".join(
+                v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))
+            ).rstrip()
+
+        out = [*head, line(header), line(["-" * w for w in widths]), *map(line, rows)]
+        out.append(f"imbalance (max/mean stage cost): {self.imbalance:.2f}")
+        out.append("boundaries: " + (", ".join(self.boundaries) or "(none: one stage)"))
+        out += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(out)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain data (``json.dumps``-able)."""
+        return {
+            "class": self.class_name,
+            "n_stages": self.n_stages,
+            "cost": self.cost,
+            "measured": self.measured,
+            "tp": self.tp,
+            "memory_budget": self.memory_budget,
+            "boundaries": list(self.boundaries),
+            "segments": [
+                {
+                    "name": c.name,
+                    "cost": c.cost,
+                    "params": c.n_params,
+                    "memory": c.memory,
+                    **({"time": c.time, "flops": c.flops} if self.measured else {}),
+                }
+                for c in self.costs
+            ],
+            "stages": self.stages(),
+            "imbalance": self.imbalance,
+            "bottleneck": self.partition.bottleneck,
+            "warnings": list(self.warnings),
+        }
