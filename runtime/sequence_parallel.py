@@ -141,14 +141,19 @@ def _regions(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _first_input(args: tuple, kwargs: dict):
+def _first_input(args: tuple, kwargs: dict, where: str):
     """``(tensor, rebuild)``: the first positional tensor argument (else
-    ``hidden_states=``) and how to call with a replacement for it."""
+    ``hidden_states=``) of a call to ``where``, and how to call with a
+    replacement for it."""
     if args and isinstance(args[0], torch.Tensor):
         return args[0], lambda t: ((t, *args[1:]), kwargs)
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return kwargs["hidden_states"], lambda t: (args, {**kwargs, "hidden_states": t})
-    return None, None
+    raise HintError(
+        f"sequence_parallel: {where} was called without a tensor as its first argument or "
+        "hidden_states=, so annot cannot tell which input runs on sequence shards; build "
+        "with sequence_parallel=False"
+    )
 
 
 class _Enter:
@@ -159,13 +164,7 @@ class _Enter:
         self.block, self.dim, self.tp = block, dim, tp
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        x, rebuild = _first_input(args, kwargs)
-        if x is None:
-            raise HintError(
-                f"sequence_parallel: {self.block} was called without a tensor as its "
-                "first argument or hidden_states=, so annot cannot tell which input to "
-                "split along the sequence; build with sequence_parallel=False"
-            )
+        x, rebuild = _first_input(args, kwargs, self.block)
         check_sequence_split(x, self.dim, self.tp, f"the input of {self.block}")
         return rebuild(scatter_to_tp(x, self.dim))
 
@@ -179,13 +178,7 @@ class _Gather:
         self.last = None  # the gathered tensor of the current call
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        x, rebuild = _first_input(args, kwargs)
-        if x is None:
-            raise HintError(
-                f"sequence_parallel: {self.region} holds column- and row-parallel layers "
-                "but was called without a tensor as its first argument or hidden_states=; "
-                "build with sequence_parallel=False"
-            )
+        x, rebuild = _first_input(args, kwargs, self.region)
         whole = gather_sequence(x, self.dim)
         self.last = weakref.ref(whole)
         return rebuild(whole)
