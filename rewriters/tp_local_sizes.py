@@ -19,7 +19,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from annot.rewriters.diagnostics import node_source
-from annot.rewriters.scopes import LOAD
+from annot.rewriters.scope_model import LOAD
 from annot.rewriters.tp_plan import Edit, EditPlan
 from annot.rewriters.tp_syntax import first_param, self_path, walk
 

@@ -23,7 +23,8 @@ from libcst.codemod import CodemodContext
 
 from annot.hints import ShardSpec
 from annot.rewriters.diagnostics import Locator, children
-from annot.rewriters.scopes import Assignment, ModuleScopes
+from annot.rewriters.scope_model import Assignment
+from annot.rewriters.scopes import ModuleScopes
 
 __all__ = ["Edit", "EditPlan", "Target"]
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import libcst as cst
 
-from annot.rewriters.scopes import Assignment
+from annot.rewriters.scope_model import Assignment
 from annot.rewriters.tp_plan import EditPlan
 
 __all__ = ["ReachingAssignments"]

@@ -17,7 +17,8 @@ from libcst.metadata import (
     QualifiedNameProvider,
 )
 
-from annot.rewriters.scopes import DEL, LOAD, STORE, ModuleScopes
+from annot.rewriters.scope_model import DEL, LOAD, STORE
+from annot.rewriters.scopes import ModuleScopes
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = {ExpressionContext.LOAD: LOAD, ExpressionContext.STORE: STORE, ExpressionContext.DEL: DEL}
