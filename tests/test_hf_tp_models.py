@@ -186,13 +186,13 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
         ("phi3", False),  # zero hints: rowwise_split_input
         ("mixtral", False),  # zero hints: MoE experts, router replicated
         ("falcon", False),  # FalconLinear by runtime type
-        ("falcon", True),
+        pytest.param("falcon", True, marks=pytest.mark.slow),
         ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite
-        ("gptj", True),
+        pytest.param("gptj", True, marks=pytest.mark.slow),
         ("bloom", False),  # ALiBi: each rank's heads of it, where it enters the attention
-        ("bloom", True),
+        pytest.param("bloom", True, marks=pytest.mark.slow),
         ("t5", False),  # the relative-position table split by heads, read by own heads
-        ("t5", True),
+        pytest.param("t5", True, marks=pytest.mark.slow),
     ],
 )
 def test_tp2_parity_on_models_without_plain_layers(tmp_path, name, built):

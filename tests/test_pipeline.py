@@ -244,6 +244,7 @@ def _four_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # 4 ranks
 def test_parity_pp4_and_non_adjacent_peers():
     """pp=4; then Mesh(pp=2, tp=2), where the pipeline of tp index t runs over
     global ranks t and t + 2 (one spawn for both)."""

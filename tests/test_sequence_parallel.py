@@ -161,6 +161,7 @@ def _odd_length(cache: str):
     model(ids, labels=ids, use_cache=False)
 
 
+@pytest.mark.slow
 def test_a_sequence_that_does_not_divide_is_refused(tmp_path):
     with pytest.raises(RanksFailed) as err:
         run_ranks(_odd_length, 2, str(tmp_path), timeout=240)

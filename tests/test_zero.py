@@ -64,6 +64,7 @@ def _zero(cache: str, tp: int, pp: int) -> dict:
     return {"mine": mine, "whole": whole, "model": annot.state_bytes(ref_opt)}
 
 
+@pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_zero1_dp2_with_tp2_and_with_pp2(tmp_path, tp, pp):
     res = run_ranks(_zero, 4, str(tmp_path), tp, pp, timeout=300)
