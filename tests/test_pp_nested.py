@@ -330,6 +330,7 @@ def test_loss_in_the_step_body_three_styles(tmp_path):
     _run(tmp_path / "vit", "vit", [["vit.layers.1.mlp"]])
 
 
+@pytest.mark.slow  # 4 drawn splits, each on 2 ranks
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_drawn_split_points_across_depths(tmp_path_factory, data):
@@ -366,6 +367,7 @@ def test_tp2_pp2_llama_mid_block(tmp_path):
 # ---- composition: interleaved virtual stages, DCP checkpoints ---------------------------
 
 
+@pytest.mark.slow
 def test_checkpointed_blocks_with_boundaries_between_and_inside_them(tmp_path):
     # @checkpoint on the installed decoder-layer class; a boundary inside a
     # checkpointed block: stage 0's recomputation stops where its part ended
