@@ -42,13 +42,12 @@ Sequence parallelism (:mod:`annot.runtime.sequence_parallel`) sets a row
 layer's ``sequence_dim``: it reduce-scatters its output to sequence shards in
 place of the all-reduce. A column layer reads its input whole, gathered by
 the module around it (``sequence_gathered``), or gathers it itself from the
-shards (``sequence_dim``; sibling layers reading one shard share one gather).
+shards (``sequence_dim``).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -106,22 +105,6 @@ def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
     mesh_for(name, tp)
 
 
-# The last sequence all-gather: (input ref, its version, grad mode, dim, output).
-# Sibling column layers reading one shard (q, k, v) reuse it while the input
-# is alive and unchanged, so a block costs one gather per shard it reads.
-_last_gather: list = [None]
-
-
-def _gathered(x: torch.Tensor, group, size: int, dim: int) -> torch.Tensor:
-    key = (x._version, torch.is_grad_enabled(), dim)
-    last = _last_gather[0]
-    if last is not None and last[0]() is x and last[1] == key:
-        return last[2]
-    out = GatherSequence.apply(x, group, size, dim)
-    _last_gather[0] = (weakref.ref(x), key, out)
-    return out
-
-
 def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     """Megatron's column block: replicated input (gradient all-reduced in
     backward), this rank's slice of the output, gathered when asked."""
@@ -132,7 +115,7 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
-        x = _gathered(x, group, layer.tp, layer.sequence_dim)
+        x = GatherSequence.apply(x, group, layer.tp, layer.sequence_dim)
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmul's backward.
         x = CopyToTP.apply(x, group, True)
