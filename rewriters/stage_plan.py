@@ -7,7 +7,8 @@ the code).
 split safely (a :class:`RewriteError` at ``file:line:col`` that says how to
 fix it), cuts forward into units (top-level statements, and the pieces of a
 loop split across stages) and computes with :mod:`annot.rewriters.liveness`
-the names that cross each boundary: a :class:`Plan`.
+(over the effects of :mod:`annot.rewriters.statement_effects`) the names that
+cross each boundary: a :class:`Plan`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,11 @@ from annot.rewriters.forward_body import (
     forward_statements,
     returns_in,
 )
-from annot.rewriters.liveness import (
-    Crossing,
-    Effects,
+from annot.rewriters.liveness import Crossing, Effects, crossings, live_sets, loop_piece_effects
+from annot.rewriters.statement_effects import (
     block_effects,
-    crossings,
     expression_effects,
     free_names,
-    live_sets,
-    loop_piece_effects,
     param_names,
     statement_effects,
     target_effects,
