@@ -74,7 +74,8 @@ def explain_step(step, args, kwargs) -> str:
                 f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
                 "gradients summed over them"
             )
-        from annot.runtime.schedules import format_table, get_schedule
+        from annot.runtime.schedule_table import format_table
+        from annot.runtime.schedules import get_schedule
 
         out.append("schedule (rows = pipeline ranks):")
         out.append(

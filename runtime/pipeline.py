@@ -37,7 +37,7 @@ waiting on this one name it, its stage and the microbatch. Every message
 carries its key ``(direction, stage, microbatch)``; one that arrives before
 it is needed is kept until its RECV, so no schedule depends on two ranks
 ordering their messages alike (only on not deadlocking, which
-:func:`annot.runtime.schedules.validate` checks).
+:func:`annot.runtime.schedule_check.validate` checks).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from annot.runtime.fault_store import report_failure
 from annot.runtime.p2p import recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 from annot.runtime.replay import ReplayStage, StageDone
+from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
     RECV_B,
     RECV_F,
@@ -64,7 +65,6 @@ from annot.runtime.schedules import (
     B,
     F,
     get_schedule,
-    validate,
 )
 from annot.runtime.schedules import forward_only as _strip_backward
 from annot.runtime.trace import Tracer

@@ -11,7 +11,7 @@ row per pipeline stage (``tid``)::
     write_chrome_trace("step.json", {0: tracer.events})   # ui.perfetto.dev
 
 :func:`schedule_to_chrome_trace` draws a schedule from
-:func:`annot.runtime.schedules.simulate` the same way, with no processes.
+:func:`annot.runtime.schedule_check.simulate` the same way, with no processes.
 """
 
 from __future__ import annotations
@@ -149,10 +149,11 @@ def write_chrome_trace(path: Union[str, os.PathLike], events_by_rank: EventsByRa
 
 def schedule_to_chrome_trace(schedule, cost_f: float = 1, cost_b: float = 2) -> dict[str, Any]:
     """Draw a schedule as a Chrome trace from
-    :func:`annot.runtime.schedules.simulate` (one cost unit = 1 ms): one process
+    :func:`annot.runtime.schedule_check.simulate` (one cost unit = 1 ms): one process
     per rank, one thread per stage, an ``X`` event per F/B and an instant
     event (``"ph": "i"``) per SEND/RECV."""
-    from annot.runtime.schedules import COMPUTE, simulate
+    from annot.runtime.schedule_check import simulate
+    from annot.runtime.schedules import COMPUTE
 
     timeline = simulate(schedule, cost_f, cost_b)
     by_rank: dict[int, Events] = {}

@@ -8,6 +8,8 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from annot.errors import PipelineError
+from annot.runtime.schedule_check import peak_in_flight, simulate, validate
+from annot.runtime.schedule_table import format_table
 from annot.runtime.schedules import (
     RECV_B,
     RECV_F,
@@ -16,15 +18,11 @@ from annot.runtime.schedules import (
     Action,
     B,
     F,
-    format_table,
     forward_only,
     get_schedule,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
-    peak_in_flight,
-    simulate,
-    validate,
 )
 from annot.runtime.trace import (
     Tracer,
