@@ -58,7 +58,8 @@ from libcst.metadata import MetadataWrapper
 from annot.errors import RewriteError
 from annot.rewriters.boundaries import qualified
 from annot.rewriters.diagnostics import Locator, node_source, parse_source
-from annot.rewriters.hint_reader import STAGE_NAMES, find_hints, format_hint, has_qualified_name
+from annot.rewriters.hint_literals import format_hint
+from annot.rewriters.hint_reader import STAGE_NAMES, find_hints, has_qualified_name
 from annot.rewriters.stage_methods import (
     StagePlan,
     StageSplitTransformer,

@@ -113,7 +113,8 @@ from libcst.codemod.visitors import AddImportsVisitor
 from annot.errors import HintError, MeshError
 from annot.hints import ShardSpec
 from annot.rewriters.diagnostics import Locator, parse_source
-from annot.rewriters.hint_reader import find_hints, format_hint
+from annot.rewriters.hint_literals import format_hint
+from annot.rewriters.hint_reader import find_hints
 from annot.rewriters.scopes import ModuleScopes
 from annot.rewriters.tp_local_sizes import LocalSizePlanner
 from annot.rewriters.tp_loss import LossPlanner

@@ -16,7 +16,8 @@ import pytest
 from annot.errors import HintError, MeshError, RewriteError
 from annot.hints import ShardSpec, StageSpec
 from annot.rewriters.diagnostics import unified_diff
-from annot.rewriters.hint_reader import format_hint, read_shard_hints, read_stage_hints
+from annot.rewriters.hint_literals import format_hint
+from annot.rewriters.hint_reader import read_shard_hints, read_stage_hints
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.specs import Col, P, Replicate, Row, Vocab
 
