@@ -1,10 +1,11 @@
 """The pipeline executor: run one training step over this rank's stages.
 
 The user's step body runs once per microbatch (SageMaker ``@smp.step``
-style). Inside it, ``model(...)`` maps to a :class:`ModelCall`: on the rank
-holding the first stage it runs stage 0 on the body's arguments; on the rank
-holding the last stage it runs that stage on the activations received and
-returns the real outputs; ``model.backward(loss)`` registers the loss. The
+style). Inside it, ``model(...)`` maps to a
+:class:`~annot.runtime.model_call.ModelCall`: on the rank holding the first
+stage it runs stage 0 on the body's arguments; on the rank holding the last
+stage it runs that stage on the activations received and returns the real
+outputs; ``model.backward(loss)`` registers the loss. The
 executor walks this rank's list of :class:`~annot.runtime.schedules.Action` and
 does what each says:
 
@@ -26,10 +27,11 @@ require grad cross the backward: other values (ints, masks, targets) cross
 forward only, and a tensor that got no gradient is sent back as ``None``.
 
 Gradients cross as a list in :func:`annot.runtime.p2p_codec.tensors_requiring_grad`
-order, the same on both sides of a boundary.
+order, the same on both sides of a boundary (:mod:`annot.runtime.stage_values`).
 
-Sends are async and waited at the end of the step; every p2p wait runs under
-:func:`annot.runtime.faults.guard` with the timeout, so a dead or hung peer becomes
+Sends are async and waited at the end of the step (the executor's p2p:
+:class:`annot.runtime.pipeline_messages.PipelineMessages`); every p2p wait
+runs under :func:`annot.runtime.faults.guard` with the timeout, so a dead or hung peer becomes
 :class:`~annot.errors.RankFailure` instead of a hang. An exception on this
 rank (a stage, the body, a bad value) is recorded with
 :func:`annot.runtime.fault_store.report_failure` before it propagates, so the ranks
@@ -52,8 +54,8 @@ import torch.nn as nn
 
 from annot.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
-from annot.runtime.p2p import recv_pytree, send_pytree
-from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
+from annot.runtime.model_call import ModelCall, StepState
+from annot.runtime.pipeline_messages import PipelineMessages
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
@@ -67,9 +69,10 @@ from annot.runtime.schedules import (
     get_schedule,
 )
 from annot.runtime.schedules import forward_only as _strip_backward
+from annot.runtime.stage_values import call_stage, grad_pairs, handoff, input_grads, keep_grads
 from annot.runtime.trace import Tracer
 
-__all__ = ["LocalStage", "PipelineExecutor", "ModelCall"]
+__all__ = ["LocalStage", "PipelineExecutor"]
 
 LossScale = Union[None, Callable[[int], float], Sequence[float]]
 
@@ -84,154 +87,7 @@ class LocalStage:
     module: Optional[nn.Module] = None  # holds its parameters
 
 
-# -- pytrees: what annot.runtime.p2p carries, in its flatten order ------------------
-
-
-def _handoff(out: Any, device: Optional[torch.device]) -> Any:
-    """A stage's outputs as the next stage's inputs on the same rank: the same
-    values, tensors detached, so each stage keeps its own graph (as after p2p)."""
-    tree, tensors = flatten(out, root="stage outputs")
-    fresh = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-    return unflatten(tree, fresh, device=device)
-
-
-def _keep_grads(inputs: Any) -> None:
-    """Received tensors that require grad must collect a ``.grad`` (p2p gives
-    leaves; anything else is asked to retain it)."""
-    for t in tensors_requiring_grad(inputs):
-        if not t.is_leaf:
-            t.retain_grad()
-
-
-def _input_grads(inputs: Any) -> list[Optional[torch.Tensor]]:
-    """What B sends back: the ``.grad`` of each input tensor that requires
-    grad (p2p's flatten order), None where one got no gradient."""
-    return [t.grad for t in tensors_requiring_grad(inputs)]
-
-
-def _grad_pairs(out: Any, grads: list, stage: int, microbatch: int) -> list[tuple]:
-    """Pair each output tensor that requires grad with its gradient; skip Nones."""
-    tensors = tensors_requiring_grad(out)
-    if not isinstance(grads, list) or len(grads) != len(tensors):
-        n = len(grads) if isinstance(grads, list) else type(grads).__name__
-        raise PipelineError(
-            f"stage {stage}, microbatch {microbatch}: {n} gradients arrived for "
-            f"{len(tensors)} outputs that require grad; the two sides of the stage boundary "
-            "disagree about its values (please report this)"
-        )
-    return [(t, g) for t, g in zip(tensors, grads) if g is not None]
-
-
-def _detached(tree: Any) -> Any:
-    """Tensors detached in tuples, lists and dicts; everything else as is."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach()
-    if isinstance(tree, dict):
-        return type(tree)((k, _detached(v)) for k, v in tree.items())
-    if isinstance(tree, list):
-        return [_detached(v) for v in tree]
-    if isinstance(tree, tuple):
-        items = [_detached(v) for v in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
-    return tree
-
-
-def _call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return fn(**inputs)
-    if isinstance(inputs, tuple):
-        return fn(*inputs)
-    return fn(inputs)
-
-
-# -- the executor -------------------------------------------------------------
-
-
-class _Step:
-    """Everything one step keeps per (stage, microbatch); emptied as it goes."""
-
-    def __init__(self, microbatches: int, body: Callable, scale: Callable[[int], float], fwd_only):
-        self.microbatches = microbatches
-        self.body = body
-        self.scale = scale
-        self.forward_only = fwd_only
-        self.inputs: dict[tuple[int, int], Any] = {}
-        self.outputs: dict[tuple[int, int], Any] = {}
-        self.out_grads: dict[tuple[int, int], Any] = {}
-        self.in_grads: dict[tuple[int, int], Any] = {}
-        self.losses: dict[int, torch.Tensor] = {}
-        self.results: dict[int, Any] = {}
-        self.forwarded: set[tuple[int, int]] = set()
-        self.inbox: dict[int, dict[tuple, Any]] = {}
-        self.handles: list[Any] = []  # annot.runtime.p2p.Handle
-
-
-class ModelCall:
-    """What ``model(...)`` and ``model.backward(loss)`` map to inside the step
-    body, for one microbatch on one rank."""
-
-    def __init__(self, executor: PipelineExecutor, step: _Step, microbatch: int, stage: int):
-        self._ex = executor
-        self._step = step
-        self.microbatch = microbatch
-        self.stage = stage  # the stage whose F invoked the body
-        self.called = False
-        self.backward_called = False
-
-    @property
-    def is_last(self) -> bool:
-        """True where ``call(...)`` returns real outputs (the last stage's rank;
-        with replayed stages, the last stage's own call)."""
-        if self._ex.replay:
-            return self.stage == self._ex.num_stages - 1
-        return self._ex._owner(self._ex.num_stages - 1) == self._ex.pp_rank
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.called:
-            raise PipelineError(
-                f"the model was called twice for microbatch {self.microbatch}; a pipelined "
-                "step calls model(...) once per microbatch (return the values you need from "
-                "that one call)"
-            )
-        self.called = True
-        ex, st, i = self._ex, self._step, self.microbatch
-        last = ex.num_stages - 1
-        if ex.replay:
-            return ex._forward(st, self.stage, i, (args, kwargs))
-        if self.stage == 0:
-            out = ex._forward(st, 0, i, (args, kwargs))
-            if not self.is_last:
-                raise StageDone()  # the rest of the body (the loss) runs on the last stage
-            for s in range(1, ex.num_stages):  # pp == 1: every stage is here
-                out = ex._forward(st, s, i)
-            st.outputs.pop((last, i), None)
-            return out
-        out = ex._forward(st, last, i)
-        st.outputs.pop((last, i), None)
-        return out
-
-    def backward(self, loss: Any) -> None:
-        """Register the microbatch's loss; the executor runs its backward when
-        the schedule says B. Several calls add up. A no-op off the last stage."""
-        self.backward_called = True
-        if not self.is_last or self._step.forward_only:
-            return
-        if not isinstance(loss, torch.Tensor):
-            raise PipelineError(
-                f"model.backward(loss) got a {type(loss).__name__}; expected the loss tensor "
-                "computed from the model's outputs"
-            )
-        if not loss.requires_grad:
-            raise PipelineError(
-                f"model.backward(loss): the loss of microbatch {self.microbatch} does not "
-                "require grad (computed under torch.no_grad(), or not from the model outputs?)"
-            )
-        losses = self._step.losses
-        i = self.microbatch
-        losses[i] = loss if i not in losses else losses[i] + loss
-
-
-class PipelineExecutor:
+class PipelineExecutor(PipelineMessages):
     """Runs steps over this rank's stages following a schedule.
 
     ``stages`` are the :class:`LocalStage` s this rank holds: with ``pp``
@@ -285,9 +141,9 @@ class PipelineExecutor:
         # Stages cut at run time (annot.runtime.replay): the body runs for every stage.
         self.replay = any(isinstance(s.fn, ReplayStage) for s in stages)
         get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
-        self._peers = ctx.axis_ranks("pp") if ctx is not None else [0]
-        self._group = ctx.pp_group if ctx is not None and self.pp > 1 else None
-        self._device = ctx.device if ctx is not None else None
+        self.peers = ctx.axis_ranks("pp") if ctx is not None else [0]
+        self.group = ctx.pp_group if ctx is not None and self.pp > 1 else None
+        self.device = ctx.device if ctx is not None else None
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
         self.last_rank_outputs: Optional[list[Any]] = None
@@ -332,56 +188,17 @@ class PipelineExecutor:
         """
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
-        st = _Step(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
+        st = StepState(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
         for action in actions:
             self._do(st, action)
-        self._wait_sends(st)
+        self.wait_sends(st)
         self._check_empty(st)
-        holds_last = self._owner(self.num_stages - 1) == self.pp_rank
+        holds_last = self.owner(self.num_stages - 1) == self.pp_rank
         self.last_rank_outputs = (
             [st.results[i] for i in range(microbatches)] if holds_last else None
         )
         return self.last_rank_outputs
-
-    def broadcast_outputs(self, outputs: Optional[list[Any]] = None) -> list[Any]:
-        """The last stage's step outputs (``outputs`` there, else the last
-        :meth:`run`'s), tensors detached, on every rank of the pipeline."""
-        last = self.num_stages - 1
-        holds_last = self._owner(last) == self.pp_rank
-        if holds_last:
-            outputs = self.last_rank_outputs if outputs is None else outputs
-            if outputs is None:
-                raise PipelineError("broadcast_outputs() before any run(): nothing to send")
-            outputs = _detached(outputs)
-        if self.pp == 1:
-            return outputs
-        src = self._peers[self._owner(last)]
-        if not holds_last:
-            return recv_pytree(
-                src,
-                group=self._group,
-                device=self._device,
-                what="step outputs",
-                timeout_s=self.timeout_s,
-                stage=self.pp_rank,
-                peer_stage=last,
-            )
-        handles = [
-            send_pytree(
-                outputs,
-                dst,
-                group=self._group,
-                what="step outputs",
-                timeout_s=self.timeout_s,
-                stage=last,
-            )
-            for dst in self._peers
-            if dst != self.rank
-        ]
-        for h in handles:
-            h.wait()
-        return outputs
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This rank's Chrome trace events so far (``trace=True``); merge ranks
@@ -390,10 +207,10 @@ class PipelineExecutor:
 
     # -- actions --------------------------------------------------------------
 
-    def _owner(self, stage: int) -> int:
+    def owner(self, stage: int) -> int:
         return stage % self.pp
 
-    def _do(self, st: _Step, a: Action) -> None:
+    def _do(self, st: StepState, a: Action) -> None:
         kind, s, i = a
         cat = {F: "forward", B: "backward"}.get(kind, "p2p")
         with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
@@ -406,14 +223,14 @@ class PipelineExecutor:
                     self._backward(st, s, i)
                 elif kind == SEND_F:
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
-                    self._send(st, a, out)
+                    self.send(st, a, out)
                 elif kind == SEND_B:
-                    self._send(st, a, st.in_grads.pop((s, i)))
+                    self.send(st, a, st.in_grads.pop((s, i)))
                 elif kind == RECV_F:
-                    st.inputs[(s, i)] = x = self._recv(st, a, self._owner(s - 1))
-                    _keep_grads(x)
+                    st.inputs[(s, i)] = x = self.recv(st, a, self.owner(s - 1))
+                    keep_grads(x)
                 elif kind == RECV_B:
-                    st.out_grads[(s, i)] = self._recv(st, a, self._owner(s + 1))
+                    st.out_grads[(s, i)] = self.recv(st, a, self.owner(s + 1))
             except RankFailure:
                 raise  # another rank failed first; the store already says who
             except Exception as exc:
@@ -433,12 +250,12 @@ class PipelineExecutor:
         except Exception:  # noqa: BLE001 - reporting must not hide the real error
             pass
 
-    def _run_forward_action(self, st: _Step, s: int, i: int) -> None:
+    def _run_forward_action(self, st: StepState, s: int, i: int) -> None:
         if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already
             return
         last = self.num_stages - 1
         if s != 0 and s != last and not self.replay:
-            self._forward(st, s, i)
+            self.forward_stage(st, s, i)
             return
         call = ModelCall(self, st, i, s)
         try:
@@ -458,7 +275,7 @@ class PipelineExecutor:
                     "training step must (for evaluation, run with forward_only=True)"
                 )
 
-    def _forward(self, st: _Step, s: int, i: int, first_args: Any = None) -> Any:
+    def forward_stage(self, st: StepState, s: int, i: int, first_args: Any = None) -> Any:
         stage = self.stages[s]
         if self.replay:
             args, kwargs = first_args
@@ -476,96 +293,42 @@ class PipelineExecutor:
             out = stage.fn(*args, **kwargs)
         else:
             inputs = st.inputs.pop((s, i))
-            out = _call_stage(stage.fn, inputs)
+            out = call_stage(stage.fn, inputs)
         self._forwarded(st, s, i, inputs, out)
         return out
 
-    def _forwarded(self, st: _Step, s: int, i: int, inputs: Any, out: Any) -> None:
+    def _forwarded(self, st: StepState, s: int, i: int, inputs: Any, out: Any) -> None:
         """Keep stage ``s``'s inputs (their ``.grad`` goes back in B) and outputs
         (sent by SEND_F, or handed to the next stage on this rank)."""
         st.forwarded.add((s, i))
         if not st.forward_only and s > 0:
             st.inputs[(s, i)] = inputs  # its .grad is what B sends back
         if s < self.num_stages - 1:
-            if self._owner(s + 1) == self.pp_rank:
-                st.inputs[(s + 1, i)] = _handoff(out, self._device)
+            if self.owner(s + 1) == self.pp_rank:
+                st.inputs[(s + 1, i)] = handoff(out, self.device)
                 if not st.forward_only:
                     st.outputs[(s, i)] = out
             else:
                 st.outputs[(s, i)] = out  # sent by SEND_F, kept for B
 
-    def _backward(self, st: _Step, s: int, i: int) -> None:
+    def _backward(self, st: StepState, s: int, i: int) -> None:
         if s == self.num_stages - 1:
             loss = st.losses.pop(i)
             torch.autograd.backward(loss * st.scale(i))
         else:
             out = st.outputs.pop((s, i))
-            pairs = _grad_pairs(out, st.out_grads.pop((s, i)), s, i)
+            pairs = grad_pairs(out, st.out_grads.pop((s, i)), s, i)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             del out, pairs
         if s > 0:
-            grads = _input_grads(st.inputs.pop((s, i)))
-            if self._owner(s - 1) == self.pp_rank:
+            grads = input_grads(st.inputs.pop((s, i)))
+            if self.owner(s - 1) == self.pp_rank:
                 st.out_grads[(s - 1, i)] = grads
             else:
                 st.in_grads[(s, i)] = grads
 
-    # -- p2p ------------------------------------------------------------------
-
-    def _send(self, st: _Step, a: Action, payload: Any) -> None:
-        direction, dst_stage, i = a.message
-        dst = self._peers[self._owner(dst_stage)]
-        handle = send_pytree(
-            (direction, dst_stage, i, payload),
-            dst,
-            group=self._group,
-            what="activations" if direction == F else "gradients",
-            timeout_s=self.timeout_s,
-            stage=a.stage,
-            microbatch=i,
-            peer_stage=dst_stage,
-        )
-        st.handles.append(handle)
-
-    def _recv(self, st: _Step, a: Action, src_pp_rank: int) -> Any:
-        """The payload of message ``a.message`` from its sender; messages from
-        the same peer that arrive first are kept for their own RECV."""
-        src = self._peers[src_pp_rank]
-        key = a.message
-        box = st.inbox.setdefault(src, {})
-        while key not in box:
-            msg = recv_pytree(
-                src,
-                group=self._group,
-                device=self._device,
-                what="activations" if a.kind == RECV_F else "gradients",
-                timeout_s=self.timeout_s,
-                stage=a.stage,
-                microbatch=a.microbatch,
-                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
-            )
-            if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] in (F, B)):
-                raise PipelineError(
-                    f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
-                    f"got a {type(msg).__name__}; another p2p exchange is interleaved with the "
-                    "pipeline on this pair of ranks"
-                )
-            got = (msg[0], msg[1], msg[2])
-            if got in box:
-                raise PipelineError(f"rank {self.rank} received {got} from rank {src} twice")
-            box[got] = msg[3]
-        return box.pop(key)
-
-    def _wait_sends(self, st: _Step) -> None:
-        if not st.handles:
-            return
-        with self.tracer.span("wait sends", "p2p", {"count": len(st.handles)}, tid=self.pp_rank):
-            for handle in st.handles:
-                handle.wait()
-        st.handles.clear()
-
-    def _check_empty(self, st: _Step) -> None:
+    def _check_empty(self, st: StepState) -> None:
         left = {
             "activations": list(st.outputs),
             "inputs": list(st.inputs),

@@ -1,0 +1,104 @@
+"""What ``model(...)`` and ``model.backward(loss)`` are inside a pipelined
+step body: a :class:`ModelCall` per microbatch, over the :class:`StepState`
+that the executor (:class:`annot.runtime.pipeline.PipelineExecutor`) keeps
+for one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from annot.errors import PipelineError
+from annot.runtime.replay import StageDone
+
+if TYPE_CHECKING:
+    from annot.runtime.pipeline import PipelineExecutor
+
+__all__ = ["ModelCall", "StepState"]
+
+
+class StepState:
+    """Everything one step keeps per (stage, microbatch); emptied as it goes."""
+
+    def __init__(self, microbatches: int, body: Callable, scale: Callable[[int], float], fwd_only):
+        self.microbatches = microbatches
+        self.body = body
+        self.scale = scale
+        self.forward_only = fwd_only
+        self.inputs: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.out_grads: dict[tuple[int, int], Any] = {}
+        self.in_grads: dict[tuple[int, int], Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.results: dict[int, Any] = {}
+        self.forwarded: set[tuple[int, int]] = set()
+        self.inbox: dict[int, dict[tuple, Any]] = {}
+        self.handles: list[Any] = []  # annot.runtime.p2p.Handle
+
+
+class ModelCall:
+    """What ``model(...)`` and ``model.backward(loss)`` map to inside the step
+    body, for one microbatch on one rank."""
+
+    def __init__(self, executor: PipelineExecutor, step: StepState, microbatch: int, stage: int):
+        self._ex = executor
+        self._step = step
+        self.microbatch = microbatch
+        self.stage = stage  # the stage whose F invoked the body
+        self.called = False
+        self.backward_called = False
+
+    @property
+    def is_last(self) -> bool:
+        """True where ``call(...)`` returns real outputs (the last stage's rank;
+        with replayed stages, the last stage's own call)."""
+        if self._ex.replay:
+            return self.stage == self._ex.num_stages - 1
+        return self._ex.owner(self._ex.num_stages - 1) == self._ex.pp_rank
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.called:
+            raise PipelineError(
+                f"the model was called twice for microbatch {self.microbatch}; a pipelined "
+                "step calls model(...) once per microbatch (return the values you need from "
+                "that one call)"
+            )
+        self.called = True
+        ex, st, i = self._ex, self._step, self.microbatch
+        last = ex.num_stages - 1
+        if ex.replay:
+            return ex.forward_stage(st, self.stage, i, (args, kwargs))
+        if self.stage == 0:
+            out = ex.forward_stage(st, 0, i, (args, kwargs))
+            if not self.is_last:
+                raise StageDone()  # the rest of the body (the loss) runs on the last stage
+            for s in range(1, ex.num_stages):  # pp == 1: every stage is here
+                out = ex.forward_stage(st, s, i)
+            st.outputs.pop((last, i), None)
+            return out
+        out = ex.forward_stage(st, last, i)
+        st.outputs.pop((last, i), None)
+        return out
+
+    def backward(self, loss: Any) -> None:
+        """Register the microbatch's loss; the executor runs its backward when
+        the schedule says B. Several calls add up. A no-op off the last stage."""
+        self.backward_called = True
+        if not self.is_last or self._step.forward_only:
+            return
+        if not isinstance(loss, torch.Tensor):
+            raise PipelineError(
+                f"model.backward(loss) got a {type(loss).__name__}; expected the loss tensor "
+                "computed from the model's outputs"
+            )
+        if not loss.requires_grad:
+            raise PipelineError(
+                f"model.backward(loss): the loss of microbatch {self.microbatch} does not "
+                "require grad (computed under torch.no_grad(), or not from the model outputs?)"
+            )
+        losses = self._step.losses
+        i = self.microbatch
+        losses[i] = loss if i not in losses else losses[i] + loss

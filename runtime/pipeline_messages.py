@@ -1,0 +1,118 @@
+"""The pipeline executor's p2p (:class:`annot.runtime.pipeline.PipelineExecutor`
+inherits it): every message carries its key ``(direction, stage,
+microbatch)``, a message that arrives before its RECV is kept for it, sends
+are async and waited at the end of the step, and the last stage's step
+outputs go to every rank of the pipeline. The executor sets the attributes
+used here (``peers``, ``group``, ``device``, ``timeout_s``, ``rank``,
+``pp``, ``pp_rank``, ``num_stages``, ``tracer``, ``last_rank_outputs``) and
+``owner``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from annot.errors import PipelineError
+from annot.runtime.model_call import StepState
+from annot.runtime.p2p import recv_pytree, send_pytree
+from annot.runtime.schedules import RECV_F, Action, B, F
+from annot.runtime.stage_values import detached
+
+__all__ = ["PipelineMessages"]
+
+
+class PipelineMessages:
+    """The p2p half of :class:`~annot.runtime.pipeline.PipelineExecutor` (see
+    the module docstring)."""
+
+    def broadcast_outputs(self, outputs: Optional[list[Any]] = None) -> list[Any]:
+        """The last stage's step outputs (``outputs`` there, else the last
+        :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s), tensors
+        detached, on every rank of the pipeline."""
+        last = self.num_stages - 1
+        holds_last = self.owner(last) == self.pp_rank
+        if holds_last:
+            outputs = self.last_rank_outputs if outputs is None else outputs
+            if outputs is None:
+                raise PipelineError("broadcast_outputs() before any run(): nothing to send")
+            outputs = detached(outputs)
+        if self.pp == 1:
+            return outputs
+        src = self.peers[self.owner(last)]
+        if not holds_last:
+            return recv_pytree(
+                src,
+                group=self.group,
+                device=self.device,
+                what="step outputs",
+                timeout_s=self.timeout_s,
+                stage=self.pp_rank,
+                peer_stage=last,
+            )
+        handles = [
+            send_pytree(
+                outputs,
+                dst,
+                group=self.group,
+                what="step outputs",
+                timeout_s=self.timeout_s,
+                stage=last,
+            )
+            for dst in self.peers
+            if dst != self.rank
+        ]
+        for h in handles:
+            h.wait()
+        return outputs
+
+    def send(self, st: StepState, a: Action, payload: Any) -> None:
+        direction, dst_stage, i = a.message
+        dst = self.peers[self.owner(dst_stage)]
+        handle = send_pytree(
+            (direction, dst_stage, i, payload),
+            dst,
+            group=self.group,
+            what="activations" if direction == F else "gradients",
+            timeout_s=self.timeout_s,
+            stage=a.stage,
+            microbatch=i,
+            peer_stage=dst_stage,
+        )
+        st.handles.append(handle)
+
+    def recv(self, st: StepState, a: Action, src_pp_rank: int) -> Any:
+        """The payload of message ``a.message`` from its sender; messages from
+        the same peer that arrive first are kept for their own RECV."""
+        src = self.peers[src_pp_rank]
+        key = a.message
+        box = st.inbox.setdefault(src, {})
+        while key not in box:
+            msg = recv_pytree(
+                src,
+                group=self.group,
+                device=self.device,
+                what="activations" if a.kind == RECV_F else "gradients",
+                timeout_s=self.timeout_s,
+                stage=a.stage,
+                microbatch=a.microbatch,
+                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+            )
+            if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] in (F, B)):
+                raise PipelineError(
+                    f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
+                    f"got a {type(msg).__name__}; another p2p exchange is interleaved with the "
+                    "pipeline on this pair of ranks"
+                )
+            got = (msg[0], msg[1], msg[2])
+            if got in box:
+                raise PipelineError(f"rank {self.rank} received {got} from rank {src} twice")
+            box[got] = msg[3]
+        return box.pop(key)
+
+    def wait_sends(self, st: StepState) -> None:
+        if not st.handles:
+            return
+        with self.tracer.span("wait sends", "p2p", {"count": len(st.handles)}, tid=self.pp_rank):
+            for handle in st.handles:
+                handle.wait()
+        st.handles.clear()
