@@ -108,7 +108,7 @@ def _measure(
     rounds: int = 5,
     points: Optional[Sequence[str]] = None,
 ) -> _Measured:
-    from annot.runtime.cost import Segment
+    from annot.runtime.cost_segments import Segment
 
     if not isinstance(model, cls):
         raise PartitionError(
@@ -326,7 +326,7 @@ def measure_split(
 ) -> list[Any]:
     """Profile the stages of a given split (``boundaries`` as for
     ``split_stages``, e.g. a hand-written ``@stage(split=...)`` or another
-    tool's choice): one :class:`annot.runtime.cost.SegmentCost` per stage, each
+    tool's choice): one :class:`annot.runtime.cost_segments.SegmentCost` per stage, each
     stage run whole on the sample, the output of the stage before it."""
     if sample is None:
         raise PartitionError("measure_split runs the stages: pass sample=(x, ...)")

@@ -61,7 +61,7 @@ def segment_costs(
 ):
     """One SegmentCost per segment: parameter-side bytes counted here (shared
     parameters keyed by their name in the model), the rest from ``measured``."""
-    from annot.runtime.cost import SegmentCost
+    from annot.runtime.cost_segments import SegmentCost
 
     qual = {id(p): n for n, p in model.named_parameters()}
     sharded = _sharded_ids(model) if tp > 1 else set()
@@ -125,12 +125,15 @@ def profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: 
     each segment keeps its fastest round (the median of ``repeats`` runs).
     A burst of load elsewhere on the machine slows a few consecutive segments
     of one round; across rounds it lands on different ones. Cached as JSON
-    in ``cache_dir`` under annot.runtime.cost.cache_key (plus the round count)."""
+    in ``cache_dir`` under annot.runtime.cost_cache.cache_key (plus the round
+    count)."""
     import json
     from dataclasses import asdict
     from pathlib import Path
 
-    from annot.runtime.cost import SegmentCost, cache_key, profile_segments
+    from annot.runtime.cost import profile_segments
+    from annot.runtime.cost_cache import cache_key
+    from annot.runtime.cost_segments import SegmentCost
 
     path = None
     if cache_dir is not None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from annot.runtime.cost import format_bytes, format_count, format_seconds
+from annot.runtime.cost_table import format_bytes, format_count, format_seconds
 
 __all__ = ["StagePlanResult"]
 
@@ -18,7 +18,7 @@ _COST_WORDS = {
     "params": "parameter bytes",
 }
 
-# Units, shared with annot.runtime.cost's table.
+# Units, shared with annot.runtime.cost_table's table.
 _bytes, _count, _seconds = format_bytes, format_count, format_seconds
 
 
@@ -27,7 +27,7 @@ class StagePlanResult:
     """A plan: ``boundaries`` (module paths where stages 1.. begin, for
     ``split_stages`` / ``parallelize(split=...)``), the ``partition`` over
     the ``segments`` (their names: the split point each begins at) and their
-    ``costs`` (:class:`annot.runtime.cost.SegmentCost`)."""
+    ``costs`` (:class:`annot.runtime.cost_segments.SegmentCost`)."""
 
     class_name: str
     boundaries: tuple[str, ...]

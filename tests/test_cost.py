@@ -8,14 +8,10 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PartitionError
-from annot.runtime.cost import (
-    Segment,
-    SegmentCost,
-    cache_key,
-    format_partition_table,
-    partition_args,
-    profile_segments,
-)
+from annot.runtime.cost import partition_args, profile_segments
+from annot.runtime.cost_cache import cache_key
+from annot.runtime.cost_segments import Segment, SegmentCost
+from annot.runtime.cost_table import format_partition_table
 from annot.runtime.partition import partition
 
 F32 = 4  # bytes per float32 element

@@ -1,0 +1,102 @@
+"""Measuring one segment for the cost model (:mod:`annot.runtime.cost`): its
+forward and backward FLOPs (``FlopCounterMode``), the bytes its forward saves
+for backward (``saved_tensors_hooks``, parameter storages left out) and the
+median time of forward + backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from annot.runtime.cost_segments import Segment
+
+__all__ = ["call", "detach", "leaves", "measure"]
+
+
+def leaves(x: Any):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from leaves(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from leaves(v)
+
+
+def detach(x: Any, grad: Optional[bool]) -> Any:
+    """A fresh leaf copy of the structure; floating tensors require grad when
+    ``grad`` is True, keep their own flag when it is None."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        want = x.requires_grad if grad is None else grad
+        return t.requires_grad_(bool(want) and (t.is_floating_point() or t.is_complex()))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(detach(v, grad) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(detach(v, grad) for v in x)
+    if isinstance(x, dict):
+        return {k: detach(v, grad) for k, v in x.items()}
+    return x
+
+
+def call(fn: Callable[..., Any], state: Any) -> Any:
+    return fn(*state) if isinstance(state, tuple) else fn(state)
+
+
+def sync(tensors) -> None:
+    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+def fwd_bwd(fn, state):
+    out = call(fn, state)
+    outs = [t for t in leaves(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return out
+
+
+def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, warmup: int):
+    """(forward flops, total flops, activation bytes, output, median seconds)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if storage.data_ptr() not in param_ptrs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with FlopCounterMode(display=False) as fwd_counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = call(seg.fn, state)
+    outs = [t for t in leaves(out) if t.requires_grad]
+    with FlopCounterMode(display=False) as bwd_counter:
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    fwd = int(fwd_counter.get_total_flops())
+    total = fwd + int(bwd_counter.get_total_flops())
+
+    probe = list(leaves(state)) + params
+    times = []
+    for i in range(warmup + repeats):
+        for p in params:
+            p.grad = None
+        sync(probe)
+        t0 = time.perf_counter()
+        fwd_bwd(seg.fn, state)
+        sync(probe)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return fwd, total, sum(saved.values()), out, statistics.median(times)
