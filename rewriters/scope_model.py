@@ -57,7 +57,7 @@ class Assignment:
             return {q.name for q in imp.get_qualified_names_for(full_name)}
         return {full_name}
 
-    def _add(self, accesses: Iterable[Access]) -> None:
+    def record_accesses(self, accesses: Iterable[Access]) -> None:
         """libcst's ``record_accesses``: accesses before this binding in its own
         scope go to what it shadows."""
         earlier = []
@@ -72,7 +72,7 @@ class Assignment:
                 earlier.append(access)
         if earlier and self.scope.parent is not self.scope:
             for shadowed in self.scope.parent.resolve(self.name, self.scope.parent):
-                shadowed._add(earlier)
+                shadowed.record_accesses(earlier)
 
 
 class Access:

@@ -1,12 +1,15 @@
 """The walk behind :class:`annot.rewriters.scopes.ModuleScopes`: libcst's
 ``ScopeVisitor`` and ``ExpressionContextVisitor`` ported, in one.
 
-:class:`ScopeWalk` is ModuleScopes' base class. :meth:`ScopeWalk.walk_unit`
-analyses one unit (the module's top level, or the deferred body of a class or
-function): it binds names in their scopes, records each read for later
-inference, notes every node's parent, scope and expression context, and
-numbers names, parameters and statements in visiting order. The maps it fills
-are set up by ``ModuleScopes.__init__``.
+A :class:`ScopeWalk` belongs to one ModuleScopes and fills the maps it answers
+from. :meth:`ScopeWalk.walk_unit` analyses one unit (the module's top level,
+or the deferred body of a class or function): it binds names in their scopes,
+records each read for later inference (:meth:`ScopeWalk.take_accesses`),
+notes every node's parent, scope and expression context (:attr:`parents`,
+:attr:`scopes`, :attr:`contexts`), and numbers names, parameters and
+statements in visiting order (:attr:`first`, :attr:`end`). A def or class
+body met at the level where units are deferred is left for its own unit
+(:meth:`ScopeWalk.walk_deferred`, :meth:`ScopeWalk.waiting`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from libcst.helpers import get_full_name_for_node
 from annot.rewriters.diagnostics import children, is_a
 from annot.rewriters.scope_model import DEL, LOAD, STORE, Access, Assignment, Scope
 
-__all__ = ["BITS", "LEVELS", "ScopeWalk"]
+__all__ = ["BITS", "LEVELS", "Defn", "ScopeWalk"]
 
 # A node's number: each unit numbers its nodes in a field of BITS bits of an
 # int, below the number of the def or class it is the body of (so numbers of
@@ -30,17 +33,57 @@ LEVELS = 6  # units nested deeper than this are analysed with the unit around th
 # nodes given source-order numbers (spans): those the rewriters compare
 _NUMBERED = (cst.Name, cst.Param, cst.BaseSmallStatement, cst.BaseCompoundStatement)
 
+Defn = Union[cst.FunctionDef, cst.ClassDef]
+
 
 class ScopeWalk:
-    """The walk half of :class:`~annot.rewriters.scopes.ModuleScopes` (see the
-    module docstring)."""
+    """The walk of one module's units into the maps
+    :class:`~annot.rewriters.scopes.ModuleScopes` answers from (see the module
+    docstring); ``module_scope`` is the module's global scope."""
+
+    def __init__(self, module_scope: Scope) -> None:
+        self.globals = module_scope
+        self.parents: dict[int, cst.CSTNode] = {}
+        self.scopes: dict[int, Scope] = {}
+        self.contexts: dict[int, str] = {}
+        self.first: dict[int, int] = {}  # id(node) -> its number
+        self.end: dict[int, int] = {}  # id(node) -> the number after its subtree's
+        # a def / class whose body waits for its own unit -> (it, its scope, its unit's level)
+        self._deferred: dict[int, tuple[Defn, Scope, int]] = {}
+        self._done: set[int] = set()
+        # Names, parameters and statements are numbered in visiting order (source
+        # order, but for the parts libcst visits out of it: a function's
+        # decorators after its body, a comprehension's element last).
+        self._level = 0
+        self._base = 0
+        self._shift = BITS * (LEVELS - 1)
+        self._count = 0
+        self._pending: list[Access] = []
+        self._current: Scope = module_scope
+        self._defer_in: Optional[Scope] = None
+
+    def waiting(self) -> list[tuple[Defn, Scope, int]]:
+        """The deferred units not walked yet: (the def or class, the scope it
+        is in, its unit's level), the arguments of :meth:`walk_unit`."""
+        return [d for k, d in self._deferred.items() if k not in self._done]
+
+    def walk_deferred(self, node: cst.CSTNode) -> None:
+        """Walk the body of ``node``, a def or class, if it waits for its own unit."""
+        if id(node) in self._deferred and id(node) not in self._done:
+            self.walk_unit(*self._deferred[id(node)])
+
+    def take_accesses(self) -> list[Access]:
+        """The reads recorded since the last call, handed over (libcst infers
+        what they refer to once the scopes they may see are walked)."""
+        pending, self._pending = self._pending, []
+        return pending
 
     def walk_unit(self, root: cst.CSTNode, outer: Scope, level: int = 0) -> None:
         """Analyse the module's top level, or the deferred body of ``root``, a
         class or function in ``outer``."""
         self._done.add(id(root))
         self._level = level
-        self._base = self._first.get(id(root), 0)
+        self._base = self.first.get(id(root), 0)
         self._shift = BITS * (LEVELS - 1 - level)
         self._count = 0
         self._current = outer
@@ -52,7 +95,7 @@ class ScopeWalk:
             scope = Scope("class", outer, root)
             self._defer_in = scope
             self._current = scope
-            self._parent[id(root.body)] = root
+            self.parents[id(root.body)] = root
             for stmt in root.body.body:
                 self._visit(stmt, root.body, LOAD)
         else:
@@ -62,7 +105,7 @@ class ScopeWalk:
             self._current = scope
             self._parameters(root.params, root, defaults=False)
             self._visit(root.body, root, LOAD)
-            self._scope[id(root.body)] = scope
+            self.scopes[id(root.body)] = scope
         self._current = self.globals
         self._defer_in = None
 
@@ -70,13 +113,13 @@ class ScopeWalk:
 
     def _number(self, node: cst.CSTNode) -> None:
         self._count += 1
-        self._first[id(node)] = self._base + (self._count << self._shift)
+        self.first[id(node)] = self._base + (self._count << self._shift)
 
     def _close(self, node: cst.CSTNode) -> None:
-        self._end[id(node)] = self._base + ((self._count + 1) << self._shift)
+        self.end[id(node)] = self._base + ((self._count + 1) << self._shift)
 
     def _visit(self, node: cst.CSTNode, parent: cst.CSTNode, ctx: str) -> None:
-        self._parent[id(node)] = parent
+        self.parents[id(node)] = parent
         numbered = is_a(node, _NUMBERED)
         if numbered:
             self._number(node)
@@ -99,15 +142,15 @@ class ScopeWalk:
         return outer
 
     def _name(self, node: cst.Name, ctx: str) -> None:
-        self._context[id(node)] = ctx
-        self._scope[id(node)] = self._current
+        self.contexts[id(node)] = ctx
+        self.scopes[id(node)] = self._current
         if ctx == STORE:
             self._bind(node.value, node)
         else:
             self._pending.append(Access(node, self._current))
 
     def _attribute(self, node: cst.Attribute, ctx: str) -> None:
-        self._context[id(node)] = ctx
+        self.contexts[id(node)] = ctx
         self._visit(node.value, node, LOAD)
 
     def _subscript(self, node: cst.Subscript, ctx: str) -> None:
@@ -163,7 +206,7 @@ class ScopeWalk:
         self, node: Union[cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp], ctx: str
     ) -> None:
         for_in = node.for_in
-        self._parent[id(for_in)] = node
+        self.parents[id(for_in)] = node
         self._visit(for_in.iter, for_in, ctx)  # the first iterable is read outside
         outer = self._in(Scope("comprehension", self._current, node))
         self._visit(for_in.target, for_in, STORE)
@@ -181,15 +224,15 @@ class ScopeWalk:
     def _parameters(self, node: cst.Parameters, parent: cst.CSTNode, defaults: bool = True) -> None:
         """A function's parameters, bound in the current (the function's) scope;
         defaults and annotations are read in the scope around it."""
-        self._parent[id(node)] = parent
+        self.parents[id(node)] = parent
         for param in children(node):
-            self._parent[id(param)] = node
+            self.parents[id(param)] = node
             self._number(param)
             if isinstance(param, cst.Param):
                 self._bind(param.name.value, param)
-                self._scope[id(param.name)] = self._current
-                self._context[id(param.name)] = STORE
-                self._parent[id(param.name)] = param
+                self.scopes[id(param.name)] = self._current
+                self.contexts[id(param.name)] = STORE
+                self.parents[id(param.name)] = param
                 if defaults:
                     self._param_defaults(param)
             self._close(param)
@@ -210,7 +253,7 @@ class ScopeWalk:
 
     def _function(self, node: cst.FunctionDef, ctx: str) -> None:
         self._bind(node.name.value, node)
-        self._scope[id(node.name)] = self._current
+        self.scopes[id(node.name)] = self._current
         outer = self._current
         defer = self._current is self._defer_in and node.type_parameters is None
         defer = defer and self._level + 1 < LEVELS
@@ -221,14 +264,14 @@ class ScopeWalk:
             self._deferred[id(node)] = (node, outer, self._level + 1)
             for param in children(node.params):
                 if isinstance(param, cst.Param):
-                    self._parent[id(param)] = node.params
+                    self.parents[id(param)] = node.params
                     self._param_defaults_in(param, outer)
         else:
             inner = Scope("function", self._current, node)
             self._current = inner
             self._parameters(node.params, node)
             self._visit(node.body, node, ctx)
-            self._scope[id(node.body)] = inner
+            self.scopes[id(node.body)] = inner
         self._current = outer
         for decorator in node.decorators:
             self._visit(decorator, node, ctx)
@@ -245,7 +288,7 @@ class ScopeWalk:
 
     def _class(self, node: cst.ClassDef, ctx: str) -> None:
         self._bind(node.name.value, node)
-        self._scope[id(node.name)] = self._current
+        self.scopes[id(node.name)] = self._current
         outer = self._current
         for decorator in node.decorators:
             self._visit(decorator, node, ctx)
@@ -261,7 +304,7 @@ class ScopeWalk:
         ):
             self._deferred[id(node)] = (node, outer, self._level + 1)
         else:
-            self._parent[id(node.body)] = node
+            self.parents[id(node.body)] = node
             self._current = Scope("class", self._current, node)
             for stmt in node.body.body:
                 self._visit(stmt, node.body, LOAD)

@@ -28,26 +28,28 @@ modelled (libcst's own corner cases): names inside string annotations and
 then ``a.b.c`` resolved as ``a.b``).
 
 The scope model (:class:`Scope`, :class:`Assignment`, :class:`Access`, the
-expression contexts) is :mod:`annot.rewriters.scope_model`, the walk that fills
-it :mod:`annot.rewriters.scope_walk`; here the units and the queries.
+expression contexts) is :mod:`annot.rewriters.scope_model`. The walk that fills
+it is :mod:`annot.rewriters.scope_walk`: a ModuleScopes holds one
+:class:`~annot.rewriters.scope_walk.ScopeWalk`, tells it which units to walk,
+reads its maps and takes the reads it recorded. Here the units, the inference
+of what each read refers to, and the queries.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Optional, Union
+from typing import Optional
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
 
 from annot.rewriters.diagnostics import children, is_a
 from annot.rewriters.scope_model import Access, Assignment, Scope
-from annot.rewriters.scope_walk import BITS, LEVELS, ScopeWalk
+from annot.rewriters.scope_walk import Defn, ScopeWalk
 
 __all__ = ["ModuleScopes"]
 
-_Defn = Union[cst.FunctionDef, cst.ClassDef]
 # statements (and their parts) that may hold a class: where ModuleScopes.classes looks
 _BLOCKS = (
     cst.BaseCompoundStatement,
@@ -61,7 +63,7 @@ _BLOCKS = (
 _GLOBAL_OR_NONLOCAL = re.compile(r"\b(?:global|nonlocal)\b")
 
 
-class ModuleScopes(ScopeWalk):
+class ModuleScopes:
     """Scopes, expression contexts, parents and source order of one module's
     nodes, analysed a unit at a time (see the module docstring)."""
 
@@ -69,41 +71,24 @@ class ModuleScopes(ScopeWalk):
         self.module = module
         self.globals = Scope("global", Scope("builtin", None, None), module)
         self.classes: list[cst.ClassDef] = []
-        self._enclosing: dict[int, tuple[_Defn, ...]] = {}  # class -> its def/class ancestors
+        self._enclosing: dict[int, tuple[Defn, ...]] = {}  # class -> its def/class ancestors
         self._chain: dict[int, tuple[cst.CSTNode, ...]] = {}  # class -> all its ancestors
-        self._parent: dict[int, cst.CSTNode] = {}
-        self._scope: dict[int, Scope] = {}
-        self._context: dict[int, str] = {}
-        self._first: dict[int, int] = {}  # id(node) -> its number
-        self._end: dict[int, int] = {}  # id(node) -> the number after its subtree's
         self._qualified: dict[int, frozenset[str]] = {}  # id(node) -> qualified names
         self._dotted: dict[str, frozenset[str]] = {}  # full name -> qualified names
-        # a def / class whose body waits for its own unit -> (it, its scope, its unit's level)
-        self._deferred: dict[int, tuple[_Defn, Scope, int]] = {}
-        self._done: set[int] = set()
-        # Names, parameters and statements are numbered in visiting order (source
-        # order, but for the parts libcst visits out of it: a function's
-        # decorators after its body, a comprehension's element last).
-        self._level = 0
-        self._base = 0
-        self._shift = BITS * (LEVELS - 1)
-        self._count = 0
-        self._pending: list[Access] = []
-        self._current: Scope = self.globals
-        self._defer_in: Optional[Scope] = None
+        self._walk = ScopeWalk(self.globals)
         self._eager = text is None or _GLOBAL_OR_NONLOCAL.search(text) is not None
         self._find_classes(module.body, (), (module,))
-        self.walk_unit(module, self.globals)
+        self._walk.walk_unit(module, self.globals)
         while self._eager:  # every unit, then every access (global statements add names)
-            todo = [d for k, d in self._deferred.items() if k not in self._done]
+            todo = self._walk.waiting()
             for node, scope, level in todo:
-                self.walk_unit(node, scope, level)
+                self._walk.walk_unit(node, scope, level)
             self._eager = bool(todo)
         self._infer()
 
     # ---- queries ------------------------------------------------------------------
 
-    def enclosing(self, cls: cst.ClassDef) -> tuple[_Defn, ...]:
+    def enclosing(self, cls: cst.ClassDef) -> tuple[Defn, ...]:
         """The functions and classes ``cls`` is nested in, outermost first."""
         return self._enclosing.get(id(cls), ())
 
@@ -119,22 +104,22 @@ class ModuleScopes(ScopeWalk):
 
     def scope(self, node: cst.CSTNode) -> Optional[Scope]:
         """The scope a ``Name`` is in (for a function's body: the function's scope)."""
-        return self._scope.get(id(node))
+        return self._walk.scopes.get(id(node))
 
     def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
-        return self._parent.get(id(node))
+        return self._walk.parents.get(id(node))
 
     def context(self, node: cst.CSTNode) -> Optional[str]:
         """LOAD / STORE / DEL for a ``Name`` or ``Attribute``, as libcst's
         ``ExpressionContextProvider`` says; None for other nodes."""
-        return self._context.get(id(node))
+        return self._walk.contexts.get(id(node))
 
     def span(self, node: cst.CSTNode) -> Optional[tuple[int, int]]:
         """``[first, end)`` numbers of ``node``'s subtree in visiting order, for a
         ``Name``, ``Param`` or statement: within one function, ``a`` is wholly
         before ``b`` when ``span(a)[1] <= span(b)[0]``."""
-        first = self._first.get(id(node))
-        return None if first is None else (first, self._end[id(node)])
+        first = self._walk.first.get(id(node))
+        return None if first is None else (first, self._walk.end[id(node)])
 
     def qualified_names(self, node: cst.CSTNode) -> frozenset[str]:
         """What libcst's ``QualifiedNameProvider`` says of ``node`` (a ``Name``,
@@ -172,7 +157,7 @@ class ModuleScopes(ScopeWalk):
     def _find_classes(
         self,
         nodes: Iterable[cst.CSTNode],
-        outer: tuple[_Defn, ...],
+        outer: tuple[Defn, ...],
         chain: tuple[cst.CSTNode, ...],
     ) -> None:
         for node in nodes:
@@ -190,14 +175,13 @@ class ModuleScopes(ScopeWalk):
     def _prepare(self, cls: cst.ClassDef, method: Optional[cst.FunctionDef]) -> None:
         path = (*self.enclosing(cls), cls) + ((method,) if method is not None else ())
         for node in path:  # each unit is known to be deferred once the one around it is done
-            if id(node) in self._deferred and id(node) not in self._done:
-                self.walk_unit(*self._deferred[id(node)])
+            self._walk.walk_deferred(node)
 
     def _infer(self) -> None:
         """libcst's ``infer_accesses`` for the accesses recorded since the last call."""
-        if self._eager or not self._pending:
+        if self._eager:
             return
-        pending, self._pending = self._pending, []
+        pending = self._walk.take_accesses()
         groups: dict[tuple[int, str], list[Access]] = {}
         for access in pending:
             scope, name = access.scope, access.node.value
@@ -214,4 +198,4 @@ class ModuleScopes(ScopeWalk):
         for accesses in groups.values():
             scope, name = accesses[0].scope, accesses[0].node.value
             for assignment in list(scope.resolve(name, scope)):
-                assignment._add(accesses)
+                assignment.record_accesses(accesses)
