@@ -37,25 +37,29 @@ to do. ``check_layer`` makes the same decision without building anything
 layer with real values (not on the meta device) gives the parallel layer this
 rank's slice of them, so ``column_parallel(nn.Linear(...), tp=2)`` keeps the
 single-device initialization.
+
+The subclass checks are :mod:`annot.runtime.tp_subclass`'s; ``Partial()``
+and ``Heads()`` on a built module are forward hooks
+(:mod:`annot.runtime.tp_hooks`).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import textwrap
-import types
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
 from annot.runtime import tp_layers as L
 from annot.runtime.state_dict import load_full_state_dict
-from annot.runtime.tp_checks import mesh_for
+from annot.runtime.tp_hooks import partial_module, slice_heads
+from annot.runtime.tp_subclass import (
+    composed_class,
+    forward_definers,
+    probe_equals_base,
+    reads_super,
+)
 from annot.specs import Col, Heads, P, Partial, Row, Vocab
 
 __all__ = [
@@ -64,9 +68,8 @@ __all__ = [
     "convert_hinted",
     "is_parallel_layer",
     "layer_kind",
-    "partial_module",
+    "partial_module",  # tp_hooks' own; the rewriter's generated code imports it from here
     "row_parallel",
-    "slice_heads",
     "tied_names",
     "to_parallel",
     "vocab_parallel",
@@ -99,115 +102,6 @@ def is_parallel_layer(module: nn.Module) -> bool:
 
 def _base(module: nn.Module, kind: str) -> type:
     return {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind) or _conv1d_base(module)
-
-
-def _forward_definers(cls: type, base: type) -> list[type]:
-    """The classes between ``cls`` and ``base`` (in MRO order) that define forward."""
-    mro = cls.__mro__
-    return [c for c in mro[: mro.index(base)] if "forward" in c.__dict__]
-
-
-@functools.cache
-def _reads_super(definer: type) -> Optional[str]:
-    """None when ``definer.forward`` post-processes zero-argument
-    ``super().forward(...)``: its inputs go only into that call, and it reads
-    ``self.weight`` / ``self.bias`` only for ``.dtype`` / ``.device``;
-    otherwise the reason it does not."""
-    fn = definer.__dict__["forward"]
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return "its source cannot be read"
-    func = tree.body[0]
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or not func.args.args:
-        return "it is not a plain method"
-    me = func.args.args[0].arg
-    inputs = {a.arg for a in func.args.args[1:] + func.args.kwonlyargs}
-    inputs |= {a.arg for a in (func.args.vararg, func.args.kwarg) if a is not None}
-    calls_super = False
-    allowed: set[int] = set()
-    passed: set[int] = set()  # nodes inside super().forward(...)'s arguments
-    for node in ast.walk(func):
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr in ("dtype", "device")
-            and isinstance(node.value, ast.Attribute)
-        ):
-            allowed.add(id(node.value))
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "forward"
-            and isinstance(node.func.value, ast.Call)
-            and isinstance(node.func.value.func, ast.Name)
-            and node.func.value.func.id == "super"
-            and not node.func.value.args
-        ):
-            calls_super = True
-            for arg in [*node.args, *(k.value for k in node.keywords)]:
-                passed.update(id(n) for n in ast.walk(arg))
-    for node in ast.walk(func):
-        if isinstance(node, ast.Name) and node.id in inputs and id(node) not in passed:
-            return f"it reads its input {node.id} outside super().forward(...)"
-        if (
-            isinstance(node, ast.Attribute)
-            and node.attr in ("weight", "bias")
-            and isinstance(node.value, ast.Name)
-            and node.value.id == me
-            and id(node) not in allowed
-        ):
-            return f"it reads {me}.{node.attr} (line {node.lineno} of its forward)"
-    return None if calls_super else "it does not call super().forward(...)"
-
-
-def _probe_equals_base(module: nn.Module, kind: str) -> Optional[str]:
-    """None when the module's forward equals its base layer's on a small random
-    probe with the module's own attributes; otherwise why not."""
-    extra = [n for n in module._parameters if n not in ("weight", "bias")]
-    extra += list(module._buffers) + list(module._modules)
-    if extra:
-        return f"it holds more than weight and bias ({', '.join(extra)})"
-    with torch.device("cpu"):  # whatever device the model is being built on
-        return _probe(module, kind)
-
-
-def _probe(module: nn.Module, kind: str) -> Optional[str]:
-    g = torch.Generator().manual_seed(0)
-    probe = type(module).__new__(type(module))
-    nn.Module.__init__(probe)
-    probe.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
-    has_bias = getattr(module, "bias", None) is not None
-    if kind == "embedding":
-        n, d = 7, 4
-        probe.num_embeddings, probe.embedding_dim = n, d
-        probe.padding_idx = None
-        probe.weight = nn.Parameter(torch.randn(n, d, generator=g, dtype=torch.float64))
-        x = torch.randint(0, n, (2, 5), generator=g)
-        want = F.embedding(x, probe.weight)
-    else:
-        n_in, n_out = 5, 3
-        shape = (n_out, n_in) if kind == "linear" else (n_in, n_out)
-        probe.weight = nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64))
-        bias = torch.randn(n_out, generator=g, dtype=torch.float64) if has_bias else None
-        probe.bias = nn.Parameter(bias) if has_bias else None
-        if kind == "linear":
-            probe.in_features, probe.out_features = n_in, n_out
-            w = probe.weight
-        else:
-            probe.nx, probe.nf = n_in, n_out
-            w = probe.weight.t()
-        x = torch.randn(2, 4, n_in, generator=g, dtype=torch.float64)
-        want = F.linear(x, w, probe.bias)
-    try:
-        with torch.no_grad():
-            got = probe(x)
-    except Exception as err:  # noqa: BLE001 - any failure means "not provably the base layer"
-        return f"its forward failed on a probe ({type(err).__name__}: {err})"
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return "its forward returns something other than the base layer's output"
-    if not torch.allclose(got, want, rtol=1e-9, atol=1e-9):
-        return "its forward computes something other than the base layer's output"
-    return None
 
 
 def _full_output(spec: object) -> bool:
@@ -244,14 +138,14 @@ def _plan(module: nn.Module, spec: object, where: str, what: str) -> tuple[str, 
     if kind == "embedding" and isinstance(spec, Col) and spec.chunks != 1:
         raise HintError(f"{where}: Col() on an nn.Embedding splits its columns; drop chunks=")
     base = _base(module, kind)
-    definers = _forward_definers(type(module), base)
+    definers = forward_definers(type(module), base)
     if not definers:
         return kind, None
-    same = _probe_equals_base(module, kind)
+    same = probe_equals_base(module, kind)
     if same is None:
         return kind, None
     if len(definers) == 1 and _full_output(spec):
-        composed = _reads_super(definers[0])
+        composed = reads_super(definers[0])
         if composed is None:
             return kind, definers[0]
         same = f"{same}, and {composed}"
@@ -268,27 +162,6 @@ def check_layer(module: nn.Module, spec: object, where: str, what: str = "the la
     """Raise :class:`HintError` if ``spec`` cannot shard ``module`` (nothing is
     built). ``where`` starts the message (the hint), ``what`` names the module."""
     _plan(module, spec, where, what)
-
-
-@functools.cache
-def _composed(parallel_cls: type, definer: type) -> type:
-    """``parallel_cls`` with ``definer``'s forward, whose zero-argument
-    ``super()`` resolves to ``parallel_cls``."""
-    cls = type(
-        f"{parallel_cls.__name__}_{definer.__name__}",
-        (parallel_cls,),
-        {"__module__": definer.__module__, "__doc__": definer.__doc__},
-    )
-    fn = definer.__dict__["forward"]
-    cells = tuple(
-        types.CellType(cls) if name == "__class__" else cell
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    )
-    forward = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    forward.__kwdefaults__ = fn.__kwdefaults__
-    forward.__qualname__ = f"{cls.__name__}.forward"
-    cls.forward = forward
-    return cls
 
 
 def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
@@ -346,7 +219,7 @@ def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn
     kind, keep = _plan(module, spec, where, "the layer")
     layer = _build(module, spec, kind, tp)
     if keep is not None:
-        layer.__class__ = _composed(type(layer), keep)
+        layer.__class__ = composed_class(type(layer), keep)
         for k, v in module.__dict__.items():
             if not k.startswith("_") and k not in layer.__dict__:
                 layer.__dict__[k] = v
@@ -378,83 +251,6 @@ def row_parallel(layer: nn.Module, *, split_input: bool = False, tp: int = 1) ->
 def vocab_parallel(layer: nn.Module, *, tp: int = 1) -> nn.Module:
     """``Vocab()`` applied to a built layer (see :func:`column_parallel`)."""
     return to_parallel(layer, Vocab(), tp)
-
-
-class _PartialHooks:
-    """Forward hooks of a ``Partial()`` module: floating tensor inputs that
-    need a gradient enter the tp region, the output is all-reduced."""
-
-    @staticmethod
-    def enter(module, args, kwargs):
-        from annot.runtime.tp_comm import copy_to_tp
-
-        def enter(x):
-            return copy_to_tp(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
-
-    @staticmethod
-    def leave(module, args, kwargs, output):
-        from torch.utils._pytree import tree_map
-
-        from annot.runtime.tp_comm import reduce_from_tp
-
-        def leave(y):
-            return reduce_from_tp(y) if isinstance(y, torch.Tensor) and y.is_floating_point() else y
-
-        return tree_map(leave, output)
-
-
-def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
-    """``Partial()`` applied to a built module: its output is summed over tp and
-    its inputs' gradients too (see :class:`annot.specs.Partial`). Returns
-    ``module`` itself, hooked once."""
-    mesh_for("partial_module", tp)
-    if tp > 1 and not getattr(module, "annot_partial", False):
-        module.register_forward_pre_hook(_PartialHooks.enter, with_kwargs=True)
-        module.register_forward_hook(_PartialHooks.leave, with_kwargs=True)
-        module.annot_partial = True
-    return module
-
-
-def slice_heads(module: nn.Module, name: str, spec: Heads, tp: int, where: str = "") -> None:
-    """``Heads()`` on argument ``name`` of a built module: a forward pre-hook
-    gives its forward this rank's heads of that argument (see
-    :class:`annot.specs.Heads`). Hooked once per argument."""
-    mesh_for("slice_heads", tp)
-    done = module.__dict__.setdefault("annot_heads", set())
-    if tp == 1 or name in done:
-        return
-    done.add(name)
-    order = list(inspect.signature(module.forward).parameters)
-    index = order.index(name) if name in order else None
-    where = where or f"{type(module).__name__}.forward({name}=)"
-
-    def own(x):
-        from annot.runtime.tp_comm import scatter_to_tp
-
-        if not isinstance(x, torch.Tensor):
-            return x
-        size = x.shape[spec.dim]
-        if size == 1 and spec.heads is None:
-            return x  # broadcast over the heads
-        heads = spec.heads or size
-        if size % heads or heads % tp:
-            raise HintError(
-                f"{where}: {spec!r} reads dim {spec.dim} (size {size}) as blocks of {heads} "
-                f"heads split over tp={tp}; that does not divide. Give heads= the number of "
-                "heads in that dim"
-            )
-        return scatter_to_tp(x, spec.dim, size // heads)
-
-    def enter(mod, args, kwargs):
-        if name in kwargs:
-            kwargs[name] = own(kwargs[name])
-        elif index is not None and index < len(args):
-            args = (*args[:index], own(args[index]), *args[index + 1 :])
-        return args, kwargs
-
-    module.register_forward_pre_hook(enter, with_kwargs=True)
 
 
 def convert_hinted(

@@ -322,7 +322,7 @@ def _mlp_and_embedding(tp):
             _close(full_grads(emb)["weight"], ref.weight.grad, f"column embedding grad ({gather})")
 
         # Heads(): a per-head argument made for all heads outside the module.
-        from annot.runtime.tp_convert import slice_heads
+        from annot.runtime.tp_hooks import slice_heads
         from annot.specs import Heads
 
         class Scores(nn.Module):
