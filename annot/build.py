@@ -173,14 +173,23 @@ def parallelize(
     )
     log.debug("annot: step 4: built %s for tp=%d (meta)", type(local).__qualname__, mesh.tp)
 
+    check = None
+    if mesh.tp > 1:
+        twin = ref if instance is None else meta_copy(instance)
+        check = functools.partial(
+            preflight,
+            # at pp > 1 every stage's tp shard, copied before this rank keeps its own
+            whole=meta_copy(local) if n_stages > 1 else None,
+            split_root=n_stages > 1 and not report.replay,
+            ref=twin,
+            ctx=ctx,
+            specs=specs,
+            paths=paths,
+        )
     plan = None
     if n_stages > 1:
         plan = _pipeline_plan(local, cls, split_plan, calls, ctx, chunks, report)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
-    check = None
-    if mesh.tp > 1 and n_stages == 1:
-        twin = ref if instance is None else meta_copy(instance)
-        check = functools.partial(preflight, ref=twin, ctx=ctx, specs=specs, paths=paths)
     if instance is not None:
         materialize_from(local, instance, ctx)
     else:

@@ -12,7 +12,10 @@ when that fails where the single-device model runs, refuses the model with a
 It runs at the end of :func:`annot.parallelize` when a sample is known
 (``sample=``, or a tiny input made from a transformers config), otherwise on
 the model's first call, with that call's shapes. Every tp rank has the same
-shapes, so every rank refuses alike, before any collective.
+shapes, so every rank refuses alike, before any collective. In a pipeline
+each rank runs its tp rank's shard of *every* stage (copied before the build
+keeps its own stages), so all stages refuse alike too, and the dropout sites
+are known wherever a stage runs.
 """
 
 from __future__ import annotations
@@ -118,17 +121,33 @@ def hints_near(path: str, ref: nn.Module, specs: dict, paths: dict) -> list[str]
 
 
 def preflight(
-    local: nn.Module, args: tuple, kwargs: dict, *, ref: nn.Module, ctx, specs: dict, paths: dict
+    local: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    ref: nn.Module,
+    ctx,
+    specs: dict,
+    paths: dict,
+    whole: Optional[nn.Module] = None,
+    split_root: bool = False,
 ) -> dict:
     """Refuse ``local`` (this rank's model) when a meta forward on ``args`` and
     ``kwargs`` fails where the single-device ``ref`` runs; see the module
     docstring. Returns the dropout sites that see a tp shard, for
     :class:`annot.runtime.tp_dropout.ShardedDropout` (both models run in
-    training mode for it, so every dropout shows)."""
+    training mode for it, so every dropout shows).
+
+    In a pipeline ``local`` holds only this rank's stages: ``whole`` is the tp
+    shard of every stage (this tp rank's, copied before the stages were cut
+    out), which runs instead, so every rank checks the whole model and finds
+    the same sites. With ``split_root`` the root's forward runs as stage
+    methods the rewriter made (other lines), so a site in it cannot be keyed:
+    refused."""
     from annot.runtime.tp_dropout import Recorder, sharded_sites
 
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    twin = _twin(local).train()
+    twin = _twin(whole if whole is not None else local).train()
     mine = Recorder(twin)
     failed = _failure(twin, args, kwargs, ctx, mine)
     if failed is None and not any(c.p for c in mine.calls):
@@ -145,7 +164,17 @@ def preflight(
                 ref_failed[1],
             )
             return {}
-        return sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
+        sites = sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
+        for path, file, line in sites if split_root else ():
+            if not path:
+                raise HintError(
+                    f"tp pre-flight: dropout at {file}:{line} in the root's forward gets a tp "
+                    "shard, and the pipeline runs that forward as stage methods, so annot "
+                    "cannot draw this rank's part of the single-device mask there. Move the "
+                    "dropout into a submodule (an nn.Dropout, or the block that calls it), or "
+                    "set its p to 0"
+                )
+        return sites
     where, exc = failed
     if ref_failed is not None:
         log.debug("annot: pre-flight skipped: the single-device model fails on meta too (%s)", exc)
