@@ -188,9 +188,7 @@ def test_dropout_in_tp_regions_of_pipeline_stages(tmp_path):
     a block's forward; the sites found at build (sample) and on the first call."""
     cases = [(["blocks.1"], "build"), (["blocks.0.fc1"], "first-call")]
     for n, (split, when) in enumerate(cases):
-        res = run_ranks(
-            _jit_dropout_parity, 4, str(tmp_path / str(n)), 2, split, when, timeout=400
-        )
+        res = run_ranks(_jit_dropout_parity, 4, str(tmp_path / str(n)), 2, split, when, timeout=400)
         assert res[0]["preflight"] == ("passed" if when == "build" else "on the first call")
 
 
