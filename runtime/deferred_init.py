@@ -48,8 +48,9 @@ Refused with :class:`DeferredInitError` naming the line in ``__init__``:
 ``set_`` / ``resize_`` (lazy modules), a meta tensor made outside ``build()``,
 writing values computed inside ``build()`` into a tensor made outside it.
 
-The recorder (the dispatch mode, the op record and its replay) is
-:mod:`annot.runtime.init_recorder`; this module holds the entry points
+The recorder (the dispatch mode and the replay of its op record) is
+:mod:`annot.runtime.init_recorder`, the record itself
+:mod:`annot.runtime.init_ops`; this module holds the entry points
 (:func:`deferred_reference`, :func:`shard_slicers`, :func:`materialize_`,
 :func:`meta_copy`).
 """
@@ -63,7 +64,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from annot.runtime.init_recorder import DeferredInitError, Geometry, HideMeta, Recorder, geometry
+from annot.runtime.init_ops import Geometry, geometry
+from annot.runtime.init_recorder import DeferredInitError, HideMeta, Recorder
 
 __all__ = [
     "DeferredInitError",

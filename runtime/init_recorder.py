@@ -8,15 +8,14 @@ real as they come so the generator advances as in an eager build, and
 :class:`HideMeta` makes ``t.is_meta`` read False for tensors being built.
 A construction that cannot be replayed is refused with
 :class:`DeferredInitError` naming the line in ``__init__``.
+What the record holds, and which ops do what, is :mod:`annot.runtime.init_ops`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import traceback
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,97 +24,35 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from annot.errors import AnnotError
+from annot.runtime.init_ops import (
+    EMPTY,
+    METADATA_INPLACE,
+    OVERWRITE,
+    SHAPE_ONLY,
+    SNAPSHOT_NUMEL,
+    UNSUPPORTED,
+    Op,
+    Ref,
+    Storage,
+    adopt,
+    bind,
+    geometry,
+    is_random,
+    on_device,
+    tensors,
+)
 
-__all__ = ["DeferredInitError", "Geometry", "Recorder", "HideMeta", "geometry"]
-
-Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
+__all__ = ["DeferredInitError", "Recorder", "HideMeta"]
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
-# In-place ops that write ``self`` without reading it (when ``self`` covers its storage).
-_OVERWRITE = frozenset(
-    {
-        "fill_",
-        "zero_",
-        "uniform_",
-        "normal_",
-        "random_",
-        "exponential_",
-        "geometric_",
-        "cauchy_",
-        "log_normal_",
-        "bernoulli_",
-        "copy_",
-    }
-)
-# Ops whose values are uninitialised (replayed as zeros).
-_EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-# Ops that read only the shape of their tensor input: a replay does not rebuild its values.
-_SHAPE_ONLY = frozenset(
-    {
-        "empty_like",
-        "zeros_like",
-        "ones_like",
-        "full_like",
-        "rand_like",
-        "randn_like",
-        "randint_like",
-        "new_empty",
-        "new_empty_strided",
-        "new_zeros",
-        "new_ones",
-        "new_full",
-    }
-)
-# In-place ops that change only a tensor's view of its storage, never values.
-_METADATA_INPLACE = frozenset(
-    {"t_", "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_", "detach_"}
-)
-_UNSUPPORTED = frozenset({"set_", "resize_", "resize_as_", "as_strided_"})
-_RANDOM_EXTRA = frozenset({"native_dropout"})  # random ops without a generator argument
-_SNAPSHOT_NUMEL = 1 << 16  # outside tensors up to this size are copied into the record
 _IS_META = torch._C.TensorBase.__dict__["is_meta"]
 
 
 class DeferredInitError(AnnotError):
     """A model's ``__init__`` does something deferred initialization cannot
     reproduce without building the full model; the message names the line."""
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A tensor argument of a recorded op: a view of one version of a storage."""
-
-    sid: int
-    ver: int
-    geom: Geometry
-
-
-@dataclass
-class _Op:
-    """One recorded op, enough to run it again for real."""
-
-    func: Any
-    args: tuple  # tensors made inside build() as _Ref, others as they were
-    kwargs: dict
-    writes: dict[int, int]  # sid -> version before the op (the op makes version + 1)
-    pure: frozenset[int]  # written sids the op does not read (start from an empty buffer)
-    creates: tuple[tuple[int, int, Geometry, int], ...]  # (sid, output index, geometry, numel)
-    random: bool
-    empty: bool
-    shape_only: bool
-    rng: Optional[torch.Tensor] = None  # CPU generator state before the op (random ops)
-    gen_state: Optional[torch.Tensor] = None  # same for an explicit generator= argument
-
-
-@dataclass
-class _Storage:
-    sid: int
-    dtype: torch.dtype
-    numel: int
-    meta: Any  # the meta untyped storage, kept alive so its address is not reused
-    versions: list  # versions[v] is the _Op that made version v
 
 
 def _user_frame() -> str:
@@ -129,71 +66,17 @@ def _user_frame() -> str:
     return "<unknown>"
 
 
-def geometry(t: torch.Tensor) -> Geometry:
-    return tuple(t.size()), tuple(t.stride()), t.storage_offset()
-
-
-def _bind(func, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
-    """``[(schema argument, value)]`` for the arguments actually given."""
-    schema = func._schema
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    bound = list(zip(positional, args))
-    bound += [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
-    return bound
-
-
-def _on_device(func, args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
-    """``args, kwargs`` with the op's ``device`` argument (if it has one) set to ``device``."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "device":
-            if not a.kwarg_only and i < len(args):
-                args = args[:i] + (device,) + args[i + 1 :]
-            else:
-                kwargs = {**kwargs, "device": device}
-    return args, kwargs
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
-@functools.cache
-def _is_random(packet) -> bool:
-    """An op draws random numbers if any of its overloads takes a generator."""
-    if packet.__name__ in _RANDOM_EXTRA:
-        return True
-    return any(
-        a.name == "generator"
-        for o in packet.overloads()
-        for a in getattr(packet, o)._schema.arguments
-    )
-
-
-def _adopt(real: torch.Tensor, geom: Geometry, numel: int) -> torch.Tensor:
-    """A flat real tensor laid out like a storage whose view ``geom`` holds ``real``."""
-    size, stride, offset = geom
-    if (
-        tuple(real.stride()) == stride
-        and real.storage_offset() == offset
-        and real.untyped_storage().nbytes() == numel * real.element_size()
-    ):
-        return real.as_strided((numel,), (1,), 0)
-    flat = torch.empty(numel, dtype=real.dtype)
-    flat.as_strided(size, stride, offset).copy_(real)
-    return flat
-
-
 class Recorder(TorchDispatchMode):
     """Meta tensors for ``build()``, a record of every op that gives values,
     random ops run for real as they come, values replayed on demand."""
 
     def __init__(self):
         super().__init__()
-        self.storages: dict[int, _Storage] = {}  # meta storage address -> record
-        self.by_sid: list[_Storage] = []
+        self.storages: dict[int, Storage] = {}  # meta storage address -> record
+        self.by_sid: list[Storage] = []
         self.busy = False  # inside __torch_dispatch__ (is_meta tells the truth)
 
-    def record(self, t: torch.Tensor) -> Optional[_Storage]:
+    def record(self, t: torch.Tensor) -> Optional[Storage]:
         if not t.is_meta:
             return None
         return self.storages.get(t.untyped_storage()._cdata)
@@ -217,7 +100,7 @@ class Recorder(TorchDispatchMode):
     # ------------------------------------------------------------------ #
     def dispatch(self, func, args: tuple, kwargs: dict):
         name = func.overloadpacket.__name__
-        inputs = _tensors((args, kwargs))
+        inputs = tensors((args, kwargs))
         tracked = [t for t in inputs if self.record(t) is not None]
         if inputs and not tracked:
             if any(t.is_meta for t in inputs):
@@ -226,18 +109,18 @@ class Recorder(TorchDispatchMode):
                     "tensors (or none) to the model's constructor"
                 )
             return func(*args, **kwargs)  # only real tensors from outside: run as is
-        if name in _UNSUPPORTED:
+        if name in UNSUPPORTED:
             raise self.fail(f"{func} changes a storage's size or layout, which cannot be replayed")
-        if name in _METADATA_INPLACE:
+        if name in METADATA_INPLACE:
             return func(*args, **kwargs)  # views are re-read from each tensor at every op
 
-        refs: dict[int, _Ref] = {}
+        refs: dict[int, Ref] = {}
         writes: dict[int, int] = {}
         read: set[int] = set()
         pure: set[int] = set()
-        for arg, value in _bind(func, args, kwargs):
+        for arg, value in bind(func, args, kwargs):
             is_write = arg.alias_info is not None and arg.alias_info.is_write
-            for t in _tensors(value):
+            for t in tensors(value):
                 rec = self.record(t)
                 if rec is None:
                     if is_write and not t.is_meta:
@@ -248,10 +131,10 @@ class Recorder(TorchDispatchMode):
                     continue
                 if t.dtype != rec.dtype:
                     raise self.fail(f"{func} views a {rec.dtype} storage as {t.dtype}")
-                refs[id(t)] = _Ref(rec.sid, len(rec.versions) - 1, geometry(t))
+                refs[id(t)] = Ref(rec.sid, len(rec.versions) - 1, geometry(t))
                 whole = t.numel() == rec.numel and t.storage_offset() == 0 and t.is_contiguous()
                 overwrite = whole and (
-                    (name in _OVERWRITE and arg.name == "self") or (arg.kwarg_only and is_write)
+                    (name in OVERWRITE and arg.name == "self") or (arg.kwarg_only and is_write)
                 )
                 if is_write:
                     writes[rec.sid] = len(rec.versions) - 1
@@ -264,7 +147,7 @@ class Recorder(TorchDispatchMode):
             if isinstance(x, torch.Tensor):
                 if id(x) in refs:
                     return refs[id(x)]
-                return x.detach().clone() if x.numel() <= _SNAPSHOT_NUMEL else x
+                return x.detach().clone() if x.numel() <= SNAPSHOT_NUMEL else x
             return x
 
         def to_meta(x):
@@ -274,18 +157,18 @@ class Recorder(TorchDispatchMode):
                 return None
             return x
 
-        op = _Op(
+        op = Op(
             func,
             *tree_map(template, (args, kwargs)),
             writes=writes,
             pure=frozenset(pure - read),
             creates=(),
-            random=_is_random(func.overloadpacket),
-            empty=name in _EMPTY,
-            shape_only=name in _SHAPE_ONLY,
+            random=is_random(func.overloadpacket),
+            empty=name in EMPTY,
+            shape_only=name in SHAPE_ONLY,
         )
         sizes = {sid: self.by_sid[sid].meta.nbytes() for sid in writes}
-        meta_args, meta_kwargs = _on_device(func, *tree_map(to_meta, (args, kwargs)), _META)
+        meta_args, meta_kwargs = on_device(func, *tree_map(to_meta, (args, kwargs)), _META)
         ran = False
         try:
             out = func(*meta_args, **meta_kwargs)
@@ -298,11 +181,11 @@ class Recorder(TorchDispatchMode):
                 raise self.fail(f"{func} resizes a storage, which cannot be replayed")
 
         creates = []
-        for i, t in enumerate(_tensors(out)):
+        for i, t in enumerate(tensors(out)):
             if t.is_meta and self.record(t) is None:
                 st = t.untyped_storage()
                 numel = st.nbytes() // t.element_size()
-                rec = _Storage(len(self.by_sid), t.dtype, numel, st, [op])
+                rec = Storage(len(self.by_sid), t.dtype, numel, st, [op])
                 self.storages[st._cdata] = rec
                 self.by_sid.append(rec)
                 creates.append((rec.sid, i, geometry(t), numel))
@@ -319,7 +202,7 @@ class Recorder(TorchDispatchMode):
     # Replay
     # ------------------------------------------------------------------ #
     @contextlib.contextmanager
-    def generator_state(self, op: _Op, first: bool):
+    def generator_state(self, op: Op, first: bool):
         gens = [g for g in tree_flatten((op.args, op.kwargs))[0] if isinstance(g, torch.Generator)]
         gen = gens[0] if gens else None
         if not op.random:
@@ -340,13 +223,13 @@ class Recorder(TorchDispatchMode):
                 if gen is not None:
                     gen.set_state(gen_saved)
 
-    def execute(self, op: _Op, memo: dict, first: bool = False) -> Any:
+    def execute(self, op: Op, memo: dict, first: bool = False) -> Any:
         """Run ``op`` for real; put the versions it makes into ``memo``."""
         buffers: dict[int, torch.Tensor] = {}
         used: set[int] = set()  # storages of the inputs, so no output aliases one
 
         def to_real(x):
-            if not isinstance(x, _Ref):
+            if not isinstance(x, Ref):
                 return x
             if op.shape_only and x.sid not in op.writes:
                 return torch.empty_strided(x.geom[0], x.geom[1], dtype=self.by_sid[x.sid].dtype)
@@ -366,7 +249,7 @@ class Recorder(TorchDispatchMode):
             used.add(flat.untyped_storage().data_ptr())
             return flat.as_strided(*x.geom)
 
-        args, kwargs = _on_device(op.func, *tree_map(to_real, (op.args, op.kwargs)), _CPU)
+        args, kwargs = on_device(op.func, *tree_map(to_real, (op.args, op.kwargs)), _CPU)
         if op.empty:  # uninitialised eagerly: zeros here
             real_out = None
             for b in buffers.values():
@@ -376,12 +259,12 @@ class Recorder(TorchDispatchMode):
         else:
             with self.generator_state(op, first):
                 real_out = op.func(*args, **kwargs)
-            flat_out = _tensors(real_out)
+            flat_out = tensors(real_out)
             for sid, i, geom, numel in op.creates:
                 r = flat_out[i]
                 if r.untyped_storage().data_ptr() in used:
                     r = r.clone()
-                memo[(sid, 0)] = _adopt(r, geom, numel)
+                memo[(sid, 0)] = adopt(r, geom, numel)
         for sid, ver in op.writes.items():
             memo[(sid, ver + 1)] = buffers[sid]
         return real_out
