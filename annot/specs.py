@@ -3,6 +3,8 @@
 Specs are plain, frozen, hashable data. They are validated on construction
 (types with typeguard, values by hand) and carry no behaviour: the rewriter
 reads them to choose a parallel layer, the runtime layers implement them.
+Which layer a spec makes of which kind of layer is one table,
+:data:`PARALLEL_LAYERS`.
 
 =============  =====================================  =========================
 spec           applies to                             meaning (Megatron layout)
@@ -46,8 +48,10 @@ __all__ = [
     "Partial",
     "Heads",
     "Local",
+    "PARALLEL_LAYERS",
     "Spec",
     "TP_AXIS",
+    "parallel_layer",
 ]
 
 TP_AXIS = "tp"
@@ -243,3 +247,23 @@ class Local:
 
 Spec = Union[Col, Row, Vocab, Replicate, P, Partial, Heads]
 SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial, Heads)
+
+#: The tensor-parallel layer a spec makes of each kind of layer (``nn.Linear``,
+#: HF transformers' ``Conv1D``, ``nn.Embedding``), by its name on
+#: ``annot.runtime.tp_layers``: the rewriter writes the name into the source it
+#: emits, ``annot.runtime.tp_convert`` builds the class of that name from a
+#: built layer. A pair not here is no layer (the two check that first).
+PARALLEL_LAYERS: dict[tuple[str, type], str] = {
+    ("linear", Col): "ColumnParallelLinear",
+    ("linear", Row): "RowParallelLinear",
+    ("conv1d", Col): "ColumnParallelConv1D",
+    ("conv1d", Row): "RowParallelConv1D",
+    ("embedding", Col): "ColumnParallelEmbedding",  # its columns (no chunks)
+    ("embedding", Vocab): "VocabParallelEmbedding",  # its rows, the vocabulary
+}
+
+
+def parallel_layer(kind: str, spec: object) -> str:
+    """The name of the layer ``spec`` makes of a ``kind`` layer (``"linear"``,
+    ``"conv1d"``, ``"embedding"``): :data:`PARALLEL_LAYERS`."""
+    return PARALLEL_LAYERS[kind, type(spec)]

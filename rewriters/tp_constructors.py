@@ -25,7 +25,17 @@ from annot.hints import ShardSpec
 from annot.rewriters.diagnostics import node_source
 from annot.rewriters.tp_plan import EditPlan
 from annot.rewriters.tp_syntax import assignments, first_param, self_path, unpack, with_args
-from annot.specs import Col, Heads, P, Partial, Replicate, Row, Vocab
+from annot.specs import (
+    PARALLEL_LAYERS,
+    Col,
+    Heads,
+    P,
+    Partial,
+    Replicate,
+    Row,
+    Vocab,
+    parallel_layer,
+)
 
 __all__ = ["ConstructorPlanner"]
 
@@ -50,11 +60,6 @@ _SUPPORTED = (
     "annot shards nn.Linear (Col(), Row()), nn.Embedding (Vocab(), Col()) and nn.Parameter "
     "(P(...)); Replicate() keeps any attribute whole"
 )
-# (Col / Row layer) for each linear-like kind
-_LAYERS = {
-    "linear": ("ColumnParallelLinear", "RowParallelLinear"),
-    "conv1d": ("ColumnParallelConv1D", "RowParallelConv1D"),
-}
 
 
 def _kwarg(name: str, value: str) -> cst.Arg:
@@ -236,12 +241,12 @@ class ConstructorPlanner(EditPlan):
                 f"{_KIND_NAMES[kind]}; "
                 + (
                     "use Col() (its output feeds vocab_parallel_cross_entropy) or Row()"
-                    if kind in _LAYERS
+                    if (kind, Row) in PARALLEL_LAYERS
                     else 'give the parameter a partition spec such as P("tp", None)'
                 )
             )
         elif isinstance(s, P):
-            use = "Col() or Row()" if kind in _LAYERS else "Vocab()"
+            use = "Col() or Row()" if (kind, Row) in PARALLEL_LAYERS else "Vocab()"
             reason = (
                 f"P(...) splits a raw nn.Parameter, but self.{name} is an "
                 f"{_KIND_NAMES[kind]}; use {use}"
@@ -316,21 +321,16 @@ class ConstructorPlanner(EditPlan):
             )
             return
         extra = []
-        col, row = _LAYERS["conv1d" if kind == "conv1d" else "linear"]
-        if kind == "embedding":
-            col = "ColumnParallelEmbedding"  # Col() on an embedding: its columns
+        assert kind is not None
+        layer = parallel_layer(kind, s)
         if isinstance(s, Col):
-            layer = col
             if s.chunks != 1:
                 extra.append(_kwarg("chunks", str(s.chunks)))
             if s.gather:
                 extra.append(_kwarg("gather", "True"))
         elif isinstance(s, Row):
-            layer = row
             if s.split_input:
                 extra.append(_kwarg("split_input", "True"))
-        else:
-            layer = "VocabParallelEmbedding"
         extra.append(tp)
         self.needed_imports.add((TP_LAYERS, layer))
         self.edit(call, lambda n: with_args(n, cst.Name(layer), extra))

@@ -60,7 +60,7 @@ from annot.runtime.tp_subclass import (
     probe_equals_base,
     reads_super,
 )
-from annot.specs import Col, Heads, P, Partial, Row, Vocab
+from annot.specs import Col, Heads, P, Partial, Row, Vocab, parallel_layer
 
 __all__ = [
     "check_layer",
@@ -165,14 +165,11 @@ def check_layer(module: nn.Module, spec: object, where: str, what: str = "the la
 
 
 def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
+    cls = getattr(L, parallel_layer(kind, spec))
     w = module.weight
     with torch.device(w.device):
         if kind == "embedding":
-            cls, extra = (
-                (L.ColumnParallelEmbedding, {"gather": spec.gather})
-                if isinstance(spec, Col)
-                else (L.VocabParallelEmbedding, {})
-            )
+            extra = {"gather": spec.gather} if isinstance(spec, Col) else {}
             layer = cls(
                 module.num_embeddings,
                 module.embedding_dim,
@@ -188,23 +185,19 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
         elif kind == "conv1d":
             nx, nf = w.shape
             if isinstance(spec, Col):
-                layer = L.ColumnParallelConv1D(
-                    nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp
-                )
+                layer = cls(nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp)
             else:
-                layer = L.RowParallelConv1D(nf, nx, split_input=spec.split_input, tp=tp)
+                layer = cls(nf, nx, split_input=spec.split_input, tp=tp)
             layer.to(dtype=w.dtype)
         else:
             bias = module.bias is not None
             args = (module.in_features, module.out_features)
             if isinstance(spec, Col):
-                layer = L.ColumnParallelLinear(
+                layer = cls(
                     *args, bias=bias, dtype=w.dtype, chunks=spec.chunks, gather=spec.gather, tp=tp
                 )
             else:
-                layer = L.RowParallelLinear(
-                    *args, bias=bias, dtype=w.dtype, split_input=spec.split_input, tp=tp
-                )
+                layer = cls(*args, bias=bias, dtype=w.dtype, split_input=spec.split_input, tp=tp)
     for name, p in module.named_parameters(recurse=False):
         q = getattr(layer, name, None)
         if isinstance(q, nn.Parameter):
