@@ -72,7 +72,7 @@ def frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor],
 
 
 def state_ids(root: nn.Module) -> set[int]:
-    from annot.runtime.stages import shadow_modules
+    from annot.runtime.stage_prune import shadow_modules
 
     ids: set[int] = set()
     for m in [root, *shadow_modules(root)]:

@@ -13,8 +13,8 @@ every pipeline rank, and the stages are cut at run time instead:
 * Stage ``k`` runs the forward from the top. Up to its boundary it *replays*
   the earlier stages' part on the meta device (shapes only, no FLOPs, no
   autograd): modules held by other stages run their meta shadow
-  (:class:`annot.runtime.stages.Absent`), and any op mixing meta and real tensors
-  runs on meta.
+  (:class:`annot.runtime.stage_prune.Absent`), and any op mixing meta and real
+  tensors runs on meta.
 * At boundary ``k`` it takes what the previous stage sent and swaps it into
   the live tensors of every frame on the stack (:func:`torch.utils.swap_tensors`
   keeps each object's identity, so every local, tuple, dict and dataclass that
@@ -215,7 +215,7 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     """Forward pre-hooks on the module at each boundary path (also inside the
     meta shadows of modules held by other stages). They act only while a
     :class:`ReplayStage` runs; returns the hook handles."""
-    from annot.runtime.stages import Absent, resolve_module
+    from annot.runtime.stage_prune import Absent, resolve_module
 
     handles = []
     for k, path in enumerate(boundaries, start=1):
@@ -224,7 +224,9 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
         holder = resolve_module(root, parent)._modules.get(name) if name else None
         if isinstance(holder, Absent):
             module = holder  # its call (not its shadow's) is what forward makes
-        handles.append(module.register_forward_pre_hook(_make_hook(k, path)))
+        # first of the module's pre-hooks: what the others do (sequence
+        # parallelism's scatter) is the stage's work on what arrived
+        handles.append(module.register_forward_pre_hook(_make_hook(k, path), prepend=True))
     return handles
 
 

@@ -3,7 +3,8 @@
 The stage-split rewriter gives each stage a method on the root module
 (``_annot_stage_k``) and the list of module paths it uses. Here each rank
 keeps the modules its stages use and replaces every other submodule with an
-empty placeholder (so ``self.h[2:4]`` still indexes the same blocks), finds
+empty placeholder (:mod:`annot.runtime.stage_prune`; ``self.h[2:4]`` still
+indexes the same blocks), finds
 parameters shared by modules of different stages (tied weights, a module
 used by two stages) and builds a process group over exactly the ranks that
 hold each, so their gradients can be summed.
@@ -22,77 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.errors import PipelineError
-from annot.runtime.replay import replaying, shadow_call
+from annot.runtime.stage_prune import covered, prune
 
 __all__ = []
 
 _SLICE = re.compile(r"^(?P<path>[\w.]+)\[(?P<start>-?\d*):(?P<stop>-?\d*)\]$")
-
-
-class Absent(nn.Module):
-    """Placeholder for a submodule held by another pipeline stage.
-
-    With a ``shadow`` (the module itself, its weights left on the meta device
-    and not registered: no parameters, no state-dict keys here), a stage that
-    replays the earlier stages' part of forward (:mod:`annot.runtime.replay`) runs
-    the shadow for shapes, and attribute reads fall through to it."""
-
-    def __init__(self, path: str, shadow: Optional[nn.Module] = None):
-        super().__init__()
-        self.path = path
-        self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
-        self.__dict__["shapes"] = {}  # annot.runtime.replay.shadow_call's cache
-
-    def forward(self, *args, **kwargs):
-        if self.shadow is not None and replaying():
-            # another stage's work: shapes only (meta), even where its weights are real here
-            return shadow_call(self.shadow, self.shapes, args, kwargs)
-        raise PipelineError(
-            f"module {self.path!r} belongs to another pipeline stage but was called here; "
-            + (
-                "its weights were placed by the order the model registers its modules, which "
-                "differs from the order forward calls them: pass sample=<one microbatch of the "
-                "model's arguments> to annot.parallelize so annot follows the calls"
-                if self.shadow is not None
-                else "the stage split missed a use of it (please report this with your model)"
-            )
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            shadow = self.__dict__.get("shadow")
-            if shadow is None:
-                raise
-            return getattr(shadow, name)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.__dict__["shadow"][index]
-
-    def __len__(self) -> int:
-        return len(self.__dict__["shadow"])
-
-    def __iter__(self):
-        return iter(self.__dict__["shadow"])
-
-    def extra_repr(self) -> str:
-        return f"held by another stage: {self.path}"
-
-
-def resolve_module(root: nn.Module, path: str) -> nn.Module:
-    """The module at ``path``, looking through :class:`Absent` into its shadow."""
-    obj: Any = root
-    for part in path.split(".") if path else ():
-        if isinstance(obj, Absent) and obj.shadow is not None:
-            obj = obj.shadow
-        obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
-    return obj
-
-
-def shadow_modules(root: nn.Module) -> list[nn.Module]:
-    """The meta shadows under ``root`` (to tell their tensors from activations)."""
-    return [m.shadow for m in root.modules() if isinstance(m, Absent) and m.shadow is not None]
 
 
 def call_order_stage_modules(
@@ -204,44 +139,6 @@ def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
         elif isinstance(obj, nn.Parameter):
             out.add(use)
     return out
-
-
-def _covered(path: str, keep: set[str]) -> bool:
-    return any(path == k or path.startswith(k + ".") for k in keep)
-
-
-def _ancestor(path: str, keep) -> bool:
-    return any(k.startswith(path + ".") for k in keep)
-
-
-def prune(
-    root: nn.Module,
-    keep: set[str],
-    prefix: str = "",
-    *,
-    shadows: bool = False,
-    through: frozenset = frozenset(),
-) -> None:
-    """Replace every submodule not in (or above) ``keep`` with :class:`Absent`
-    (holding the module as its meta shadow when ``shadows``). Modules above a
-    path in ``through`` (the boundaries this rank's stages begin or end at)
-    stay too: their forwards make the calls that cross those boundaries."""
-    for name, child in list(root.named_children()):
-        path = f"{prefix}{name}"
-        if _covered(path, keep):
-            continue
-        if _ancestor(path, keep) or _ancestor(path, through):
-            prune(child, keep, path + ".", shadows=shadows, through=through)
-        else:
-            root._modules[name] = Absent(path, child if shadows else None)
-    for name in list(root._parameters):
-        if not _covered(f"{prefix}{name}", keep):
-            p = root._parameters[name]
-            if shadows and p is not None:  # a plain meta tensor: shapes for the replay
-                del root._parameters[name]
-                root.__dict__[name] = p.detach().to("meta")
-            else:
-                root._parameters[name] = None  # a parameter of another stage's module
 
 
 @dataclass
@@ -370,7 +267,7 @@ def build_plan(
                 s
                 for s, keep in stage_modules.items()
                 for nm in names
-                if _covered(nm.rpartition(".")[0], keep) or _covered(nm, keep)
+                if covered(nm.rpartition(".")[0], keep) or covered(nm, keep)
             }
         )
         owners = sorted({h % mesh.pp for h in holders})

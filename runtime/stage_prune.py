@@ -1,0 +1,121 @@
+"""This rank's part of the model: :func:`prune` replaces every submodule its
+pipeline stages do not use (:mod:`annot.runtime.stages` decides which) with
+an :class:`Absent` placeholder, so ``self.h[2:4]`` still indexes the same
+blocks. With a meta shadow in it, a stage that replays the earlier stages'
+part of forward (:mod:`annot.runtime.replay`) runs the placeholder for shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from annot.errors import PipelineError
+from annot.runtime.replay import replaying, shadow_call
+
+__all__ = ["Absent", "covered", "prune", "resolve_module", "shadow_modules"]
+
+
+class Absent(nn.Module):
+    """Placeholder for a submodule held by another pipeline stage.
+
+    With a ``shadow`` (the module itself, its weights left on the meta device
+    and not registered: no parameters, no state-dict keys here), a stage that
+    replays the earlier stages' part of forward (:mod:`annot.runtime.replay`) runs
+    the shadow for shapes, and attribute reads fall through to it."""
+
+    def __init__(self, path: str, shadow: Optional[nn.Module] = None):
+        super().__init__()
+        self.path = path
+        self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
+        self.__dict__["shapes"] = {}  # annot.runtime.replay.shadow_call's cache
+
+    def forward(self, *args, **kwargs):
+        if self.shadow is not None and replaying():
+            # another stage's work: shapes only (meta), even where its weights are real here
+            return shadow_call(self.shadow, self.shapes, args, kwargs)
+        raise PipelineError(
+            f"module {self.path!r} belongs to another pipeline stage but was called here; "
+            + (
+                "its weights were placed by the order the model registers its modules, which "
+                "differs from the order forward calls them: pass sample=<one microbatch of the "
+                "model's arguments> to annot.parallelize so annot follows the calls"
+                if self.shadow is not None
+                else "the stage split missed a use of it (please report this with your model)"
+            )
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("shadow")
+            if shadow is None:
+                raise
+            return getattr(shadow, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__dict__["shadow"][index]
+
+    def __len__(self) -> int:
+        return len(self.__dict__["shadow"])
+
+    def __iter__(self):
+        return iter(self.__dict__["shadow"])
+
+    def extra_repr(self) -> str:
+        return f"held by another stage: {self.path}"
+
+
+def resolve_module(root: nn.Module, path: str) -> nn.Module:
+    """The module at ``path``, looking through :class:`Absent` into its shadow."""
+    obj: Any = root
+    for part in path.split(".") if path else ():
+        if isinstance(obj, Absent) and obj.shadow is not None:
+            obj = obj.shadow
+        obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
+    return obj
+
+
+def shadow_modules(root: nn.Module) -> list[nn.Module]:
+    """The meta shadows under ``root`` (to tell their tensors from activations)."""
+    return [m.shadow for m in root.modules() if isinstance(m, Absent) and m.shadow is not None]
+
+
+def covered(path: str, keep: set[str]) -> bool:
+    return any(path == k or path.startswith(k + ".") for k in keep)
+
+
+def _ancestor(path: str, keep) -> bool:
+    return any(k.startswith(path + ".") for k in keep)
+
+
+def prune(
+    root: nn.Module,
+    keep: set[str],
+    prefix: str = "",
+    *,
+    shadows: bool = False,
+    through: frozenset = frozenset(),
+) -> None:
+    """Replace every submodule not in (or above) ``keep`` with :class:`Absent`
+    (holding the module as its meta shadow when ``shadows``). Modules above a
+    path in ``through`` (the boundaries this rank's stages begin or end at)
+    stay too: their forwards make the calls that cross those boundaries."""
+    for name, child in list(root.named_children()):
+        path = f"{prefix}{name}"
+        if covered(path, keep):
+            continue
+        if _ancestor(path, keep) or _ancestor(path, through):
+            prune(child, keep, path + ".", shadows=shadows, through=through)
+        else:
+            root._modules[name] = Absent(path, child if shadows else None)
+    for name in list(root._parameters):
+        if not covered(f"{prefix}{name}", keep):
+            p = root._parameters[name]
+            if shadows and p is not None:  # a plain meta tensor: shapes for the replay
+                del root._parameters[name]
+                root.__dict__[name] = p.detach().to("meta")
+            else:
+                root._parameters[name] = None  # a parameter of another stage's module
