@@ -48,7 +48,7 @@ from annot.runtime import mesh as rmesh
 from annot.runtime.checkpointing import apply_activation_checkpointing
 from annot.runtime.deferred_init import meta_copy
 from annot.runtime.replay import call_with
-from annot.runtime.sequence_parallel import apply_sequence_parallel
+from annot.runtime.sequence_parallel import apply_sequence_parallel, stage_runs
 from annot.runtime.stages import build_plan, stage_calls
 from annot.stage_choice import choose_boundaries, needs_replay, record_calls, resplit
 from annot.verify import verify_shard_hints
@@ -131,13 +131,13 @@ def parallelize(
     (Megatron-SP, :mod:`annot.runtime.sequence_parallel`): its block list (a
     transformers model's pp plan, else its largest ``nn.ModuleList``), or the
     container or block paths given, split along ``sequence_dim`` (1: batch
-    first).
+    first); in a pipeline each stage's blocks enter and leave the shards.
     Returns a :class:`ParallelModel`.
     """
     from annot.precision import parse_precision
 
     autocast = parse_precision(precision)
-    mesh = _check_options(mesh, chunks, sequence_parallel)
+    mesh = _check_options(mesh, chunks)
     instance, cls = _model_and_class(model, args, kwargs)
     report = BuildReport(mesh)
 
@@ -173,13 +173,18 @@ def parallelize(
     )
     log.debug("annot: step 4: built %s for tp=%d (meta)", type(local).__qualname__, mesh.tp)
 
+    if sequence_parallel is not False and mesh.tp > 1:
+        report.sequence_blocks = _sequence_blocks(local, sequence_parallel, report.boundaries)
     check = None
     if mesh.tp > 1:
         twin = ref if instance is None else meta_copy(instance)
+        whole = None
+        if n_stages > 1:  # every stage's tp shard, copied before this rank keeps its own
+            whole = meta_copy(local)
+            apply_sequence_parallel(whole, report.sequence_blocks, sequence_dim, mesh.tp)
         check = functools.partial(
             preflight,
-            # at pp > 1 every stage's tp shard, copied before this rank keeps its own
-            whole=meta_copy(local) if n_stages > 1 else None,
+            whole=whole,
             split_root=n_stages > 1 and not report.replay,
             ref=twin,
             ctx=ctx,
@@ -199,9 +204,12 @@ def parallelize(
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
     _mark_grad_sums(local, paths)
-    if sequence_parallel is not False and mesh.tp > 1:
-        report.sequence_blocks = _sequence_blocks(local, sequence_parallel)
-        apply_sequence_parallel(local, report.sequence_blocks, sequence_dim, mesh.tp)
+    for run in (
+        [report.sequence_blocks]
+        if plan is None
+        else stage_runs(plan, local, report.sequence_blocks)
+    ):
+        apply_sequence_parallel(local, run, sequence_dim, mesh.tp)
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
     built = ParallelModel(
@@ -213,18 +221,13 @@ def parallelize(
     return built
 
 
-def _check_options(mesh: Optional[Mesh], chunks: int, sequence_parallel) -> Mesh:
+def _check_options(mesh: Optional[Mesh], chunks: int) -> Mesh:
     """The mesh, after the checks that need no rank: refused before any works."""
     mesh = mesh or Mesh()
     if not isinstance(mesh, Mesh):
         raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
-    if sequence_parallel is not False and mesh.pp * chunks > 1:
-        raise HintError(
-            "parallelize: sequence_parallel= with pipeline stages is not supported yet; "
-            "use it at pp=1 (tp and dp), or build without it"
-        )
     return mesh
 
 
@@ -341,9 +344,26 @@ def _run_preflight(built: ParallelModel, check, sample) -> None:
     built.report.preflight = "passed"
 
 
-def _sequence_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list[str]:
+def _sequence_blocks(
+    model: nn.Module, option: Union[bool, str, list[str]], boundaries: tuple[str, ...]
+) -> list[str]:
     """The block paths ``sequence_parallel=`` names: ``True`` the model's block
-    list, a container's path its children, else the paths given."""
+    list, a container's path its children, else the paths given. A pipeline
+    boundary inside one of them is refused."""
+    blocks = _named_blocks(model, option)
+    for b in boundaries:
+        block = next((k for k in blocks if b.startswith(f"{k}.")), None)
+        if block is not None:
+            raise HintError(
+                f"parallelize: the pipeline boundary {b!r} lies inside the block {block!r}, "
+                "which sequence_parallel= runs on sequence shards; a stage must hand whole "
+                f"blocks on. Put the boundary at a block ({block!r} or the next one), or leave "
+                "the block out of sequence_parallel=[...]"
+            )
+    return blocks
+
+
+def _named_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list[str]:
     from annot.hf import nested_blocks
 
     if option is True:

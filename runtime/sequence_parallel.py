@@ -48,7 +48,7 @@ from annot.runtime.tp_layers import (
     RowParallelLinear,
 )
 
-__all__ = ["apply_sequence_parallel"]
+__all__ = ["apply_sequence_parallel", "stage_runs"]
 
 _COLUMNS = (ColumnParallelLinear, ColumnParallelConv1D)
 _ROWS = (RowParallelLinear, RowParallelConv1D)
@@ -112,6 +112,37 @@ def apply_sequence_parallel(root: nn.Module, blocks: Sequence[str], dim: int, tp
         )
     modules[blocks[0]].register_forward_pre_hook(_Enter(blocks[0], dim, tp), with_kwargs=True)
     modules[blocks[-1]].register_forward_hook(_Leave(dim))
+
+
+def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
+    """The blocks each of this rank's pipeline stages runs (``plan``: an
+    :class:`~annot.runtime.stages.PipelinePlan`), in order. Each run enters
+    sequence shards at its first block and leaves them after its last, so the
+    stages hand whole activations on, as without sequence parallelism."""
+    modules = dict(root.named_modules())
+    runs, seen = [], {}
+    for s in plan.local_stage_ids:
+        held = plan.stage_modules.get(s, set())
+        run = [
+            b
+            for b in blocks
+            if any(
+                (p == b or p.startswith(f"{b}."))
+                and next(modules[p].parameters(), None) is not None
+                for p in held
+                if p in modules
+            )
+        ]
+        for b in run:
+            if seen.setdefault(b, s) != s:
+                raise HintError(
+                    f"sequence_parallel: the block {b!r} runs in pipeline stages {seen[b]} and "
+                    f"{s}; annot runs a block on sequence shards in one stage only. Leave it "
+                    "out of sequence_parallel=[...]"
+                )
+        if run:
+            runs.append(run)
+    return runs
 
 
 def _regions(block: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:

@@ -48,6 +48,13 @@ def _tokens(g, step):
     return {"ids": torch.randint(0, 64, (4, seq), generator=g)}
 
 
+def _even_tokens(g, step):
+    """Lengths that change per step and divide by tp=2 (sequence parallelism)."""
+    import torch
+
+    return {"ids": torch.randint(0, 64, (4, (8, 4, 6)[step % 3]), generator=g)}
+
+
 def _ce_on_logits(model, b):
     """Style 1: the loss outside the model, on its logits."""
     import torch.nn.functional as F
@@ -210,12 +217,20 @@ CASES = {
     "resnet": (_resnet, _images, _plain_ce),
     "sequential": (_sequential, _vectors, _plain_ce),
     "llama_ckpt": (_llama_checkpointed, _tokens, _ce_on_logits),
+    "llama_sp": (_llama, _even_tokens, _ce_on_logits),
     "branchy": (_branchy, _vectors, _branchy_loss),
 }
 
 
 def _parity(
-    cache: str, case: str, splits: list, tp: int = 1, steps: int = 2, schedule="1f1b", pp=None
+    cache: str,
+    case: str,
+    splits: list,
+    tp: int = 1,
+    steps: int = 2,
+    schedule="1f1b",
+    pp=None,
+    sp=False,
 ):
     """On every rank: for each split in ``splits`` (None: annot chooses, over
     ``pp`` stages), parallelize, train ``steps`` AdamW steps beside the
@@ -233,8 +248,15 @@ def _parity(
     for split in splits:
         mesh = annot.Mesh(pp=pp or len(split) + 1, tp=tp)
         model = annot.parallelize(
-            cls, *args, mesh=mesh, seed=0, split=list(split) if split is not None else None
+            cls,
+            *args,
+            mesh=mesh,
+            seed=0,
+            split=list(split) if split is not None else None,
+            sequence_parallel=sp,
         )
+        if sp:  # this rank's row layers reduce-scatter to sequence shards
+            assert any(getattr(m, "sequence_dim", None) == 1 for m in model.modules())
         torch.manual_seed(0)
         ref = cls(*args)
         model.train()
@@ -362,6 +384,12 @@ def test_pp4_llama_and_resnet(tmp_path):
 @pytest.mark.slow
 def test_tp2_pp2_llama_mid_block(tmp_path):
     _run(tmp_path, "llama", [["model.layers.1.mlp"]], world=4, tp=2)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_llama_sequence_parallel(tmp_path):
+    # each stage's decoder layers on sequence shards, whole activations between stages
+    _run(tmp_path, "llama_sp", [["model.layers.2"]], world=4, tp=2, sp=True, steps=3)
 
 
 # ---- composition: interleaved virtual stages, DCP checkpoints ---------------------------

@@ -170,6 +170,30 @@ def test_a_sequence_that_does_not_divide_is_refused(tmp_path):
         assert "model.layers.0" in text
 
 
-def test_sequence_parallel_with_pipeline_stages_is_refused_before_any_rank_works():
-    with pytest.raises(HintError, match="sequence_parallel= with pipeline stages"):
-        annot.parallelize(Net, mesh=annot.Mesh(pp=2, tp=2), sequence_parallel=True, seed=0)
+def _mid_block(cache: str) -> str:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    with pytest.raises(HintError) as err:
+        annot.parallelize(
+            Net,
+            mesh=annot.Mesh(pp=2, tp=2),
+            hints=HINTS,
+            seed=0,
+            split=["blocks.0.fc1"],
+            sequence_parallel=True,
+        )
+    return str(err.value)
+
+
+@pytest.mark.slow
+def test_a_pipeline_boundary_inside_a_sequence_parallel_block_is_refused(tmp_path):
+    # (sequence parallelism across pipeline stages: tests/test_tp_dropout.py)
+    assert (
+        run_ranks(_mid_block, 4, str(tmp_path), timeout=240)
+        == [
+            "parallelize: the pipeline boundary 'blocks.0.fc1' lies inside the block 'blocks.0', "
+            "which sequence_parallel= runs on sequence shards; a stage must hand whole blocks on. "
+            "Put the boundary at a block ('blocks.0' or the next one), or leave the block out of "
+            "sequence_parallel=[...]"
+        ]
+        * 4
+    )

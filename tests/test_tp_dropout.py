@@ -127,12 +127,13 @@ def test_dropout_in_tp_regions_equals_the_single_device_run(tmp_path, checkpoint
     run_ranks(_dropout_parity, 2, str(tmp_path), checkpoint, when, timeout=240)
 
 
-def _jit_dropout_parity(cache: str, pp: int, split: list, when: str) -> dict:
-    """In a jit step over 2 microbatches, at tp=2 and ``pp`` stages: the
-    single-device model run on the same microbatches (accumulated), seeded
-    the same before each step. In a pipeline each stage's ranks have their own
-    generator, so only the last stage drops out: then its draws are the
-    single-device run's, in the same order."""
+def _jit_dropout_parity(cache: str, pp: int, split: list, when: str, sp: bool = False) -> dict:
+    """In a jit step over 2 microbatches, at tp=2 and ``pp`` stages (``sp``:
+    with sequence parallelism): the single-device model run on the same
+    microbatches (accumulated), seeded the same before each step. In a
+    pipeline each stage's ranks have their own generator, so only the last
+    stage drops out: then its draws are the single-device run's, in the same
+    order."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from tests.parity import assert_close, compare_grads, compare_state
@@ -147,6 +148,7 @@ def _jit_dropout_parity(cache: str, pp: int, split: list, when: str) -> dict:
         seed=0,
         sample=sample,
         split=split or None,
+        sequence_parallel=sp,
     )
     torch.manual_seed(0)
     ref = Net(**kw)
@@ -174,7 +176,8 @@ def _jit_dropout_parity(cache: str, pp: int, split: list, when: str) -> dict:
         ref_opt.zero_grad()
     compare_state(model, ref, f"pp={pp} split={split} after 2 AdamW steps")
     assert model.dropout, "no dropout site was found sharded"
-    return {"replay": model.report.replay, "preflight": model.report.preflight}
+    sites = sorted({(path, dim) for (path, _, _), dim in model.dropout.items()})
+    return {"preflight": model.report.preflight, "sites": sites}
 
 
 def test_dropout_in_a_jit_step_found_on_the_first_call(tmp_path):
@@ -185,11 +188,18 @@ def test_dropout_in_a_jit_step_found_on_the_first_call(tmp_path):
 @pytest.mark.slow
 def test_dropout_in_tp_regions_of_pipeline_stages(tmp_path):
     """tp=2 × pp=2: a boundary between blocks in the root's loop and one inside
-    a block's forward; the sites found at build (sample) and on the first call."""
-    cases = [(["blocks.1"], "build"), (["blocks.0.fc1"], "first-call")]
-    for n, (split, when) in enumerate(cases):
-        res = run_ranks(_jit_dropout_parity, 4, str(tmp_path / str(n)), 2, split, when, timeout=400)
+    a block's forward; the sites found at build (sample) and on the first
+    call; with sequence parallelism each stage's blocks run on sequence shards
+    (the residual dropout's site split along the sequence, dim 1)."""
+    cases = [(["blocks.1"], "build", False), (["blocks.0.fc1"], "first-call", False)]
+    cases += [(["blocks.1"], "build", True)]
+    for n, (split, when, sp) in enumerate(cases):
+        res = run_ranks(
+            _jit_dropout_parity, 4, str(tmp_path / str(n)), 2, split, when, sp, timeout=400
+        )
         assert res[0]["preflight"] == ("passed" if when == "build" else "on the first call")
+        # the residual stream's dropout sees a shard only with sequence parallelism
+        assert (("blocks.1.drop", 1) in res[2]["sites"]) == sp, res
 
 
 def _call(shape, func=F.dropout, line=1, p=0.1):
