@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import HintError
+from annot.runtime import tp_layers
 from annot.runtime.state_dict import shard_layouts
 from annot.runtime.tp_comm import (
     check_sequence_split,
@@ -41,17 +42,22 @@ from annot.runtime.tp_comm import (
     scatter_to_tp,
 )
 from annot.runtime.tp_embedding import ColumnParallelEmbedding, VocabParallelEmbedding
-from annot.runtime.tp_layers import (
-    ColumnParallelConv1D,
-    ColumnParallelLinear,
-    RowParallelConv1D,
-    RowParallelLinear,
-)
+from annot.specs import PARALLEL_LAYERS, Col, Row
 
 __all__ = ["apply_sequence_parallel", "stage_runs"]
 
-_COLUMNS = (ColumnParallelLinear, ColumnParallelConv1D)
-_ROWS = (RowParallelLinear, RowParallelConv1D)
+
+def _layers(spec: type) -> tuple[type, ...]:
+    """The parallel layers of linear kinds (not embeddings) that ``spec`` makes."""
+    return tuple(
+        getattr(tp_layers, name)
+        for (kind, s), name in PARALLEL_LAYERS.items()
+        if s is spec and kind != "embedding"
+    )
+
+
+_COLUMNS = _layers(Col)
+_ROWS = _layers(Row)
 _SPLIT_LAYERS = (*_COLUMNS, *_ROWS)
 
 
