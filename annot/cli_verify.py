@@ -132,12 +132,11 @@ def _sample(args: Any, cls: type, model) -> dict:
 
 
 def _leaves(out: Any) -> list:
-    import torch
-    from torch.utils._pytree import tree_leaves
+    from annot.runtime.trees import tensors
 
     if hasattr(out, "to_tuple"):  # a transformers ModelOutput
         out = out.to_tuple()
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in tensors(out) if t.is_floating_point()]
 
 
 def _scalar(out: Any, seed: int):

@@ -1,6 +1,7 @@
 """Split a step's arguments into microbatches, and gather per-microbatch outputs.
 
-Tensors (also inside tuples, lists and dicts) are split on dim 0; every other
+Tensors (also inside tuples, lists, dicts, namedtuples and the other
+containers ``torch.utils._pytree`` knows) are split on dim 0; every other
 value is passed whole to every microbatch, and so are the arguments named in
 ``non_split``. All split tensors must share the batch size, and it must be
 divisible by the number of microbatches.
@@ -13,8 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
 from annot.errors import PipelineError
+from annot.runtime.trees import flatten
 
 __all__ = ["StepOutput", "split_microbatches"]
 
@@ -43,47 +46,35 @@ def _reduce(values: list, how: str) -> Any:
 
 
 def _combine(values: list, fn: Callable) -> Any:
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        return fn(list(values))
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        t = fn([torch.tensor(float(v)) for v in values])
-        return t.item()
-    if isinstance(first, (tuple, list)):
-        return type(first)(_combine([v[i] for v in values], fn) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _combine([v[k] for v in values], fn) for k in first}
-    if first is None:
-        return None
-    raise PipelineError(f"cannot reduce step outputs of type {type(first).__name__}")
+    """Each leaf combined over the microbatches' values (same structures)."""
+
+    def leaf(*xs: Any) -> Any:
+        first = xs[0]
+        if isinstance(first, torch.Tensor):
+            return fn(list(xs))
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            t = fn([torch.tensor(float(v)) for v in xs])
+            return t.item()
+        if first is None:
+            return None
+        raise PipelineError(f"cannot reduce step outputs of type {type(first).__name__}")
+
+    return tree_map(leaf, values[0], *values[1:])
 
 
 def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0:
-            out[path] = obj.shape[0]
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            _batch_sizes(v, f"{path}[{i}]", out)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _batch_sizes(v, f"{path}[{k!r}]", out)
+    for keys, x in tree_flatten_with_path(obj)[0]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            out[path + keystr(keys)] = x.shape[0]
 
 
 def _split(obj: Any, m: int) -> list:
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-        return list(torch.chunk(obj, m, dim=0))
-    if isinstance(obj, (tuple, list)):
-        parts = [_split(v, m) for v in obj]
-        return (
-            [type(obj)(p[i] for p in parts) for i in range(m)]
-            if not hasattr(obj, "_fields")
-            else [type(obj)(*(p[i] for p in parts)) for i in range(m)]
-        )
-    if isinstance(obj, dict):
-        parts = {k: _split(v, m) for k, v in obj.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
-    return [obj] * m
+    leaves, spec = flatten(obj)
+    parts = [
+        list(torch.chunk(x, m, dim=0)) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m
+        for x in leaves
+    ]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
 
 
 def split_microbatches(

@@ -133,17 +133,13 @@ def _first_grad_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
 def _output_scalar(out: Any) -> Optional[torch.Tensor]:
     """A scalar to run backward from: the sum of every floating output that
     requires grad (the loss of a step body is not part of the model)."""
-    from torch.utils._pytree import tree_leaves
+    from annot.runtime.trees import tensors
 
     if hasattr(out, "to_tuple"):  # transformers' ModelOutput
         out = out.to_tuple()
     elif dataclasses.is_dataclass(out) and not isinstance(out, type):
         out = [getattr(out, f.name) for f in dataclasses.fields(out)]
-    parts = [
-        t.float().sum()
-        for t in tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-    ]
+    parts = [t.float().sum() for t in tensors(out) if t.requires_grad and t.is_floating_point()]
     return torch.stack(parts).sum() if parts else None
 
 

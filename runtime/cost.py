@@ -58,8 +58,9 @@ import torch.nn as nn
 
 from annot.errors import PartitionError
 from annot.runtime.cost_cache import cache_key, load, store
-from annot.runtime.cost_measure import detach, leaves, measure
+from annot.runtime.cost_measure import detach, measure
 from annot.runtime.cost_segments import Segment, SegmentCost, as_segments
+from annot.runtime.trees import tensors
 
 __all__ = ["profile_segments", "partition_args"]
 
@@ -182,7 +183,7 @@ def profile_segments(
 
     state = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     results = []
-    devices = sorted({t.device.index or 0 for t in leaves(state) if t.is_cuda})
+    devices = sorted({t.device.index or 0 for t in tensors(state) if t.is_cuda})
     with torch.random.fork_rng(devices=devices):
         for i, seg in enumerate(segs):
             bar.step(i, seg.name)
@@ -216,7 +217,7 @@ def profile_segments(
                     flops=total,
                     forward_flops=fwd,
                     time=seconds,
-                    output_bytes=sum(_nbytes(t) for t in leaves(out)),
+                    output_bytes=sum(_nbytes(t) for t in tensors(out)),
                     shared=shared,
                     shared_numel=shared_numel,
                 )

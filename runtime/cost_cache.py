@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from annot.files import atomic_write
 from annot.runtime.cost_segments import SegmentCost, as_segments
+from annot.runtime.trees import flatten
 
 __all__ = ["CACHE_VERSION", "cache_key", "load", "store"]
 
@@ -35,12 +36,15 @@ def _source_hash(obj: Any) -> str:
 
 
 def _describe(x: Any) -> Any:
+    """The structure of ``x`` (its pytree spec) and each leaf: a tensor's
+    shape, dtype, device and requires_grad, anything else's repr."""
+    leaves, spec = flatten(x)
+    return [str(spec), [_describe_leaf(v) for v in leaves]]
+
+
+def _describe_leaf(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ["tensor", list(x.shape), str(x.dtype), str(x.device), x.requires_grad]
-    if isinstance(x, (list, tuple)):
-        return [type(x).__name__, [_describe(v) for v in x]]
-    if isinstance(x, dict):
-        return ["dict", {str(k): _describe(v) for k, v in x.items()}]
     return repr(x)
 
 

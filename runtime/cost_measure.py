@@ -16,35 +16,21 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from annot.runtime.cost_segments import Segment
+from annot.runtime.trees import map_tensors, tensors
 
-__all__ = ["call", "detach", "leaves", "measure"]
-
-
-def leaves(x: Any):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from leaves(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from leaves(v)
+__all__ = ["call", "detach", "measure"]
 
 
 def detach(x: Any, grad: Optional[bool]) -> Any:
     """A fresh leaf copy of the structure; floating tensors require grad when
     ``grad`` is True, keep their own flag when it is None."""
-    if isinstance(x, torch.Tensor):
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
         t = x.detach()
         want = x.requires_grad if grad is None else grad
         return t.requires_grad_(bool(want) and (t.is_floating_point() or t.is_complex()))
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(detach(v, grad) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(detach(v, grad) for v in x)
-    if isinstance(x, dict):
-        return {k: detach(v, grad) for k, v in x.items()}
-    return x
+
+    return map_tensors(fresh, x)
 
 
 def call(fn: Callable[..., Any], state: Any) -> Any:
@@ -58,7 +44,7 @@ def sync(tensors) -> None:
 
 def fwd_bwd(fn, state):
     out = call(fn, state)
-    outs = [t for t in leaves(out) if t.requires_grad]
+    outs = [t for t in tensors(out) if t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     return out
@@ -81,14 +67,14 @@ def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, 
     with FlopCounterMode(display=False) as fwd_counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call(seg.fn, state)
-    outs = [t for t in leaves(out) if t.requires_grad]
+    outs = [t for t in tensors(out) if t.requires_grad]
     with FlopCounterMode(display=False) as bwd_counter:
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     fwd = int(fwd_counter.get_total_flops())
     total = fwd + int(bwd_counter.get_total_flops())
 
-    probe = list(leaves(state)) + params
+    probe = list(tensors(state)) + params
     times = []
     for i in range(warmup + repeats):
         for p in params:

@@ -30,6 +30,7 @@ def frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor],
     names: list[str] = []
     seen: set[int] = set()
 
+    # Not pytree: each object once by identity, dataclass fields, a depth limit, named paths.
     def visit(value: Any, where: str, depth: int) -> None:
         if depth > 8:
             return

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "EMPTY",
@@ -31,7 +30,6 @@ __all__ = [
     "geometry",
     "is_random",
     "on_device",
-    "tensors",
 ]
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
@@ -137,10 +135,6 @@ def on_device(func, args: tuple, kwargs: dict, device: torch.device) -> tuple[tu
             else:
                 kwargs = {**kwargs, "device": device}
     return args, kwargs
-
-
-def tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 @functools.cache

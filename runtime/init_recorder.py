@@ -39,8 +39,8 @@ from annot.runtime.init_ops import (
     geometry,
     is_random,
     on_device,
-    tensors,
 )
+from annot.runtime.trees import tensors
 
 __all__ = ["DeferredInitError", "Recorder", "HideMeta"]
 

@@ -89,6 +89,7 @@ def flatten(obj: Any, *, root: str = "obj") -> tuple[Any, list[torch.Tensor]]:
     return tree, tensors
 
 
+# Not pytree: a JSON wire format, checked per value with its path (cycles, dtypes, classes).
 def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
     if isinstance(x, torch.Tensor):
         if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+
 from annot.errors import PipelineError
 from annot.runtime.model_call import StepState
 from annot.runtime.p2p import recv_pytree, send_pytree
 from annot.runtime.schedules import RECV_F, Action, B, F
-from annot.runtime.stage_values import detached
+from annot.runtime.trees import map_tensors
 
 __all__ = ["PipelineMessages"]
 
@@ -35,7 +37,7 @@ class PipelineMessages:
             outputs = self.last_rank_outputs if outputs is None else outputs
             if outputs is None:
                 raise PipelineError("broadcast_outputs() before any run(): nothing to send")
-            outputs = detached(outputs)
+            outputs = map_tensors(torch.Tensor.detach, outputs)
         if self.pp == 1:
             return outputs
         src = self.peers[self.owner(last)]

@@ -15,7 +15,7 @@ import torch
 from annot.errors import PipelineError
 from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 
-__all__ = ["call_stage", "detached", "grad_pairs", "handoff", "input_grads", "keep_grads"]
+__all__ = ["call_stage", "grad_pairs", "handoff", "input_grads", "keep_grads"]
 
 
 def handoff(out: Any, device: Optional[torch.device]) -> Any:
@@ -51,20 +51,6 @@ def grad_pairs(out: Any, grads: list, stage: int, microbatch: int) -> list[tuple
             "disagree about its values (please report this)"
         )
     return [(t, g) for t, g in zip(tensors, grads) if g is not None]
-
-
-def detached(tree: Any) -> Any:
-    """Tensors detached in tuples, lists and dicts; everything else as is."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach()
-    if isinstance(tree, dict):
-        return type(tree)((k, detached(v)) for k, v in tree.items())
-    if isinstance(tree, list):
-        return [detached(v) for v in tree]
-    if isinstance(tree, tuple):
-        items = [detached(v) for v in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
-    return tree
 
 
 def call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
