@@ -1,7 +1,7 @@
 """Models in other people's styles, with their blocks below the root forward.
 
 Written the way their libraries write them, without any annot hint, for the
-pipeline tests (:mod:`tests.test_pp_nested`):
+pipeline tests (:mod:`tests.e2e.test_pp_nested`):
 
 * :class:`TimmStyleViT`: ``forward`` -> ``forward_features`` -> an
   ``nn.Sequential`` of blocks called once; ``cls_token`` and ``pos_embed``

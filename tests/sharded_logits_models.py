@@ -1,4 +1,4 @@
-"""Models for ``tests/test_sharded_logits.py``: the vocab-sharded head in a
+"""Models for ``tests/e2e/test_sharded_logits.py``: the vocab-sharded head in a
 submodule and the loss in its parent (Hugging Face's layout).
 
 ``annot.parallelize`` rewrites a class from its source file, so these live in

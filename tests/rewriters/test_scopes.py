@@ -20,7 +20,7 @@ from libcst.metadata import (
 from annot.rewriters.scope_model import DEL, LOAD, STORE
 from annot.rewriters.scopes import ModuleScopes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = {ExpressionContext.LOAD: LOAD, ExpressionContext.STORE: STORE, ExpressionContext.DEL: DEL}
 
 

@@ -21,7 +21,7 @@ from annot.rewriters.hint_reader import read_shard_hints, read_stage_hints
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.specs import Col, P, Replicate, Row, Vocab
 
-FIXTURE = Path(__file__).parent / "fixtures" / "gpt_model.py"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpt_model.py"
 
 
 def dedent(text: str) -> str:

@@ -13,8 +13,8 @@ import torch
 import annot
 from annot.errors import HintError
 from annot.testing import RanksFailed, run_ranks
+from tests.runtime.test_tp_dropout import HINTS, Net, _batch
 from tests.test_hf_gpt2 import LLAMA_KW
-from tests.test_tp_dropout import HINTS, Net, _batch
 
 
 def _dropout_parity(cache: str):
@@ -186,7 +186,7 @@ def _mid_block(cache: str) -> str:
 
 @pytest.mark.slow
 def test_a_pipeline_boundary_inside_a_sequence_parallel_block_is_refused(tmp_path):
-    # (sequence parallelism across pipeline stages: tests/test_tp_dropout.py)
+    # (sequence parallelism across pipeline stages: tests/runtime/test_tp_dropout.py)
     assert (
         run_ranks(_mid_block, 4, str(tmp_path), timeout=240)
         == [

@@ -1,7 +1,7 @@
 """The replay's op cache (annot.runtime.meta_ops.MetaOps): an op answered from the
 recorded shapes is the op run on meta, in shape, strides, dtype and aliasing.
 
-The end-to-end parity of replayed pipelines is in test_pp_nested.py; here each
+The end-to-end parity of replayed pipelines is in tests/e2e/test_pp_nested.py; here each
 op is checked on its own, for drawn shapes, on the first call (run on meta) and
 on the second (made from the cache).
 """
