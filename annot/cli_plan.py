@@ -164,7 +164,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 plan = plan_stages(model, cls, args.pp, memory=memory, **common)
         except PartitionError as exc:
             few = "segments between its split points" in str(exc)  # planner._check_count
-            if not few or memory is not None or get_stage_spec(cls) is not None:
+            if not few or get_stage_spec(cls) is not None:
                 raise
             # forward itself has too few places to cut: its blocks sit deeper
             return _run_module_plan(args, model, sample, memory)
@@ -192,18 +192,20 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
     from annot.module_plan import call_order, plan_module_boundaries
     from annot.runtime.stages import record_calls
 
-    if memory is not None or args.cost == "flops" or args.tp != 1:
-        print(
-            f"annot plan: {type(model).__name__}: its stages are planned over its modules "
-            "(annot.module_plan), which balances parameters or measured time (--cost params / "
-            "time) at --tp 1 and does not take --memory, --fit or --cost flops yet",
-            file=sys.stderr,
-        )
-        return 2
     cost = args.cost or ("time" if sample is not None else "params")
     probe = sample if sample is not None else sample_inputs(model)
     order = call_order(record_calls(model, probe)) if probe is not None else None
-    plan = plan_module_boundaries(model, args.pp, sample=sample, cost=cost, order=order)
+    plan = plan_module_boundaries(
+        model,
+        args.pp,
+        sample=sample,
+        cost=cost,
+        order=order,
+        memory=memory,
+        fit=args.fit,
+        optimizer=args.optimizer,
+        tp=args.tp,
+    )
     if args.json:
         import json
 
@@ -212,6 +214,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
             "stage_costs": plan.stage_costs,
             "cost": plan.cost,
             "imbalance": plan.imbalance,
+            "stage_memory": plan.stage_memory,
             "units": [u.path for u in plan.units],
         }
         print(json.dumps(doc, indent=2))

@@ -40,10 +40,12 @@ _BLOCKS = (nn.ModuleList, nn.Sequential)
 @dataclass(frozen=True)
 class Unit:
     """A run of module calls that a stage boundary may begin: ``path`` is the
-    module whose call begins it (a block, a part of a block, a leaf)."""
+    module whose call begins it (a block, a part of a block, a leaf);
+    ``owns`` the modules whose weights it holds."""
 
     path: str
     params: int
+    owns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ModulePlan:
     costs: list[float]
     stage_costs: list[float]
     cost: str
+    stage_memory: list[int] = dataclasses.field(default_factory=list)  # bytes per device
+    memory_budget: Optional[int] = None
 
     @property
     def imbalance(self) -> float:
@@ -61,12 +65,16 @@ class ModulePlan:
         return max(self.stage_costs) / mean if mean else 1.0
 
     def table(self) -> str:
+        from annot.runtime.cost_table import format_bytes
+
         starts = [self.units[0].path, *self.boundaries]
-        unit = "s" if self.cost == "time" else "params"
-        rows = [f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14}"]
-        for k, (b, c) in enumerate(zip(starts, self.stage_costs)):
-            rows.append(f"{k:<6} {b:<40} {c:>14.6g}")
-        rows.append(f"max/mean {self.imbalance:.3f} over {len(self.units)} candidate units")
+        unit = {"time": "s", "flops": "FLOPs"}.get(self.cost, "params")
+        memory = self.stage_memory or [None] * len(starts)
+        rows = [f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14} {'memory':>10}"]
+        for k, (b, c, m) in enumerate(zip(starts, self.stage_costs, memory)):
+            rows.append(f"{k:<6} {b:<40} {c:>14.6g} {format_bytes(m) if m else '':>10}")
+        budget = f", memory budget {format_bytes(self.memory_budget)}" if self.memory_budget else ""
+        rows.append(f"max/mean {self.imbalance:.3f} over {len(self.units)} candidate units{budget}")
         return "\n".join(rows)
 
 
@@ -108,16 +116,16 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
             if id(p) not in counted:
                 counted.add(id(p))
                 n += p.numel()
-        out.append(Unit(path, n))
+        out.append(Unit(path, n, (path,)))
     # a unit that is a block's first part begins at the block itself
     fixed, begun = [], set()
     for u in out:
         parent = u.path.rpartition(".")[0]
         if parent in blocks and parent not in begun:
-            u = Unit(parent, u.params)
+            u = Unit(parent, u.params, u.owns)
         begun.add(parent)
         if fixed and fixed[-1].path == u.path:  # one call begins both: one unit
-            fixed[-1] = Unit(u.path, fixed[-1].params + u.params)
+            fixed[-1] = Unit(u.path, fixed[-1].params + u.params, fixed[-1].owns + u.owns)
         else:
             fixed.append(u)
     return fixed
@@ -214,6 +222,71 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
     return [statistics.median(s) for s in samples]
 
 
+def _measure(model: nn.Module, found: list[Unit], sample: Any) -> list[Any]:
+    """Per unit, from one forward and backward on ``sample``: its FLOPs
+    (forward + backward: ``FlopCounterMode``'s counts of the modules it owns)
+    and the bytes its forward saves for backward (``saved_tensors_hooks``,
+    each storage once, parameters left out), as
+    :class:`annot.runtime.cost_segments.SegmentCost`'s measured fields."""
+    from types import SimpleNamespace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from annot.runtime.replay import call_with
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, seen, current = [0] * len(found), set(), [None]
+
+    def enter(i: int, module, args) -> None:
+        current[0] = i
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if current[0] is not None and key not in weights and key not in seen:
+            seen.add(key)
+            saved[current[0]] += t.untyped_storage().nbytes()
+        return t
+
+    handles = [
+        modules[u.path].register_forward_pre_hook(functools.partial(enter, i))
+        for i, u in enumerate(found)
+    ]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = call_with(model, sample)
+            loss = _output_scalar(out)
+            if loss is not None:
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    counts = counter.get_flop_counts()
+    root = type(model).__name__
+    return [
+        SimpleNamespace(
+            flops=sum(sum(counts.get(f"{root}.{p}", {}).values()) for p in u.owns),
+            forward_flops=0,
+            activations=a,
+            time=0.0,
+            output_bytes=0,
+        )
+        for u, a in zip(found, saved)
+    ]
+
+
+def _tp_sharded(model: nn.Module, tp: int) -> set[int]:
+    """The parameters tp splits: ``@shard`` hints, else a transformers tp plan's."""
+    from annot.hf import hints_from_hf_config
+    from annot.hints import resolve_hints
+    from annot.planner_costs import sharded_ids
+
+    hints = hints_from_hf_config(model, tp=tp) if tp > 1 else None
+    return sharded_ids(model, resolve_hints(model, hints)[1] if hints else None)
+
+
 def plan_module_boundaries(
     model: nn.Module,
     n_stages: int,
@@ -222,38 +295,83 @@ def plan_module_boundaries(
     cost: str = "params",
     repeats: int = 7,
     order: Optional[list[str]] = None,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    optimizer: str = "adamw",
+    tp: int = 1,
 ) -> ModulePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
-    ``cost``: "params" (no sample needed; a meta model is fine) or "time"
-    (``model`` with real weights and ``sample``, one microbatch of forward's
-    arguments: a dict, a tuple or a tensor). ``order``: module paths in call
-    order (default: the call order on ``sample``, else registration order)."""
+    ``cost``: "params" (no sample needed; a meta model is fine), "time" or
+    "flops" (``model`` with real weights and ``sample``, one microbatch of
+    forward's arguments: a dict, a tuple or a tensor). ``order``: module paths
+    in call order (default: the call order on ``sample``, else registration
+    order). ``memory``: bytes each stage must fit (its weights, gradients and
+    ``optimizer`` states, a tied weight in every stage that holds it, plus the
+    activations one microbatch saves when a sample is given); ``fit``: the
+    fewest stages, at most ``n_stages``, that fit it (RaNNC's memory-fit mode).
+    ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or the
+    transformers tp plan splits hold ``1/tp``)."""
+    from annot.planner_costs import segment_costs
+    from annot.runtime.cost import partition_args
+    from annot.runtime.partition import fit as fit_stages
     from annot.runtime.partition import partition
     from annot.runtime.stages import record_calls
 
-    if cost not in ("params", "time"):
-        raise HintError(f"plan_module_boundaries: cost={cost!r}; expected 'params' or 'time'")
-    if cost == "time" and sample is None:
-        raise HintError("plan_module_boundaries: cost='time' needs sample= (one microbatch)")
+    if cost not in ("params", "time", "flops"):
+        raise HintError(
+            f"plan_module_boundaries: cost={cost!r}; expected 'params', 'time' or 'flops'"
+        )
+    if cost != "params" and sample is None:
+        raise HintError(f"plan_module_boundaries: cost={cost!r} needs sample= (one microbatch)")
+    if fit and memory is None:
+        raise HintError("plan_module_boundaries: fit=True needs memory= (the budget)")
     if order is None and sample is not None:
         order = call_order(record_calls(model, sample))
     found = units(model, order)
-    if len(found) < n_stages:
+    if len(found) < n_stages and not fit:
         raise HintError(
             f"{type(model).__name__} has {len(found)} places a pipeline stage can begin, fewer "
             f"than the {n_stages} stages asked for"
         )
-    costs = (
-        [float(u.params) for u in found]
-        if cost == "params"
-        else _times(model, found, sample, repeats)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owned = [[modules[p] for p in u.owns] for u in found]
+    measured = _measure(model, found, sample) if sample is not None else None
+    figures = segment_costs(
+        model,
+        [u.path for u in found],
+        owned,
+        measured,
+        optimizer=optimizer,
+        cost="flops" if cost == "flops" else "params",
+        tp=tp,
+        sharded=_tp_sharded(model, tp) if tp > 1 else None,
     )
-    part = partition(costs, None, n_stages)
+    if cost == "flops":
+        costs = [c.cost for c in figures]
+    else:
+        # this rank's share of each unit at tp (1.0 at tp=1): params, or time alike
+        whole = [
+            sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
+        ]
+        share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
+        base = (
+            [float(u.params) for u in found]
+            if cost == "params"
+            else _times(model, found, sample, repeats)
+        )
+        costs = [b * f for b, f in zip(base, share)]
+    args = {**partition_args(figures), "costs": costs}
+    if fit:
+        part = fit_stages(memory_budget=memory, max_stages=n_stages, **args)
+    else:
+        part = partition(n_stages=n_stages, memory_budget=memory, **args)
     return ModulePlan(
         boundaries=[found[b].path for b in part.boundaries],
         units=found,
         costs=costs,
         stage_costs=list(part.stage_costs),
         cost=cost,
+        stage_memory=list(part.stage_memory),
+        memory_budget=memory,
     )

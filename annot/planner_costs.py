@@ -20,32 +20,37 @@ import torch.nn as nn
 
 from annot.files import atomic_write
 
-__all__ = ["STATES", "profile", "segment_costs"]
+__all__ = ["STATES", "profile", "segment_costs", "sharded_ids"]
 
 STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # optimizer states per element
 
 
-def _sharded_ids(model: nn.Module) -> set[int]:
-    """ids of the parameters a ``@shard`` spec splits (approximately: a Row
-    layer's bias and Replicate entries stay whole)."""
+def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
+    """ids of the parameters a ``@shard`` spec, or a hint in ``paths`` (module
+    or parameter path -> spec, e.g. from a transformers tp plan), splits
+    (approximately: a Row layer's bias and Replicate entries stay whole)."""
     from annot.hints import get_shard_spec
     from annot.specs import Replicate, Row
 
     out: set[int] = set()
+
+    def add(target: Any, s: Any) -> None:
+        if isinstance(s, Replicate):
+            return
+        if isinstance(target, nn.Parameter):
+            out.add(id(target))
+        elif isinstance(target, nn.Module):
+            for pname, p in target.named_parameters(recurse=False):
+                if not (isinstance(s, Row) and pname == "bias"):
+                    out.add(id(p))
+
     for m in model.modules():
         spec = get_shard_spec(type(m))
-        if spec is None:
-            continue
-        for name, s in spec.specs.items():
-            if isinstance(s, Replicate):
-                continue
-            target = getattr(m, name, None)
-            if isinstance(target, nn.Parameter):
-                out.add(id(target))
-            elif isinstance(target, nn.Module):
-                for pname, p in target.named_parameters(recurse=False):
-                    if not (isinstance(s, Row) and pname == "bias"):
-                        out.add(id(p))
+        for name, s in spec.specs.items() if spec is not None else ():
+            add(getattr(m, name, None), s)
+    named = {**dict(model.named_modules()), **dict(model.named_parameters())}
+    for path, s in (paths or {}).items():
+        add(named.get(path), s)
     return out
 
 
@@ -58,13 +63,19 @@ def segment_costs(
     optimizer: str,
     cost: str,
     tp: int,
+    sharded: Optional[set[int]] = None,
 ):
     """One SegmentCost per segment: parameter-side bytes counted here (shared
-    parameters keyed by their name in the model), the rest from ``measured``."""
+    parameters keyed by their name in the model), the rest from ``measured``.
+    ``sharded``: the ids of the parameters tp splits (default: the ``@shard``
+    hints', :func:`sharded_ids`)."""
     from annot.runtime.cost_segments import SegmentCost
 
     qual = {id(p): n for n, p in model.named_parameters()}
-    sharded = _sharded_ids(model) if tp > 1 else set()
+    if tp == 1:
+        sharded = set()
+    elif sharded is None:
+        sharded = sharded_ids(model)
     owned: list[dict[int, nn.Parameter]] = []
     for mods in modules:
         ps: dict[int, nn.Parameter] = {}

@@ -82,8 +82,10 @@ class Partition:
 
 
 def _fmt_bytes(x: float) -> str:
-    if x >= 2**20:
+    if x >= 2**30:
         return f"{x / 2**30:.2f} GiB"
+    if x >= 2**20:
+        return f"{x / 2**20:.2f} MiB"
     return f"{int(x)} bytes"
 
 

@@ -244,6 +244,26 @@ def test_installed_hf_class_planned_over_nested_blocks(capsys):
     assert doc["imbalance"] < 1.2
 
 
+def test_installed_hf_class_module_plan_takes_flops_memory_fit_and_tp(capsys):
+    cfg = (
+        '{"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}'
+    )
+    argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM", "--pp", "4"]
+    argv += ["--config-json", cfg, "--json", "--input", "input_ids=int64[2,16]:64"]
+    assert main([*argv, "--cost", "flops"]) == 0
+    flops = json.loads(capsys.readouterr().out)
+    assert flops["cost"] == "flops" and len(flops["boundaries"]) == 3
+    assert main([*argv, "--cost", "params", "--tp", "2"]) == 0
+    tp2 = json.loads(capsys.readouterr().out)
+    # every stage within 300 KiB at tp=2 (the weights split in two), fewer stages
+    assert main([*argv, "--cost", "params", "--tp", "2", "--memory", "300KiB", "--fit"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert len(fit["boundaries"]) < 3 and max(fit["stage_memory"]) <= 300 * 1024
+    # the same model at tp=2: its linears and embeddings in halves (activations whole)
+    assert sum(tp2["stage_memory"]) < 0.75 * sum(flops["stage_memory"])
+
+
 def test_file_whose_forward_cannot_be_cut_falls_back_to_its_modules(capsys):
     import os
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.nn as nn
 
+from annot.errors import PartitionError
 from annot.module_plan import plan_module_boundaries
 
 NAP = 0.03  # seconds; far above this machine's timer noise
@@ -53,3 +55,72 @@ def test_forward_only_glue_and_backward_heavy_units_are_measured_where_they_run(
     assert costs["1"] >= NAP * 0.9
     assert costs["0"] < NAP * 2
     assert plan.boundaries == ["1"]
+
+
+# ---- FLOPs, memory, fit and tp over nested modules ---------------------------------------
+
+
+def _stack(widths=(16, 16, 16, 48)) -> nn.Module:
+    """Blocks of one linear in an nn.Sequential, the last of two (wider) linears."""
+    return nn.Sequential(
+        nn.Linear(16, 16),
+        *[nn.Linear(16, 16) for _ in widths[1:-1]],
+        nn.Sequential(nn.Linear(16, widths[-1]), nn.Linear(widths[-1], 16)),
+    )
+
+
+def test_flops_are_the_units_forward_and_backward_counts():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = _stack(), torch.randn(8, 16)
+    plan = plan_module_boundaries(model, 2, sample=(x,), cost="flops")
+    with FlopCounterMode(display=False) as counter:
+        model(x).float().sum().backward()
+    counts = counter.get_flop_counts()
+    per_block = [sum(counts[f"Sequential.{i}"].values()) for i in range(4)]
+    # the blocks' parts (the last block's two linears) sum to the block
+    assert [u.path for u in plan.units] == ["0", "1", "2", "3", "3.1"]
+    assert plan.costs[:3] == per_block[:3] and sum(plan.costs[3:]) == per_block[3]
+    # min-bottleneck: [0, 1, 2, 3 (its first linear)] | [3.1] beats [0, 1, 2] | [3]
+    assert plan.boundaries == ["3.1"]
+    assert plan.stage_costs == [sum(plan.costs[:4]), plan.costs[4]]
+
+
+def test_memory_counts_weights_gradients_and_optimizer_states():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    block = sum(p.numel() * 4 for p in model[0].parameters())  # float32 bytes
+    plan = plan_module_boundaries(model, 2, optimizer="none")  # weights + gradients
+    assert plan.stage_memory == [2 * 2 * block, 2 * 2 * block]
+    plan = plan_module_boundaries(model, 2, optimizer="adamw")  # + 2 states each
+    assert plan.stage_memory == [4 * 2 * block, 4 * 2 * block]
+
+
+def test_fit_takes_the_fewest_stages_within_the_budget():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    block = sum(p.numel() * 4 for p in model[0].parameters()) * 4  # with AdamW
+    plan = plan_module_boundaries(model, 4, memory=2 * block, fit=True)
+    assert plan.boundaries == ["2"] and plan.stage_memory == [2 * block, 2 * block]
+    with pytest.raises(PartitionError, match="needs more than max_stages=2"):
+        plan_module_boundaries(model, 2, memory=block, fit=True)  # 4 would fit
+
+
+def test_tp_halves_what_the_transformers_tp_plan_splits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(cfg)
+    # the plan splits every linear and the embedding (norms stay whole); AdamW: 16 B/element
+    split = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
+    )
+    whole = sum(p.numel() for p in model.parameters()) - split
+    plan = plan_module_boundaries(model, 2, tp=2)
+    assert sum(plan.stage_memory) == 16 * (split // 2 + whole)
+    assert sum(plan_module_boundaries(model, 2).stage_memory) == 16 * (split + whole)
