@@ -3,7 +3,9 @@ did not write (HF GPT-2, Llama, T5, Bloom) and on this repository's, every
 name read in every method has the qualified names libcst's
 ``QualifiedNameProvider`` gives it, and every name the expression context
 ``ExpressionContextProvider`` gives it; analysed one method at a time, as the
-rewriters ask."""
+rewriters ask. And the other queries on small sources: the classes at any depth
+with what encloses them, spans in statement order, ``global`` / ``nonlocal``
+files, and the lazy analysis answering as the whole-file one."""
 
 from pathlib import Path
 
@@ -144,3 +146,131 @@ def test_aliases_comprehensions_lambdas_and_class_scope(tmp_path):
     path.write_text(CASES * 40)  # the same corners, enough names to compare
     seen, bad = _mismatches(path)
     assert seen > 100 and not bad, bad
+
+
+NESTED = """
+import torch.nn as nn
+
+class A(nn.Module):
+    class Inner:
+        pass
+
+def make():
+    class B(nn.Module):
+        pass
+    return B
+
+if nn:
+    class C(nn.Module):
+        def forward(self, x):
+            a = x + 1
+            for i in range(3):
+                a = a * i
+            return a
+try:
+    class D:
+        pass
+except ImportError:
+    class D:
+        pass
+"""
+
+
+def test_classes_at_any_depth_with_what_encloses_them():
+    module = cst.parse_module(NESTED)
+    scopes = ModuleScopes(module, NESTED)
+    by_name = {}
+    for c in scopes.classes:
+        by_name.setdefault(c.name.value, c)
+    assert [c.name.value for c in scopes.classes] == ["A", "Inner", "B", "C", "D", "D"]
+    assert scopes.enclosing(by_name["A"]) == ()
+    assert [d.name.value for d in scopes.enclosing(by_name["Inner"])] == ["A"]
+    assert [d.name.value for d in scopes.enclosing(by_name["B"])] == ["make"]
+    assert scopes.enclosing(by_name["C"]) == ()  # an if is not a scope
+    chain = scopes.ancestors(by_name["C"])
+    assert chain[0] is module and isinstance(chain[-1], cst.IndentedBlock)
+    assert any(isinstance(n, cst.If) for n in chain)
+
+
+def test_span_orders_the_statements_of_a_method():
+    module = cst.parse_module(NESTED)
+    scopes = ModuleScopes(module, NESTED)
+    cls = next(c for c in scopes.classes if c.name.value == "C")
+    forward = cls.body.body[0]
+    line, loop, last = forward.body.body
+    first, ret = line.body[0], last.body[0]  # `a = x + 1`, `return a`: small statements
+    assert scopes.span(first) is None  # not analysed before prepare
+    scopes.prepare(cls, forward)
+    assert scopes.span(first)[1] <= scopes.span(loop)[0]
+    assert scopes.span(loop)[1] <= scopes.span(ret)[0]
+    returned = ret.value  # the Name `a` in `return a`
+    start, end = scopes.span(ret)
+    assert start <= scopes.span(returned)[0] < scopes.span(returned)[1] <= end
+    assert scopes.parent(returned) is ret
+    assert scopes.context(returned) == LOAD
+    assert scopes.scope(returned) is scopes.scope(first.targets[0].target)
+
+
+GLOBALS = """
+import torch
+import torch.nn as nn
+
+
+def setup():
+    global act  # the only binding of act: read in M.forward, analysed before
+    act = torch.relu
+
+
+def counter():
+    n = 0
+    def bump():
+        nonlocal n
+        n += 1
+        return torch.tanh(n)
+    return bump
+
+
+class M(nn.Module):
+    def forward(self, x):
+        y = act(x) + nn.functional.gelu(x)
+        del x
+        return torch.sigmoid(y)
+"""
+
+
+def test_global_and_nonlocal_resolve_as_libcst_resolves_them(tmp_path):
+    """A file with ``global`` or ``nonlocal`` is analysed whole (those statements
+    add names to scopes analysed before); the answers are still libcst's."""
+    path = tmp_path / "globals.py"
+    path.write_text(GLOBALS * 20)
+    seen, bad = _mismatches(path)
+    assert seen > 100 and not bad, bad
+    names = _names(GLOBALS, "M", "forward")
+    assert names["torch.sigmoid"] == {"torch.sigmoid"}
+    assert names["nn.functional.gelu"] == {"torch.nn.functional.gelu"}
+    assert names["act"] == {"act"}  # bound by setup's global statement, nowhere else
+
+
+def test_one_method_at_a_time_answers_as_the_whole_file():
+    """Analysed lazily (the source text given: one unit at a time) or at once
+    (no text), every name in every method gets the same qualified names and
+    expression context."""
+    text = (ROOT / "examples/gpt/model.py").read_text()
+    lazy = ModuleScopes(cst.parse_module(text), text)
+    module = cst.parse_module(text)
+    whole = ModuleScopes(module)
+    compared = 0
+    for lazy_cls, cls in zip(lazy.classes, whole.classes):
+        methods = [m for m in cls.body.body if isinstance(m, cst.FunctionDef)]
+        lazy_methods = [m for m in lazy_cls.body.body if isinstance(m, cst.FunctionDef)]
+        for lazy_fn, fn in zip(lazy_methods, methods):
+            lazy.prepare(lazy_cls, lazy_fn)
+            ours, theirs = _Names(), _Names()
+            lazy_fn.body.visit(ours)
+            fn.body.visit(theirs)
+            for a, b in zip(ours.found, theirs.found):
+                assert a.value == b.value
+                assert lazy.context(a) == whole.context(b), a.value
+                assert lazy.qualified_names(a) == whole.qualified_names(b), a.value
+                compared += 1
+    assert compared > 100

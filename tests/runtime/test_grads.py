@@ -1,5 +1,7 @@
-"""annot.runtime.grads called directly on real gloo ranks, on a plain module
-(no rewriting): what ``model.backward`` relies on after every step."""
+"""annot.runtime.grads called directly on plain modules (no rewriting): what
+``model.backward`` relies on after every step (dp averaging, partial gradients
+summed over tp, a tied weight summed over its stages) on real gloo ranks, and
+``clip_grad_norm_`` against torch's in one process and across stages."""
 
 import pytest
 import torch
@@ -53,3 +55,65 @@ def test_a_partial_gradient_is_named_then_summed():
     for named, summed in run_ranks(_replicated_disagreement, 2):
         assert "1 replicated parameter(s): 1.weight (off by up to 100%)" in named
         assert summed == [3.0]  # 1 + 2, summed over the two tp ranks
+
+
+def _tied_across_stages():
+    """pp=2: stage 0's ``emb.weight`` is stage 1's ``head.weight`` (one weight, a
+    copy on each stage, each copy with the gradient of its own stage's use)."""
+    from annot.mesh import Mesh
+    from annot.runtime.grads import clip_grad_norm_, reduce_gradients
+    from annot.runtime.mesh import init
+    from annot.runtime.stages import PipelinePlan, Tie
+
+    ctx = init(Mesh(pp=2))
+    tied = "emb" if ctx.pp_rank == 0 else "head"
+    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "body": nn.Linear(2, 2)})
+    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
+    plan = PipelinePlan(split=None, pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie])
+    model[tied].weight.grad = torch.full((2, 3), float(ctx.rank + 1))  # 1 and 2
+    for p in model["body"].parameters():
+        p.grad = torch.full_like(p, 2.0 if ctx.rank == 0 else -1.0)
+    reduce_gradients(model, ctx, plan)
+    summed = model[tied].weight.grad.unique().tolist()
+    norm = clip_grad_norm_(model, ctx, plan, max_norm=1.0)
+    return summed, norm.item(), model[tied].weight.grad.clone()
+
+
+def test_a_tied_weight_is_summed_over_its_stages_and_counted_once():
+    results = run_ranks(_tied_across_stages, 2)
+    # the single-device gradient: the tied weight's 6 entries at 1 + 2 = 3, each
+    # stage's own body (6 entries) at 2 and at -1
+    expected = (6 * 3.0**2 + 6 * 2.0**2 + 6 * 1.0**2) ** 0.5
+    for summed, norm, _ in results:
+        assert summed == [3.0]  # summed, not averaged: each stage holds a part
+        assert norm == pytest.approx(expected, rel=1e-6)  # the tie counted once
+    (_, _, clipped0), (_, _, clipped1) = results
+    assert torch.equal(clipped0, clipped1)  # the copies take the same step
+    assert clipped0.unique().tolist() == pytest.approx([3.0 / (expected + 1e-6)])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipped, and left as it is
+def test_clip_grad_norm_in_one_process_is_torchs(norm_type, max_norm):
+    """Without a mesh, ``clip_grad_norm_`` is ``torch.nn.utils.clip_grad_norm_``:
+    the same norm, every gradient scaled alike; a frozen parameter and one without
+    a gradient count for nothing."""
+    from annot.runtime.grads import clip_grad_norm_
+
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2))
+    ours[2].weight.requires_grad_(False)
+    ours(torch.randn(5, 4)).square().sum().backward()
+    ours[2].weight.grad = torch.ones_like(ours[2].weight)  # frozen: not counted, not scaled
+    ours[2].bias.grad = None
+    mine = [p for p in ours.parameters() if p.requires_grad and p.grad is not None]
+    theirs = [nn.Parameter(p.detach().clone()) for p in mine]
+    for a, b in zip(mine, theirs):
+        b.grad = a.grad.clone()
+    norm = clip_grad_norm_(ours, None, None, max_norm, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+    assert torch.equal(ours[2].weight.grad, torch.ones_like(ours[2].weight))
+    assert ours[2].bias.grad is None
