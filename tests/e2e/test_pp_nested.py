@@ -319,25 +319,32 @@ def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
     assert res[0][0][1][0].startswith("blocks."), res
 
 
-def test_hf_gpt2_bert_t5_vit(tmp_path):
-    for case, split in [
+@pytest.mark.parametrize(
+    "case, split",
+    [
         ("gpt2", ["transformer.h.2"]),
-        ("bert", ["bert.encoder.layer.2.attention"]),
-        ("t5", ["decoder.block.0"]),  # encoder on stage 0, decoder on 1; shared embedding tied
-        ("vit", ["vit.layers.2"]),
-    ]:
-        (tmp_path / case).mkdir()
-        _run(tmp_path / case, case, [split])
+        # (fast-set budget: the other three run with the slow cases)
+        pytest.param("bert", ["bert.encoder.layer.2.attention"], marks=pytest.mark.slow),
+        # encoder on stage 0, decoder on 1; the shared embedding tied
+        pytest.param("t5", ["decoder.block.0"], marks=pytest.mark.slow),
+        pytest.param("vit", ["vit.layers.2"], marks=pytest.mark.slow),
+    ],
+)
+def test_hf_gpt2_bert_t5_vit(tmp_path, case, split):
+    _run(tmp_path, case, [split])
 
 
-def test_timm_torchvision_and_sequential_styles(tmp_path):
-    for case, splits in [
+@pytest.mark.parametrize(
+    "case, splits",
+    [
         ("timm", [["blocks.2"], ["blocks.1.mlp"], ["head"]]),  # helper methods, Sequential
-        ("resnet", [["layer2.1"], ["layer3"]]),  # _forward_impl, BatchNorm statistics
+        # _forward_impl, BatchNorm statistics (fast-set budget: with the slow cases)
+        pytest.param("resnet", [["layer2.1"], ["layer3"]], marks=pytest.mark.slow),
         ("sequential", [["net.8"]]),  # one nn.Sequential called once
-    ]:
-        (tmp_path / case).mkdir()
-        _run(tmp_path / case, case, splits)
+    ],
+)
+def test_timm_torchvision_and_sequential_styles(tmp_path, case, splits):
+    _run(tmp_path, case, splits)
 
 
 def test_data_dependent_control_flow_before_the_boundary(tmp_path):
