@@ -350,11 +350,12 @@ def plan_module_boundaries(
     if cost == "flops":
         costs = [c.cost for c in figures]
     else:
-        # this rank's share of each unit at tp (1.0 at tp=1): params, or time alike
-        whole = [
-            sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
-        ]
-        share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
+        share = [1.0] * len(found)  # this rank's part of each unit at tp: params, or time alike
+        if tp > 1:
+            whole = [
+                sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
+            ]
+            share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
         base = (
             [float(u.params) for u in found]
             if cost == "params"

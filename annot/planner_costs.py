@@ -48,9 +48,10 @@ def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
         spec = get_shard_spec(type(m))
         for name, s in spec.specs.items() if spec is not None else ():
             add(getattr(m, name, None), s)
-    named = {**dict(model.named_modules()), **dict(model.named_parameters())}
-    for path, s in (paths or {}).items():
-        add(named.get(path), s)
+    if paths:
+        named = {**dict(model.named_modules()), **dict(model.named_parameters())}
+        for path, s in paths.items():
+            add(named.get(path), s)
     return out
 
 

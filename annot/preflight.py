@@ -165,15 +165,16 @@ def preflight(
             )
             return {}
         sites = sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
-        for path, file, line in sites if split_root else ():
-            if not path:
-                raise HintError(
-                    f"tp pre-flight: dropout at {file}:{line} in the root's forward gets a tp "
-                    "shard, and the pipeline runs that forward as stage methods, so annot "
-                    "cannot draw this rank's part of the single-device mask there. Move the "
-                    "dropout into a submodule (an nn.Dropout, or the block that calls it), or "
-                    "set its p to 0"
-                )
+        in_root = [(file, line) for path, file, line in sites if not path]
+        if split_root and in_root:
+            file, line = in_root[0]
+            raise HintError(
+                f"tp pre-flight: dropout at {file}:{line} in the root's forward gets a tp "
+                "shard, and the pipeline runs that forward as stage methods, so annot "
+                "cannot draw this rank's part of the single-device mask there. Move the "
+                "dropout into a submodule (an nn.Dropout, or the block that calls it), or "
+                "set its p to 0"
+            )
         return sites
     where, exc = failed
     if ref_failed is not None:

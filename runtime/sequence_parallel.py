@@ -124,21 +124,13 @@ def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
     """The blocks each of this rank's pipeline stages runs (``plan``: an
     :class:`~annot.runtime.stages.PipelinePlan`), in order. Each run enters
     sequence shards at its first block and leaves them after its last, so the
-    stages hand whole activations on, as without sequence parallelism."""
-    modules = dict(root.named_modules())
+    stages hand whole activations on, as without sequence parallelism. A
+    block is a stage's when the stage holds weights of it."""
+    weighted = {p for p, m in root.named_modules() if next(m.parameters(), None) is not None}
     runs, seen = [], {}
     for s in plan.local_stage_ids:
-        held = plan.stage_modules.get(s, set())
-        run = [
-            b
-            for b in blocks
-            if any(
-                (p == b or p.startswith(f"{b}."))
-                and next(modules[p].parameters(), None) is not None
-                for p in held
-                if p in modules
-            )
-        ]
+        held = plan.stage_modules.get(s, set()) & weighted
+        run = [b for b in blocks if any(p == b or p.startswith(f"{b}.") for p in held)]
         for b in run:
             if seen.setdefault(b, s) != s:
                 raise HintError(
