@@ -30,10 +30,9 @@ from typing import Any, Optional
 from annot.errors import HintError, PipelineError
 from annot.microbatch import StepOutput, split_microbatches
 from annot.parallel_model import ParallelModel
+from annot.runtime.schedules import schedule_name
 
 __all__ = ["jit", "Step"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class Step:
@@ -57,10 +56,10 @@ class Step:
             )
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"annot.jit: microbatches={microbatches!r}; expected an int >= 1")
-        if schedule not in SCHEDULES:
-            raise PipelineError(
-                f"annot.jit: schedule={schedule!r}; expected one of {', '.join(SCHEDULES)}"
-            )
+        try:
+            schedule = schedule_name(schedule)
+        except PipelineError as exc:
+            raise PipelineError(f"annot.jit: {exc}") from None
         self.fn = fn
         self.model = model
         self.microbatches = microbatches
@@ -71,6 +70,7 @@ class Step:
         self.compiles = 0  # how many times an executor was built (1 after the first call)
         self._executor = None
         self._scale = 1.0
+        self._last = False  # the body runs the step's last microbatch (pp = 1)
         self._call = None
         functools.update_wrapper(self, fn)
 
@@ -104,12 +104,14 @@ class Step:
         from annot.runtime.mesh import use
 
         self.model._step = self
+        self.model.begin_grad_reduce()
         with use(self.model.ctx):
             try:
                 if not self.pipelined:
                     outs = []
-                    for a, k in mbs:
+                    for i, (a, k) in enumerate(mbs):
                         self._scale = 1.0 / len(mbs)
+                        self._last = i == len(mbs) - 1
                         with self.model.forward_context():
                             outs.append(self.fn(*a, **k))
                 else:
@@ -117,6 +119,7 @@ class Step:
             finally:
                 self.model._step = None
                 self._call = None
+                self._last = False
         self.model.finish_gradients()
         return StepOutput(outs)
 
@@ -146,6 +149,8 @@ class Step:
             self._call.backward(loss)
             return
         s = self._scale if scale is None else scale
+        if self._last:  # the last gradients of the step: reduce over dp as they land
+            self.model.arm_grad_reduce()
         with self.model.backward_context():
             (loss * s).backward()
 

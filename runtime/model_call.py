@@ -33,6 +33,7 @@ class StepState:
         self.out_grads: dict[tuple[int, int], Any] = {}
         self.in_grads: dict[tuple[int, int], Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.weight_work: dict[tuple[int, int], Any] = {}  # I done, W to come
         self.results: dict[int, Any] = {}
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}

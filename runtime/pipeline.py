@@ -17,6 +17,9 @@ does what each says:
 ``B(s, i)``  last stage: ``backward(loss * loss_scale(i))``; else backward
              of the outputs with the gradients received; keep the input
              gradients; free the microbatch
+``I(s, i)``  zero-bubble schedules: B's input half (the gradients ``SEND_B``
+             sends); ``W(s, i)`` later adds the weights' gradients
+             (:mod:`annot.runtime.split_backward`)
 ``SEND_B``   send the input gradients to the rank of stage ``s - 1``
 ``RECV_B``   receive the gradients of the outputs
 ===========  ==============================================================
@@ -55,10 +58,12 @@ import torch.nn as nn
 from annot.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
+from annot.runtime.p2p_codec import tensors_requiring_grad
 from annot.runtime.pipeline_messages import PipelineMessages
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
+    CATEGORY,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -66,9 +71,12 @@ from annot.runtime.schedules import (
     Action,
     B,
     F,
+    I,
+    W,
     get_schedule,
 )
 from annot.runtime.schedules import forward_only as _strip_backward
+from annot.runtime.split_backward import backward_input, backward_weight, release
 from annot.runtime.stage_values import call_stage, grad_pairs, handoff, input_grads, keep_grads
 from annot.runtime.trace import Tracer
 
@@ -145,6 +153,7 @@ class PipelineExecutor(PipelineMessages):
         self.group = ctx.pp_group if ctx is not None and self.pp > 1 else None
         self.device = ctx.device if ctx is not None else None
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
+        self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
         self.last_rank_outputs: Optional[list[Any]] = None
 
@@ -212,15 +221,17 @@ class PipelineExecutor(PipelineMessages):
 
     def _do(self, st: StepState, a: Action) -> None:
         kind, s, i = a
-        cat = {F: "forward", B: "backward"}.get(kind, "p2p")
+        cat = CATEGORY.get(kind, "p2p")
         with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
             try:
                 if kind == F:
                     grad = torch.no_grad() if st.forward_only else contextlib.nullcontext()
                     with grad, self.forward_context():
                         self._run_forward_action(st, s, i)
-                elif kind == B:
-                    self._backward(st, s, i)
+                elif kind in (B, I):
+                    self._backward(st, s, i, split=kind == I)
+                elif kind == W:
+                    backward_weight(st.weight_work.pop((s, i)))
                 elif kind == SEND_F:
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
                     self.send(st, a, out)
@@ -242,7 +253,7 @@ class PipelineExecutor(PipelineMessages):
         waiting on it name it (and this action) instead of timing out."""
         if self.ctx is None or not self.ctx.distributed:
             return
-        op = {F: "forward", B: "backward"}.get(a.kind, str(a))
+        op = CATEGORY.get(a.kind, str(a))
         try:
             report_failure(
                 self.rank, a.stage, op, a.microbatch, f"{type(exc).__name__}: {exc}", kind="error"
@@ -311,22 +322,40 @@ class PipelineExecutor(PipelineMessages):
             else:
                 st.outputs[(s, i)] = out  # sent by SEND_F, kept for B
 
-    def _backward(self, st: StepState, s: int, i: int) -> None:
+    def _backward(self, st: StepState, s: int, i: int, split: bool = False) -> None:
+        """B, or with ``split`` its input half I (the rest waits for W)."""
         if s == self.num_stages - 1:
             loss = st.losses.pop(i)
-            torch.autograd.backward(loss * st.scale(i))
+            outputs, grads = [loss * st.scale(i)], None
         else:
-            out = st.outputs.pop((s, i))
-            pairs = grad_pairs(out, st.out_grads.pop((s, i)), s, i)
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            del out, pairs
+            pairs = grad_pairs(st.outputs.pop((s, i)), st.out_grads.pop((s, i)), s, i)
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        inputs = st.inputs.pop((s, i)) if s > 0 else None
+        if split:
+            received = tensors_requiring_grad(inputs)
+            grads, st.weight_work[(s, i)] = backward_input(
+                outputs, grads, received, self.weights(s)
+            )
+            if s == self.num_stages - 1:
+                release(loss)  # the step's results must not keep the retained graph alive
+        else:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            grads = input_grads(inputs) if s > 0 else None
+        del outputs, inputs
         if s > 0:
-            grads = input_grads(st.inputs.pop((s, i)))
             if self.owner(s - 1) == self.pp_rank:
                 st.out_grads[(s - 1, i)] = grads
             else:
                 st.in_grads[(s, i)] = grads
+
+    def weights(self, s: int) -> list[nn.Parameter]:
+        """The trainable parameters stage ``s`` may reach (its module's)."""
+        if s not in self._weights:
+            module = self.stages[s].module
+            params = module.parameters() if module is not None else ()
+            self._weights[s] = [p for p in params if p.requires_grad]
+        return self._weights[s]
 
     def _check_empty(self, st: StepState) -> None:
         left = {
@@ -334,6 +363,7 @@ class PipelineExecutor(PipelineMessages):
             "inputs": list(st.inputs),
             "gradients": list(st.out_grads) + list(st.in_grads),
             "losses": list(st.losses),
+            "weight gradients": list(st.weight_work),
             "messages": [k for box in st.inbox.values() for k in box],
         }
         left = {k: v for k, v in left.items() if v}

@@ -28,7 +28,9 @@ from annot.runtime.schedules import (
     Action,
     B,
     F,
+    I,
     Schedule,
+    W,
     check_sizes,
 )
 
@@ -73,13 +75,22 @@ class Timeline:
 
 
 def simulate(
-    schedule: Schedule, cost_f: float = 1, cost_b: float = 2, cost_comm: float = 0
+    schedule: Schedule,
+    cost_f: float = 1,
+    cost_b: float = 2,
+    cost_comm: float = 0,
+    *,
+    cost_w: float | None = None,
 ) -> Timeline:
     """Run the schedule on paper. Every rank executes its actions in order; F
-    takes ``cost_f``, B ``cost_b``; a SEND takes no time and its message
-    arrives ``cost_comm`` later; a RECV waits for its message. Raises
-    :class:`PipelineError` naming the stuck actions if the schedule deadlocks
-    (or receives a message nobody sends)."""
+    takes ``cost_f``, B ``cost_b``; a split backward's W takes ``cost_w``
+    (default half of B) and its I the rest, so a split backward costs what B
+    does; a SEND takes no time and its message arrives ``cost_comm`` later;
+    a RECV waits for its message. Raises :class:`PipelineError` naming the
+    stuck actions if the schedule deadlocks (or receives a message nobody
+    sends)."""
+    cost_w = cost_b / 2 if cost_w is None else cost_w
+    cost = {F: cost_f, B: cost_b, I: cost_b - cost_w, W: cost_w}
     pp = len(schedule)
     pc = [0] * pp
     clock = [0.0] * pp
@@ -93,10 +104,8 @@ def simulate(
             while pc[r] < len(acts):
                 a = acts[pc[r]]
                 start = clock[r]
-                if a.kind == F:
-                    end = start + cost_f
-                elif a.kind == B:
-                    end = start + cost_b
+                if a.kind in COMPUTE:
+                    end = start + cost[a.kind]
                 elif a.kind in (SEND_F, SEND_B):
                     end = start
                     arrivals[a.message] = start + cost_comm
@@ -131,12 +140,14 @@ def validate(
     :class:`PipelineError` on the first violation, saying where.
 
     - one list per rank, every action on a stage that rank owns;
-    - every (stage, microbatch) has exactly one F and one B (no B when
-      ``forward_only``); each crossing between ranks exactly one SEND and one
-      RECV, and none between stages on the same rank;
+    - every (stage, microbatch) has exactly one F and either one B or one I
+      and one W (no backward when ``forward_only``); each crossing between
+      ranks exactly one SEND and one RECV, and none between stages on the
+      same rank;
     - on each rank: F(s, m) after its inputs arrived (RECV_F, or F(s-1, m)
-      locally); B(s, m) after F(s, m) and after its output gradients arrived
-      (RECV_B, or B(s+1, m) locally); a SEND after the compute it sends;
+      locally); B or I (s, m) after F(s, m) and after its output gradients
+      arrived (RECV_B, or the B or I of (s+1, m) locally); W(s, m) after
+      I(s, m); a SEND after the compute it sends;
     - a simulated run in which every RECV waits for its SEND terminates
       (no deadlock).
     """
@@ -149,6 +160,7 @@ def validate(
     def where(rank: int, a: Action) -> str:
         return f"rank {rank}: {a}"
 
+    split = {(a.stage, a.microbatch) for acts in schedule for a in acts if a.kind in (I, W)}
     expected: set[Action] = set()
     for s in range(n):
         for m in range(microbatches):
@@ -159,7 +171,10 @@ def validate(
                 expected.add(Action(SEND_F, s, m))
             if forward_only:
                 continue
-            expected.add(Action(B, s, m))
+            if (s, m) in split:
+                expected |= {Action(I, s, m), Action(W, s, m)}
+            else:
+                expected.add(Action(B, s, m))
             if s < last and (s + 1) % pp != s % pp:
                 expected.add(Action(RECV_B, s, m))
             if s > 0 and (s - 1) % pp != s % pp:
@@ -190,19 +205,25 @@ def validate(
                 need = Action(RECV_F, s, m) if (s - 1) % pp != rank else Action(F, s - 1, m)
                 if need not in done:
                     raise PipelineError(f"{where(rank, a)} runs before its inputs ({need})")
-            elif a.kind == B:
+            elif a.kind in (B, I):
                 if Action(F, s, m) not in done:
                     raise PipelineError(f"{where(rank, a)} runs before its forward {s}F{m}")
                 if s < last:
-                    need = Action(RECV_B, s, m) if (s + 1) % pp != rank else Action(B, s + 1, m)
+                    need = Action(RECV_B, s, m)
+                    if (s + 1) % pp == rank:
+                        need = Action(I if (s + 1, m) in split else B, s + 1, m)
                     if need not in done:
                         raise PipelineError(
                             f"{where(rank, a)} runs before its output gradients ({need})"
                         )
+            elif a.kind == W and Action(I, s, m) not in done:
+                raise PipelineError(f"{where(rank, a)} runs before its input gradients {s}I{m}")
             elif a.kind == SEND_F and Action(F, s, m) not in done:
                 raise PipelineError(f"{where(rank, a)} sends before {s}F{m} computed it")
-            elif a.kind == SEND_B and Action(B, s, m) not in done:
-                raise PipelineError(f"{where(rank, a)} sends before {s}B{m} computed it")
+            elif a.kind == SEND_B:
+                grad = Action(I if (s, m) in split else B, s, m)
+                if grad not in done:
+                    raise PipelineError(f"{where(rank, a)} sends before {grad} computed it")
     missing = sorted(expected - seen, key=lambda a: (a.stage, a.microbatch, a.kind))
     if missing:
         shown = ", ".join(str(a) for a in missing[:8])
@@ -213,13 +234,14 @@ def validate(
 
 def peak_in_flight(schedule: Schedule, rank: int) -> int:
     """Most activation sets alive at once on ``rank``: (stage, microbatch)
-    pairs forwarded but not yet backwarded. With one stage per rank this is
-    the number of microbatches in flight."""
+    pairs forwarded but not yet backwarded (a split backward frees them at
+    W). With one stage per rank this is the number of microbatches in
+    flight."""
     alive = peak = 0
     for a in schedule[rank]:
         if a.kind == F:
             alive += 1
             peak = max(peak, alive)
-        elif a.kind == B:
+        elif a.kind in (B, W):
             alive -= 1
     return peak

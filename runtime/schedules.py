@@ -25,7 +25,15 @@ communication model) is :mod:`annot.runtime.schedule_check`'s.
                         ``min(pp - r, M)`` microbatches in flight
 ``interleaved_1f1b``    Megatron's interleaved 1F1B over ``chunks``
                         virtual stages per rank; needs ``M % pp == 0``
+``zero_bubble_h1``      ZB-H1 (Qi et al., 2023): each backward split in
+                        ``I`` (input gradients, sent upstream at once)
+                        and ``W`` (weight gradients, deferred to fill the
+                        bubble); 1F1B's activation memory
 ======================  ================================================
+
+A split backward is two actions: ``I`` computes the gradients of the
+stage's inputs (what ``SEND_B`` sends) and ``W`` the gradients of its
+weights, later; ``B`` is both at once (torch's notation: ``1I3``, ``1W3``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ __all__ = [
     "Action",
     "F",
     "B",
+    "CATEGORY",
+    "I",
+    "W",
     "SEND_F",
     "RECV_F",
     "SEND_B",
@@ -46,25 +57,30 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
+    "zero_bubble_h1",
     "get_schedule",
+    "schedule_name",
     "forward_only",
     "check_sizes",
 ]
 
 F = "F"
 B = "B"
+I = "I"  # noqa: E741 - backward, input gradients only (torch's letter)
+W = "W"  # backward, weight gradients only (after I)
 SEND_F = "SEND_F"
 RECV_F = "RECV_F"
 SEND_B = "SEND_B"
 RECV_B = "RECV_B"
-KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
-COMPUTE = (F, B)
+KINDS = (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
+COMPUTE = (F, B, I, W)
+CATEGORY = {F: "forward", B: "backward", I: "backward", W: "backward"}  # else "p2p"
 
 Schedule = list[list["Action"]]
 
 
 class Action(NamedTuple):
-    """One step of one rank: ``kind`` (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+    """One step of one rank: ``kind`` (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B)
     on virtual ``stage`` for ``microbatch``. ``str()`` gives ``1F3``."""
 
     kind: str
@@ -129,10 +145,12 @@ def _with_comms(order: list[list[tuple[str, int, int]]], pp: int, num_stages: in
                 acts.append(Action(F, s, m))
                 if s < num_stages - 1 and owner(s + 1) != rank:
                     acts.append(Action(SEND_F, s, m))
-            else:
+            elif kind == W:  # weight gradients: nothing crosses
+                acts.append(Action(W, s, m))
+            else:  # B, or I: the input gradients go upstream
                 if s < num_stages - 1 and owner(s + 1) != rank:
                     acts.append(Action(RECV_B, s, m))
-                acts.append(Action(B, s, m))
+                acts.append(Action(kind, s, m))
                 if s > 0 and owner(s - 1) != rank:
                     acts.append(Action(SEND_B, s, m))
         out.append(acts)
@@ -224,24 +242,81 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> Schedule:
     return _with_comms(order, pp, pp * chunks)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): the
+    backward of every stage is split into ``I`` (input gradients, on the
+    critical path: the stage before waits for them) and ``W`` (weight
+    gradients, which nobody waits for), and the ``W`` s are deferred into
+    the time a rank would otherwise idle.
+
+    The order is list-scheduled on the paper's unit costs (F = I = W): a
+    free rank runs an ``I`` whose gradients have arrived, else its next
+    ``F`` if its input has arrived, else its oldest deferred ``W``. Memory
+    is the paper's ZB-H1 bound: rank ``r`` runs a new ``F`` only while fewer
+    than 1F1B's ``min(pp - r, M)`` microbatches wait for their ``I``, and
+    fewer than ``min(pp, M)`` for their ``W`` (every rank may hold what the
+    first rank holds in 1F1B; after ``I`` a microbatch keeps only what its
+    weight gradients need). With ``T_F = T_I = T_W`` and ``M >= pp`` the
+    step is within ``(pp + 1) // 2`` units of the paper's ``3M + pp - 1``
+    (1F1B: ``3M + 3(pp - 1)``), exactly it when ``M == pp``. The
+    order is then fixed: at run time every rank follows its list, whatever
+    the real costs."""
+    check_sizes(pp, microbatches)
+    limit = [min(pp - r, microbatches) for r in range(pp)]
+    held = min(pp, microbatches)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> end time
+    order: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    next_f, next_i, w_done = [0] * pp, [0] * pp, [0] * pp
+    t = 0
+    while any(w < microbatches for w in w_done):
+        for r in range(pp):
+            if order[r] and done[order[r][-1]] > t:
+                continue  # busy until its last action ends
+            f, i, w = next_f[r], next_i[r], w_done[r]
+            grads_in = r == pp - 1 or done.get((I, r + 1, i), t + 1) <= t
+            inputs_in = r == 0 or done.get((F, r - 1, f), t + 1) <= t
+            if i < f and grads_in:
+                unit, next_i[r] = (I, r, i), i + 1
+            elif f < microbatches and f - i < limit[r] and f - w < held and inputs_in:
+                unit, next_f[r] = (F, r, f), f + 1
+            elif w < i:
+                unit, w_done[r] = (W, r, w), w + 1
+            else:
+                continue  # idle: waiting for a message
+            order[r].append(unit)
+            done[unit] = t + 1
+        t += 1
+    return _with_comms(order, pp, pp)
 
 
-def get_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule called ``name`` ("gpipe", "1f1b" or "interleaved")."""
+SCHEDULES = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zbh1": zero_bubble_h1,
+}
+
+
+_ALIASES = {"interleaved1f1b": "interleaved", "zerobubble": "zbh1", "zerobubbleh1": "zbh1"}
+
+
+def schedule_name(name: str) -> str:
+    """The canonical name of a schedule ("zb-h1" -> "zbh1", "1F1B" -> "1f1b");
+    :class:`PipelineError` listing the names for an unknown one."""
     key = name.lower().replace("-", "").replace("_", "") if isinstance(name, str) else name
-    aliases = {
-        "gpipe": "gpipe",
-        "1f1b": "1f1b",
-        "interleaved": "interleaved",
-        "interleaved1f1b": "interleaved",
-    }
-    if key not in aliases:
+    key = _ALIASES.get(key, key)
+    if key not in SCHEDULES:
         raise PipelineError(
             f"unknown pipeline schedule {name!r}; expected one of "
             f"{', '.join(repr(n) for n in SCHEDULES)}"
         )
-    key = aliases[key]
+    return key
+
+
+def get_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule called ``name`` ("gpipe", "1f1b", "interleaved" or "zbh1",
+    also spelled "zb-h1" or "zero-bubble")."""
+    key = schedule_name(name)
     if key == "interleaved":
         return interleaved_1f1b(pp, microbatches, chunks)
     if chunks != 1:

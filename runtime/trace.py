@@ -147,15 +147,17 @@ def write_chrome_trace(path: Union[str, os.PathLike], events_by_rank: EventsByRa
     return path
 
 
-def schedule_to_chrome_trace(schedule, cost_f: float = 1, cost_b: float = 2) -> dict[str, Any]:
+def schedule_to_chrome_trace(
+    schedule, cost_f: float = 1, cost_b: float = 2, *, cost_w: Optional[float] = None
+) -> dict[str, Any]:
     """Draw a schedule as a Chrome trace from
-    :func:`annot.runtime.schedule_check.simulate` (one cost unit = 1 ms): one process
-    per rank, one thread per stage, an ``X`` event per F/B and an instant
-    event (``"ph": "i"``) per SEND/RECV."""
+    :func:`annot.runtime.schedule_check.simulate` (one cost unit = 1 ms, the
+    same costs): one process per rank, one thread per stage, an ``X`` event
+    per F/B/I/W and an instant event (``"ph": "i"``) per SEND/RECV."""
     from annot.runtime.schedule_check import simulate
-    from annot.runtime.schedules import COMPUTE
+    from annot.runtime.schedules import CATEGORY, COMPUTE
 
-    timeline = simulate(schedule, cost_f, cost_b)
+    timeline = simulate(schedule, cost_f, cost_b, cost_w=cost_w)
     by_rank: dict[int, Events] = {}
     for rank in range(len(timeline)):
         evs: Events = []
@@ -163,7 +165,7 @@ def schedule_to_chrome_trace(schedule, cost_f: float = 1, cost_b: float = 2) -> 
             a = slot.action
             event = {
                 "name": str(a),
-                "cat": {"F": "forward", "B": "backward"}.get(a.kind, "p2p"),
+                "cat": CATEGORY.get(a.kind, "p2p"),
                 "ph": "X" if a.kind in COMPUTE else "i",
                 "ts": slot.start * _SIM_UNIT_US,
                 "pid": rank,

@@ -150,6 +150,7 @@ def test_pp2_schedules(tmp_path):
         ("1f1b", 1, 1),
         ("interleaved", 4, 2),
         ("1f1b", 8, 1),
+        ("zbh1", 4, 1),
     ]
     counts = run_ranks(_gpt_cases, 2, 2, cases, str(tmp_path), None, 4, timeout=500)
     assert counts == [len(cases) + 4] * 2
@@ -164,9 +165,9 @@ def test_pp3_schedules(tmp_path):
 
 @pytest.mark.slow
 def test_pp4_schedules(tmp_path):
-    cases = [("1f1b", 3, 1), ("gpipe", 8, 1)]
+    cases = [("1f1b", 3, 1), ("gpipe", 8, 1), ("zbh1", 6, 1)]
     counts = run_ranks(_gpt_cases, 4, 4, cases, str(tmp_path), timeout=500)
-    assert counts == [2] * 4
+    assert counts == [3] * 4
 
 
 @pytest.mark.slow
@@ -178,9 +179,15 @@ def test_dp2_pp2(tmp_path):
 @pytest.mark.slow
 def test_pp2_tp2(tmp_path):
     counts = run_ranks(
-        _gpt_cases, 4, 2, [("1f1b", 2, 1), ("gpipe", 3, 1)], str(tmp_path), {"tp": 2}, timeout=500
+        _gpt_cases,
+        4,
+        2,
+        [("1f1b", 2, 1), ("gpipe", 3, 1), ("zbh1", 3, 1)],
+        str(tmp_path),
+        {"tp": 2},
+        timeout=500,
     )
-    assert counts == [2] * 4
+    assert counts == [3] * 4
 
 
 def _dynamic(cache):

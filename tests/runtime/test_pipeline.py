@@ -142,6 +142,8 @@ CASES = [
     {"schedule": "1f1b", "chunks": 1, "sizes": (1,) * 8, "seq": 2},
     {"schedule": "interleaved", "chunks": 2, "sizes": (2, 2, 2, 2), "seq": 3},
     {"schedule": "interleaved", "chunks": 2, "sizes": (1, 2), "seq": 4, "weighted": True},
+    {"schedule": "zbh1", "chunks": 1, "sizes": (2, 2, 2, 2), "seq": 3},
+    {"schedule": "zbh1", "chunks": 1, "sizes": (1, 2, 2), "seq": 2, "weighted": True},
 ]
 
 
@@ -224,6 +226,7 @@ def test_parity_pp2_every_schedule():
     names0, names1 = per_rank[0][1], per_rank[1][1]
     assert {"0F0", "0SEND_F0", "0RECV_B0", "0B0", "2F0", "wait sends"} <= set(names0)
     assert {"1RECV_F0", "1F0", "1B0", "1SEND_B0", "3B0"} <= set(names1)
+    assert {"0I0", "0W0", "1I0", "1W0"} <= set(names0) | set(names1)
 
 
 SLOW_CASES = [

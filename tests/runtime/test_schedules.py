@@ -18,11 +18,14 @@ from annot.runtime.schedules import (
     Action,
     B,
     F,
+    I,
+    W,
     forward_only,
     get_schedule,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zero_bubble_h1,
 )
 from annot.runtime.trace import (
     Tracer,
@@ -52,7 +55,7 @@ def test_action_notation_round_trips():
     a = Action(SEND_F, 1, 3)
     assert str(a) == "1SEND_F3"
     assert str(Action(F, 0, 12)) == "0F12"
-    for text in ("1F3", "0B0", "12RECV_B7", "3SEND_B0", "2RECV_F1", "1SEND_F3"):
+    for text in ("1F3", "0B0", "1I3", "0W12", "12RECV_B7", "3SEND_B0", "2RECV_F1", "1SEND_F3"):
         assert str(Action.parse(text)) == text
     with pytest.raises(PipelineError, match="<stage><KIND><microbatch>"):
         Action.parse("F3")
@@ -213,12 +216,108 @@ def test_forward_only_schedules_are_valid(pp, mb, chunks):
 def test_get_schedule_names():
     assert get_schedule("1F1B", 2, 3) == one_f_one_b(2, 3)
     assert get_schedule("interleaved", 2, 4, chunks=1) == one_f_one_b(2, 4)
-    with pytest.raises(PipelineError, match="expected one of 'gpipe', '1f1b', 'interleaved'"):
-        get_schedule("zero-bubble", 2, 4)
+    assert get_schedule("zero-bubble", 2, 4) == get_schedule("ZB-H1", 2, 4) == zero_bubble_h1(2, 4)
+    with pytest.raises(
+        PipelineError, match="expected one of 'gpipe', '1f1b', 'interleaved', 'zbh1'"
+    ):
+        get_schedule("dualpipe", 2, 4)
+    with pytest.raises(PipelineError, match="runs one stage per rank but chunks=2"):
+        get_schedule("zbh1", 2, 4, chunks=2)
     with pytest.raises(PipelineError, match="use schedule='interleaved'"):
         get_schedule("gpipe", 2, 4, chunks=2)
     with pytest.raises(PipelineError, match="microbatches=0: must be an int >= 1"):
         get_schedule("gpipe", 2, 0)
+
+
+# -- zero bubble (ZB-H1) ---------------------------------------------------------
+
+
+@FAST
+@given(pp=PP, mb=MB)
+@example(pp=4, mb=8)
+@example(pp=8, mb=2)
+def test_zero_bubble_h1_is_valid_with_1f1b_memory(pp, mb):
+    schedule = zero_bubble_h1(pp, mb)
+    validate(schedule, pp, mb)
+    validate(forward_only(schedule), pp, mb, forward_only=True)
+    for r in range(pp):
+        comps = [a for a in schedule[r] if a.kind in (F, I, W)]
+        assert sorted(comps) == sorted(Action(k, r, m) for k in (F, I, W) for m in range(mb))
+        assert not any(a.kind == B for a in schedule[r])
+        for m in range(mb):
+            assert comps.index(Action(F, r, m)) < comps.index(Action(I, r, m))
+            assert comps.index(Action(I, r, m)) < comps.index(Action(W, r, m))
+        # the paper's bound: rank 0's 1F1B peak held to W, 1F1B's per rank held to I
+        assert peak_in_flight(schedule, r) <= min(pp, mb)
+        waiting_for_i = peak = 0
+        for a in comps:
+            waiting_for_i += {F: 1, I: -1}.get(a.kind, 0)
+            peak = max(peak, waiting_for_i)
+        assert peak <= min(pp - r, mb)
+
+
+@FAST
+@given(pp=st.integers(2, 8), mb=MB)
+def test_zero_bubble_h1_shrinks_1f1bs_bubble(pp, mb):
+    """On the paper's unit costs (F = I = W = 1, so B = 2) ZB-H1 is never
+    slower than 1F1B, strictly faster from M >= 2, and within (pp + 1) // 2
+    units of the paper's 3M + pp - 1 when M >= pp (1F1B: 3M + 3(pp - 1))."""
+    zb = simulate(zero_bubble_h1(pp, mb), 1, 2)
+    base = simulate(one_f_one_b(pp, mb), 1, 2)
+    assert zb.makespan <= base.makespan
+    if mb >= 2:
+        assert zb.makespan < base.makespan
+        assert zb.bubble < base.bubble
+    if mb >= pp:
+        assert base.makespan == 3 * mb + 3 * (pp - 1)
+        assert zb.makespan <= 3 * mb + pp - 1 + (pp + 1) // 2
+
+
+def test_zero_bubble_h1_reaches_the_papers_step_on_a_square_pipeline():
+    for pp in (2, 3, 4, 8):
+        assert simulate(zero_bubble_h1(pp, pp), 1, 2).makespan == 3 * pp + pp - 1
+
+
+def test_validate_names_split_backward_mistakes():
+    good = zero_bubble_h1(2, 2)
+
+    def edited(rank, fn):
+        out = [list(acts) for acts in good]
+        out[rank] = fn(out[rank])
+        return out
+
+    w_first = edited(1, lambda acts: [Action(W, 1, 0)] + [a for a in acts if a != Action(W, 1, 0)])
+    with pytest.raises(PipelineError, match="rank 1: 1W0 runs before its input gradients 1I0"):
+        validate(w_first, 2, 2)
+    both = edited(1, lambda acts: acts + [Action(B, 1, 0)])
+    with pytest.raises(PipelineError, match="1B0 is not expected"):
+        validate(both, 2, 2)
+    no_w = edited(0, lambda acts: [a for a in acts if a.kind != W])
+    with pytest.raises(PipelineError, match="missing 0W0, 0W1"):
+        validate(no_w, 2, 2)
+    early_send = edited(
+        1, lambda acts: [Action(SEND_B, 1, 0)] + [a for a in acts if a != Action(SEND_B, 1, 0)]
+    )
+    with pytest.raises(PipelineError, match="1SEND_B0 sends before 1I0 computed it"):
+        validate(early_send, 2, 2)
+
+
+def test_split_backward_costs_what_b_costs():
+    """simulate: I takes cost_b - cost_w and W cost_w, so a schedule whose
+    backwards are split and run back to back takes 1F1B's time."""
+    back_to_back = [
+        [Action(I if a.kind == B else a.kind, a.stage, a.microbatch) for a in acts]
+        for acts in one_f_one_b(3, 4)
+    ]
+    for acts in back_to_back:
+        for k in range(len(acts) - 1, -1, -1):
+            if acts[k].kind == I:
+                acts.insert(k + 1, Action(W, acts[k].stage, acts[k].microbatch))
+    validate(back_to_back, 3, 4)
+    for cost_w in (0.5, 1, 1.5):
+        assert simulate(back_to_back, 1, 2, cost_w=cost_w).makespan == pytest.approx(
+            simulate(one_f_one_b(3, 4), 1, 2).makespan
+        )
 
 
 # -- drawing ------------------------------------------------------------------
@@ -235,6 +334,24 @@ def test_format_table_snapshot():
     assert format_table(gpipe(2, 1), cost_b=2) == "\n".join(
         ["step   | 0  1  2  3  4  5", "rank 0 | F0 .  .  .  B0 B0", "rank 1 | .  F0 B0 B0 .  ."]
     )
+
+
+def test_format_table_draws_zero_bubble():
+    assert format_table(zero_bubble_h1(2, 4)) == "\n".join(
+        [
+            "step   | 0  1  2  3  4  5  6  7  8  9  10 11 12",
+            "rank 0 | F0 F1 .  I0 W0 I1 F2 W1 F3 I2 W2 I3 W3",
+            "rank 1 | .  F0 I0 F1 I1 W0 W1 F2 I2 F3 I3 W2 W3",
+        ]
+    )
+    wide = format_table(zero_bubble_h1(2, 1), cost_b=3, cost_w=1).splitlines()
+    assert wide[1:] == ["rank 0 | F0 .  .  .  I0 I0 W0", "rank 1 | .  F0 I0 I0 W0 .  ."]
+    with pytest.raises(PipelineError, match="cost_b - cost_w=0"):
+        format_table(zero_bubble_h1(2, 1), cost_b=2, cost_w=2)
+    trace = schedule_to_chrome_trace(zero_bubble_h1(2, 2), cost_f=1, cost_b=2, cost_w=1)
+    spans = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert spans["1I0"]["cat"] == spans["1W0"]["cat"] == "backward"
+    assert spans["1I0"]["dur"] == spans["1W0"]["dur"] == spans["1F0"]["dur"]
 
 
 def test_format_table_names_stages_when_interleaved():
