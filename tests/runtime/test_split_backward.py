@@ -114,9 +114,9 @@ def test_an_output_without_gradient_and_an_unused_input():
 
 def test_weight_gradients_accumulate_over_microbatches():
     torch.manual_seed(0)
-    stage, other = Stage(), None
+    stage = Stage()
     other = copy.deepcopy(stage)
-    for k in range(3):
+    for _ in range(3):
         x, mask = torch.randn(2, 6), torch.ones(2, 6)
         gh, gs = torch.randn(2, 6), torch.randn(2)
         _run(stage, x, mask, True, gh, gs)
