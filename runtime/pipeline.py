@@ -333,10 +333,9 @@ class PipelineExecutor(PipelineMessages):
         inputs = st.inputs.pop((s, i)) if s > 0 else None
         if split:
             received = tensors_requiring_grad(inputs)
-            grads, st.weight_work[(s, i)] = backward_input(
-                outputs, grads, received, self.weights(s)
-            )
-            if s == self.num_stages - 1:
+            grads, work = backward_input(outputs, grads, received, self.weights(s))
+            st.weight_work[(s, i)] = work
+            if s == self.num_stages - 1 and work is not None and work.retains_graph:
                 release(loss)  # the step's results must not keep the retained graph alive
         else:
             if outputs:

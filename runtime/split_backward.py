@@ -9,12 +9,13 @@ the weights. Together they give the weights exactly the gradients one
 ``torch.autograd.backward`` gives. This is torch.distributed.pipelining's
 method (``stage_backward_input`` / ``stage_backward_weight``), on its graph
 helpers, with two differences. A weight with a path to an output that does
-not pass through the inputs' part of the graph (every weight of the first
-stage, whose inputs need no gradient; a parameter that makes an output on
-its own) would lose that part of its gradient (torch's grouping does not
-check for it): here the
-whole backward runs at ``I`` instead and ``W`` has nothing to do. And a node
-the input pass never reached is skipped, not an error.
+not pass through the inputs' part of the graph (a parameter that makes an
+output on its own) would lose that part of its gradient (torch's grouping
+does not check for it): here the whole backward runs at ``I`` instead and
+``W`` has nothing to do. And a node the input pass never reached is skipped,
+not an error. A stage whose inputs need no gradient (the first) has nothing
+to send at ``I``: its whole backward runs at ``W``, in the time ZB-H1 gives
+the first rank's weight gradients.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class WeightWork:
 
     weights: dict[Node, torch.nn.Parameter]  # AccumulateGrad node -> parameter
     groups: list[dict[str, Any]]  # params (nodes), intermediates (nodes), grads
+    # a stage whose inputs need no gradient (the first): its whole backward
+    whole: Optional[tuple[list[torch.Tensor], Optional[Sequence[torch.Tensor]]]] = None
+
+    @property
+    def retains_graph(self) -> bool:
+        """The input pass kept the graph: drop references to the outputs."""
+        return self.whole is None
 
 
 def grad_node(t: torch.Tensor) -> Optional[Node]:
@@ -58,11 +66,14 @@ def backward_input(
     """The gradients of ``inputs`` (None where one gets none) from
     ``outputs`` and their ``grads`` (None for a scalar loss), and the
     :class:`WeightWork` left for the weights; None when the whole backward
-    ran here (see the module's docstring)."""
+    ran here (see the module's docstring). Only ``W`` accumulates into the
+    weights' ``.grad``, except when it ran whole here."""
     roots = [n for n in map(grad_node, outputs) if n is not None]
     input_nodes = [n for n in map(grad_node, inputs) if n is not None]
     if not roots:
         return [None] * len(inputs), None
+    if not any(t.requires_grad for t in inputs):  # nothing to send: all of it waits for W
+        return [None] * len(inputs), WeightWork({}, [], whole=(list(outputs), grads))
     reverse = construct_reverse_graph(roots)
     nodes = {grad_node(p): p for p in weights if p.requires_grad}
     reached = [n for n in nodes if n in reverse]
@@ -124,8 +135,13 @@ def weight_groups(
 
 def backward_weight(work: Optional[WeightWork]) -> list[torch.nn.Parameter]:
     """Accumulate the weights' gradients left by :func:`backward_input` into
-    their ``.grad``; returns the parameters that got one."""
+    their ``.grad``; returns the parameters whose ``.grad`` it wrote itself
+    (not through autograd's accumulation, whose hooks do not fire for them)."""
     if work is None:
+        return []
+    if work.whole is not None:
+        outputs, grads = work.whole
+        torch.autograd.backward(outputs, grads)  # accumulates (and hooks) as usual
         return []
     done = []
     for group in work.groups:

@@ -403,6 +403,17 @@ def test_tp2_pp2_llama_sequence_parallel(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero_bubble_on_nested_stages_tied_head_and_checkpointing(tmp_path):
+    # ZB-H1's split backward on replayed stages: the tied embedding / LM head
+    # across stages, a boundary inside a block, recomputing (checkpointed) blocks
+    _run(tmp_path, "llama", [["model.layers.1.mlp"]], schedule="zbh1")
+    (tmp_path / "c").mkdir()
+    _run(tmp_path / "c", "llama_ckpt", [["model.layers.2"]], schedule="zbh1")
+    (tmp_path / "tp").mkdir()
+    _run(tmp_path / "tp", "llama", [["model.layers.2"]], world=4, tp=2, schedule="zbh1")
+
+
+@pytest.mark.slow
 def test_checkpointed_blocks_with_boundaries_between_and_inside_them(tmp_path):
     # @checkpoint on the installed decoder-layer class; a boundary inside a
     # checkpointed block: stage 0's recomputation stops where its part ended
