@@ -1,13 +1,19 @@
 """Pipeline parallelism, side by side in one run; prints ratios (this machine is noisy).
 
-    python benchmarks/pp.py          # a few minutes on 2 CPU cores
+    python benchmarks/pp.py            # a few minutes on 2 CPU cores
+    python benchmarks/pp.py --bubbles  # only (d), about a minute
 
 (a) step time, annot vs torch.distributed.pipelining (PipelineStage + ScheduleGPipe /
     Schedule1F1B) on the same model, split and microbatches, pp=2 (goal <= 0.9);
 (b) pipeline efficiency with fixed-cost stages (sleeping forward 20 ms, backward 40 ms,
     so two shared CPU cores do not distort it) against the theory m / (m + p - 1)
     (goal >= 0.95 of theory), for both systems;
-(c) per-microbatch runtime overhead: a tiny model, step time / microbatches.
+(c) per-microbatch runtime overhead: a tiny model, step time / microbatches;
+(d) the bubble, measured against theory, of every schedule annot runs (GPipe, 1F1B,
+    interleaved with 2 virtual stages per rank, ZB-H1) on fixed-cost stages whose
+    backward is half input-gradient (I) and half weight-gradient (W) work; theory is
+    the schedule's own simulated step (annot.runtime.schedule_check.simulate) on
+    the same costs; and ZB-H1's step against 1F1B's.
 
 Each system's steps are interleaved with the other's (annot, torch, annot, ...); the
 median is reported.
@@ -98,6 +104,70 @@ def _rank(kind: str, schedule: str, microbatches: int, cache: str):
     return statistics.median(ta), statistics.median(tb)
 
 
+def _bubble_rank(schedule: str, chunks: int, microbatches: int, cost_ms, cache: str) -> float:
+    """annot's median step on SleepStack stages of fixed cost ``cost_ms`` =
+    (forward, backward, of which weight-gradient) per virtual stage."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+
+    import annot
+    from benchmarks.pp_models import SleepStack
+
+    pp = dist.get_world_size()
+    f, b, w = cost_ms
+    n = pp * chunks
+    model = annot.parallelize(
+        SleepStack,
+        mesh=annot.Mesh(pp=pp),
+        seed=0,
+        chunks=chunks,
+        split=[f"blocks.{s}" for s in range(1, n)],
+        depth=n,
+        fwd_ms=f,
+        bwd_ms=b,
+        w_ms=w,
+    )
+
+    @annot.jit(model, microbatches=microbatches, schedule=schedule)
+    def step(x, y):
+        _, loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(microbatches, 4), torch.randn(microbatches, 4)
+    times = []
+    for i in range(REPEATS + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        step(x, y)
+        dist.barrier()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def bubbles(pp: int = 2, microbatches: int = 8, cost_ms=(20.0, 40.0, 20.0)) -> list[tuple]:
+    """(d): per schedule, (name, measured bubble, theory bubble, step seconds)."""
+    from annot.runtime.schedule_check import simulate
+    from annot.runtime.schedules import get_schedule
+    from annot.testing import run_ranks
+
+    f, b, w = cost_ms
+    out = []
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)):
+        per = (f / chunks, b / chunks, w / chunks)  # the same model cut into more stages
+        theory = simulate(get_schedule(name, pp, microbatches, chunks), *per[:2], cost_w=per[2])
+        with tempfile.TemporaryDirectory() as cache:
+            (step, *_) = run_ranks(
+                _bubble_rank, pp, name, chunks, microbatches, per, cache, timeout=900
+            )
+        busy = microbatches * (f + b) / 1000  # a rank's work, the same for every schedule
+        out.append((name, 1 - busy / step, theory.bubble, step))
+    return out
+
+
 def measure(kind, schedule, microbatches, pp=2):
     from annot.testing import run_ranks
 
@@ -132,7 +202,24 @@ def main() -> None:
         fx = f"{x:10.3f}" if name.startswith("(b)") else f"{x * 1000:8.2f}ms"
         fy = f"{y:10.3f}" if name.startswith("(b)") else f"{y * 1000:8.2f}ms"
         print(f"{name:58} {fx} {fy} {r:7.3f}  {goal}")
+    print_bubbles(bubbles())
+
+
+def print_bubbles(rows: list[tuple], pp: int = 2, microbatches: int = 8) -> None:
+    print(
+        f"\n(d) bubble on fixed-cost stages, pp={pp} M={microbatches}, F 20 ms, B 40 ms "
+        "(I 20 + W 20); efficiency = 1 - bubble"
+    )
+    print(f"{'schedule':12} {'measured':>9} {'theory':>8} {'eff/theory':>11} {'step':>9}")
+    steps = {name: step for name, _, _, step in rows}
+    for name, got, theory, step in rows:
+        ratio = (1 - got) / (1 - theory)
+        print(f"{name:12} {got:9.3f} {theory:8.3f} {ratio:11.3f} {step * 1000:7.0f}ms")
+    print(f"ZB-H1 step / 1F1B step: {steps['zbh1'] / steps['1f1b']:.3f}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--bubbles"]:
+        print_bubbles(bubbles())
+    else:
+        main()

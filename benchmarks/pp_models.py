@@ -48,21 +48,24 @@ class _Sleep(torch.autograd.Function):
 
 class SleepBlock(nn.Module):
     """A stage of fixed cost: sleeps ``fwd_ms`` forward and ``bwd_ms`` backward
-    (so the measurement is of the schedule, not of 2 shared CPU cores)."""
+    (so the measurement is of the schedule, not of 2 shared CPU cores), of
+    which ``w_ms`` on the path to its weight only (a zero-bubble schedule's
+    W; the rest is on the input's path, its I)."""
 
-    def __init__(self, fwd_ms=20.0, bwd_ms=40.0):
+    def __init__(self, fwd_ms=20.0, bwd_ms=40.0, w_ms=0.0):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(1))
-        self.fwd_s, self.bwd_s = fwd_ms / 1000, bwd_ms / 1000
+        self.fwd_s, self.bwd_s, self.w_s = fwd_ms / 1000, bwd_ms / 1000, w_ms / 1000
 
     def forward(self, x):
-        return _Sleep.apply(x * self.scale, self.fwd_s, self.bwd_s)
+        scale = _Sleep.apply(self.scale, 0.0, self.w_s) if self.w_s else self.scale
+        return _Sleep.apply(x * scale, self.fwd_s, self.bwd_s - self.w_s)
 
 
 class SleepStack(nn.Module):
-    def __init__(self, depth=4, fwd_ms=20.0, bwd_ms=40.0):
+    def __init__(self, depth=4, fwd_ms=20.0, bwd_ms=40.0, w_ms=0.0):
         super().__init__()
-        self.blocks = nn.ModuleList([SleepBlock(fwd_ms, bwd_ms) for _ in range(depth)])
+        self.blocks = nn.ModuleList([SleepBlock(fwd_ms, bwd_ms, w_ms) for _ in range(depth)])
 
     def forward(self, x, y):
         for block in self.blocks:
