@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zbh1"])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=32)
