@@ -47,6 +47,7 @@ from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.runtime import mesh as rmesh
 from annot.runtime.checkpointing import apply_activation_checkpointing
 from annot.runtime.deferred_init import meta_copy
+from annot.runtime.grad_buckets import check_bucket_options
 from annot.runtime.replay import call_with
 from annot.runtime.sequence_parallel import apply_sequence_parallel, stage_runs
 from annot.runtime.stages import build_plan, stage_calls
@@ -102,6 +103,8 @@ def parallelize(
     verify: Optional[bool] = None,
     sequence_parallel: Union[bool, str, list[str]] = False,
     sequence_dim: int = 1,
+    overlap_grad_reduce: bool = True,
+    bucket_cap_mb: float = 25.0,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -137,7 +140,7 @@ def parallelize(
     from annot.precision import parse_precision
 
     autocast = parse_precision(precision)
-    mesh = _check_options(mesh, chunks)
+    mesh = _check_options(mesh, chunks, overlap_grad_reduce, bucket_cap_mb)
     instance, cls = _model_and_class(model, args, kwargs)
     report = BuildReport(mesh)
 
@@ -213,7 +216,14 @@ def parallelize(
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
     built = ParallelModel(
-        local, ctx, pipeline=plan, report=report, autocast=autocast, verify=verify
+        local,
+        ctx,
+        pipeline=plan,
+        report=report,
+        autocast=autocast,
+        verify=verify,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_cap_mb=bucket_cap_mb,
     )
     if check is not None:
         _run_preflight(built, check, sample)
@@ -221,13 +231,14 @@ def parallelize(
     return built
 
 
-def _check_options(mesh: Optional[Mesh], chunks: int) -> Mesh:
+def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:
     """The mesh, after the checks that need no rank: refused before any works."""
     mesh = mesh or Mesh()
     if not isinstance(mesh, Mesh):
         raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
+    check_bucket_options(overlap, bucket_cap_mb)
     return mesh
 
 

@@ -2,9 +2,10 @@
 
 A thin ``nn.Module`` around this rank's part of the model (its tp shard of its
 pipeline stages). ``model(...)`` runs it; ``model.backward(loss)`` replaces
-``loss.backward()`` and then makes the gradients whole: averaged over dp,
-summed over the pipeline stages that share a tied weight. Inside an
-``@annot.jit`` step the pipeline executor takes both calls over.
+``loss.backward()`` and then makes the gradients whole: averaged over dp
+(overlapped with the backward, :mod:`annot.runtime.grad_buckets`), summed
+over the pipeline stages that share a tied weight. Inside an ``@annot.jit``
+step the pipeline executor takes both calls over.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ __all__ = ["ParallelModel", "clip_grad_norm_"]
 
 class ParallelModel(nn.Module):
     def __init__(
-        self, module: nn.Module, ctx, *, pipeline=None, report=None, autocast=None, verify=False
+        self,
+        module: nn.Module,
+        ctx,
+        *,
+        pipeline=None,
+        report=None,
+        autocast=None,
+        verify=False,
+        overlap_grad_reduce: bool = False,
+        bucket_cap_mb: float = 25.0,
     ):
         super().__init__()
         self.module = module
@@ -36,6 +46,9 @@ class ParallelModel(nn.Module):
         self.preflight = None  # annot.preflight's check, run on the first call when set
         self.dropout = None  # annot.runtime.tp_dropout.ShardedDropout's sites, from the pre-flight
         self._dropout_names = None
+        self.overlap_grad_reduce = overlap_grad_reduce  # dp average in buckets during backward
+        self.bucket_cap_mb = bucket_cap_mb
+        self._buckets = None  # annot.runtime.grad_buckets.GradBuckets, built on first use
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -107,9 +120,44 @@ class ParallelModel(nn.Module):
             return
         from annot.runtime.mesh import use
 
+        self.begin_grad_reduce()
+        self.arm_grad_reduce()
         with use(self.ctx), self.backward_context():
             (loss if scale is None else loss * scale).backward()
         self.finish_gradients()
+
+    @property
+    def grad_buckets(self):
+        """The :class:`~annot.runtime.grad_buckets.GradBuckets` that average
+        gradients over dp during the backward, or None (dp = 1, or
+        ``overlap_grad_reduce=False``: one flat all-reduce after it). Built
+        from the trainable parameters on first use, again when they change."""
+        ctx = self.ctx
+        if not self.overlap_grad_reduce or not ctx.distributed or ctx.mesh.dp == 1:
+            return None
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        old = self._buckets
+        if old is None or not old.holds(params):
+            from annot.runtime.grad_buckets import GradBuckets
+
+            if old is not None:
+                old.close()
+            self._buckets = GradBuckets(params, ctx.dp_group, 1.0 / ctx.mesh.dp, self.bucket_cap_mb)
+        return self._buckets
+
+    def begin_grad_reduce(self) -> None:
+        """A new step: forget what an unfinished one left in the buckets."""
+        buckets = self.grad_buckets
+        if buckets is not None:
+            buckets.reset()
+
+    def arm_grad_reduce(self, params=None) -> None:
+        """Let the coming backward start the dp all-reduce of ``params``
+        (default: all) as their gradients land: call it before the backward
+        that gives them their last gradient of the step."""
+        buckets = self.grad_buckets
+        if buckets is not None:
+            buckets.arm(params)
 
     def finish_gradients(self) -> None:
         """Average gradients over dp and sum tied weights' gradients over the
@@ -118,7 +166,7 @@ class ParallelModel(nn.Module):
         every tp rank (:class:`annot.VerifyError` otherwise)."""
         from annot.runtime.grads import check_replicated_grads, reduce_gradients
 
-        reduce_gradients(self.module, self.ctx, self.pipeline)
+        reduce_gradients(self.module, self.ctx, self.pipeline, self.grad_buckets)
         if self.verify:
             check_replicated_grads(self.module, self.ctx)
 

@@ -1,7 +1,9 @@
 """Make gradients whole after the backward passes of a step.
 
 - data parallel: average every gradient over the dp group (one flat buffer
-  per dtype, so one all-reduce instead of one per parameter);
+  per dtype, so one all-reduce instead of one per parameter), or take the
+  average that :class:`~annot.runtime.grad_buckets.GradBuckets` overlapped
+  with the backward;
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
   the same optimizer step and the copies stay identical;
@@ -58,9 +60,15 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def reduce_gradients(module: nn.Module, ctx, pipeline=None) -> None:
+def reduce_gradients(module: nn.Module, ctx, pipeline=None, buckets=None) -> None:
+    """Make this step's gradients whole: the dp average (``buckets.finish()``
+    when ``buckets``, a :class:`~annot.runtime.grad_buckets.GradBuckets`, holds
+    it, else one flat all-reduce per dtype), tp partial sums and tied-weight
+    sums. Sums commute with the average, so its place in the order is free."""
     if ctx is None or not ctx.distributed:
         return
+    if buckets is not None:  # first: finish writes every .grad back
+        buckets.finish()
     if ctx.mesh.tp > 1:
         partial = [_grad(p) for _, p in _unique_params(module) if _sums_over_tp(p)]
         if partial:
@@ -72,7 +80,7 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None) -> None:
             p = tie.local_param(module)
             if p is not None:
                 dist.all_reduce(_grad(p), group=tie.group)
-    if ctx.mesh.dp > 1:
+    if ctx.mesh.dp > 1 and buckets is None:
         grads = [_grad(p) for _, p in _unique_params(module)]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
