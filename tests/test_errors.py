@@ -177,7 +177,10 @@ def test_jit_refuses_bad_settings():
     model = annot.parallelize(Net, mesh=annot.Mesh())
     with pytest.raises(PipelineError, match=r"microbatches=0; expected an int >= 1"):
         annot.jit(model, microbatches=0)(_step)
-    with pytest.raises(PipelineError, match="schedule='zigzag'; expected one of gpipe, 1f1b"):
+    with pytest.raises(
+        PipelineError,
+        match="annot.jit: unknown pipeline schedule 'zigzag'; expected one of 'gpipe', '1f1b'",
+    ):
         annot.jit(model, schedule="zigzag")(_step)
     with pytest.raises(HintError, match="expected the result of annot.parallelize"):
         annot.jit(Net(), microbatches=2)(_step)
