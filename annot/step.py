@@ -132,7 +132,7 @@ class Step:
             a, k = mbs[i]
             return self.fn(*a, **k)
 
-        ex.run(len(mbs), body)
+        ex.run(len(mbs), body, grad_buckets=self.model.grad_buckets)
         return ex.broadcast_outputs()
 
     # Called through ParallelModel while the step runs.

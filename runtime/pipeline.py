@@ -177,6 +177,7 @@ class PipelineExecutor(PipelineMessages):
         *,
         loss_scale: LossScale = None,
         forward_only: bool = False,
+        grad_buckets: Any = None,
     ) -> Optional[list[Any]]:
         """Run one step of ``microbatches``.
 
@@ -193,13 +194,23 @@ class PipelineExecutor(PipelineMessages):
         Returns the body's return values per microbatch on the rank holding
         the last stage, None elsewhere (see :meth:`broadcast_outputs`).
         Parameter gradients accumulate in ``.grad``; the dp all-reduce is the
-        caller's.
+        caller's. With ``grad_buckets`` (a
+        :class:`~annot.runtime.grad_buckets.GradBuckets`) a stage's
+        parameters are armed just before its last backward action of the step
+        (B, or ZB-H1's last W), so their dp all-reduce starts while the other
+        stages still run; the caller's ``finish()`` completes it.
         """
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
         st = StepState(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
+        if grad_buckets is not None and not forward_only:
+            # each stage's last backward work of the step, in this rank's order
+            last = {a.stage: a for a in actions if a.kind in (B, I, W)}
+            st.final_backward = {a: grad_buckets for a in last.values()}
         for action in actions:
+            if action in st.final_backward:
+                grad_buckets.arm(self.weights(action.stage))
             self._do(st, action)
         self.wait_sends(st)
         self._check_empty(st)
@@ -231,7 +242,9 @@ class PipelineExecutor(PipelineMessages):
                 elif kind in (B, I):
                     self._backward(st, s, i, split=kind == I)
                 elif kind == W:
-                    backward_weight(st.weight_work.pop((s, i)))
+                    written = backward_weight(st.weight_work.pop((s, i)))
+                    if a in st.final_backward:  # written directly: no hook saw them
+                        st.final_backward[a].ready(written)
                 elif kind == SEND_F:
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
                     self.send(st, a, out)
