@@ -34,23 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import time_pair  # noqa: E402
+
 STEPS = int(os.environ.get("BENCH_STEPS", "20"))
 BATCH, SEQ = 8, 64
-
-
-def _time_pair(a, b, steps=STEPS, warmup=3):
-    for _ in range(warmup):
-        a()
-        b()
-    ta, tb = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        a()
-        ta.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        b()
-        tb.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def _rank(cache: str) -> dict:
@@ -97,9 +84,9 @@ def _rank(cache: str) -> dict:
     big = build()
     small = build(bucket_cap_mb=2.0)
     out = {}
-    out["a"] = _time_pair(plain_step(*flat), plain_step(*big))
-    out["b"] = _time_pair(plain_step(*flat), plain_step(*small))
-    out["c"] = _time_pair(jit_step(*flat), jit_step(*small))
+    out["a"] = time_pair(plain_step(*flat), plain_step(*big))
+    out["b"] = time_pair(plain_step(*flat), plain_step(*small))
+    out["c"] = time_pair(jit_step(*flat), jit_step(*small))
     out["buckets"] = [len(m.grad_buckets.buckets) for m, _ in (big, small)]
     out["early"] = [m.grad_buckets.last_step.before_finish for m, _ in (big, small)]
     # (d) the copy back, alone: every gradient from a flat buffer into .grad

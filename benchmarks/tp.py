@@ -20,7 +20,6 @@ Each timing is the median of interleaved repeats (annot, peer, annot, peer, ...)
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.timing import time_pair  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "20"))
 BATCH, SEQ = 8, 64
@@ -41,21 +42,6 @@ def _step_fn(model, opt, x, y, backward):
         opt.zero_grad(set_to_none=True)
 
     return step
-
-
-def _time_pair(a, b, steps=STEPS, warmup=3):
-    for _ in range(warmup):
-        a()
-        b()
-    ta, tb = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        a()
-        ta.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        b()
-        tb.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def bench_tp1() -> tuple[float, float]:
@@ -73,7 +59,7 @@ def bench_tp1() -> tuple[float, float]:
     y = torch.randint(0, cfg.vocab, (BATCH, SEQ))
     a = _step_fn(model, torch.optim.AdamW(model.parameters()), x, y, model.backward)
     b = _step_fn(plain, torch.optim.AdamW(plain.parameters()), x, y, lambda loss: loss.backward())
-    return _time_pair(a, b)
+    return time_pair(a, b)
 
 
 def _tp2_rank(cache: str) -> tuple[float, float]:
@@ -122,7 +108,7 @@ def _tp2_rank(cache: str) -> tuple[float, float]:
         y,
         lambda loss: loss.backward(),
     )
-    ta, tb = _time_pair(a, b)
+    ta, tb = time_pair(a, b)
     with torch.no_grad():  # same math: the two losses agree
         la, lb = model(x, y).item(), peer(x, y).item()
     assert abs(la - lb) < 1e-4 * max(1.0, abs(lb)), (la, lb)
@@ -174,7 +160,7 @@ def _dropout_rank(cache: str) -> tuple[float, float]:
 
         return step
 
-    return _time_pair(step_of(exact), step_of(local))
+    return time_pair(step_of(exact), step_of(local))
 
 
 def bench_dropout() -> tuple[float, float]:
@@ -267,7 +253,7 @@ def _llama_rank(cache: str, sp: bool) -> tuple[float, float]:
 
     a = step_of(model, torch.optim.AdamW(model.parameters()), model.backward)
     b = step_of(peer, torch.optim.AdamW(peer.parameters(), foreach=False), lambda t: t.backward())
-    ta, tb = _time_pair(a, b)
+    ta, tb = time_pair(a, b)
     with torch.no_grad():  # same math: the two losses agree
         la = model(x, labels=x, use_cache=False).loss.item()
         lb = peer(x, labels=x, use_cache=False).loss.item()
