@@ -34,7 +34,8 @@ class StepState:
         self.in_grads: dict[tuple[int, int], Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.weight_work: dict[tuple[int, int], Any] = {}  # I done, W to come
-        self.final_backward: dict[Any, Any] = {}  # each stage's last B/W -> its GradBuckets
+        self.grad_buckets: Any = None  # annot.runtime.grad_buckets.GradBuckets, if overlapping
+        self.final_backward: set[Any] = set()  # each stage's last B/I/W: arm its buckets
         self.results: dict[int, Any] = {}
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}

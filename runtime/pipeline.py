@@ -207,10 +207,10 @@ class PipelineExecutor(PipelineMessages):
         if grad_buckets is not None and not forward_only:
             # each stage's last backward work of the step, in this rank's order
             last = {a.stage: a for a in actions if a.kind in (B, I, W)}
-            st.final_backward = {a: grad_buckets for a in last.values()}
+            st.grad_buckets, st.final_backward = grad_buckets, set(last.values())
         for action in actions:
             if action in st.final_backward:
-                grad_buckets.arm(self.weights(action.stage))
+                st.grad_buckets.arm(self.weights(action.stage))
             self._do(st, action)
         self.wait_sends(st)
         self._check_empty(st)
@@ -244,7 +244,7 @@ class PipelineExecutor(PipelineMessages):
                 elif kind == W:
                     written = backward_weight(st.weight_work.pop((s, i)))
                     if a in st.final_backward:  # written directly: no hook saw them
-                        st.final_backward[a].ready(written)
+                        st.grad_buckets.ready(written)
                 elif kind == SEND_F:
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
                     self.send(st, a, out)
