@@ -105,6 +105,7 @@ def parallelize(
     sequence_dim: int = 1,
     overlap_grad_reduce: bool = True,
     bucket_cap_mb: float = 25.0,
+    fsdp: bool = False,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -228,7 +229,29 @@ def parallelize(
     if check is not None:
         _run_preflight(built, check, sample)
         log.debug("annot: step 6: pre-flight %s", report.preflight)
+    if fsdp and ctx.distributed and mesh.dp > 1:
+        _shard_data(built, plan)
+        log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
     return built
+
+
+def _shard_data(built: ParallelModel, plan) -> None:
+    """Step 7 (``fsdp=True``): FSDP2 over dp, a unit per block of the
+    model's block list (:func:`annot.hf.nested_blocks`) and the root."""
+    from annot.hf import nested_blocks
+    from annot.runtime.fsdp import ShardedData, blocks_of
+
+    local = built.module
+    if built.preflight is not None and built.preflight.keywords.get("whole") is None:
+        # the pre-flight on the first call runs on a meta copy of the model as built
+        built.preflight = functools.partial(built.preflight, whole=meta_copy(local))
+    blocks = blocks_of(local, nested_blocks(local))
+    built.fsdp = ShardedData(
+        local,
+        built.ctx.device_mesh["dp"],
+        blocks,
+        pipelined=plan is not None and plan.num_stages > 1,
+    )
 
 
 def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:

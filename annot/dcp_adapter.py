@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from annot.errors import CheckpointError
 
@@ -196,6 +197,12 @@ def view_of(target: Target) -> View:
         t = local[tid]
         if t.is_meta:
             raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
+        if isinstance(t, DTensor):
+            raise CheckpointError(
+                f"{canon} is sharded over dp by FSDP2 (parallelize(fsdp=True)), which annot's "
+                "DCP checkpoints do not write yet; save model.full_state_dict() (the "
+                "single-device state dict, gathered on every rank) or build without fsdp=True"
+            )
         view.tensors[canon] = t.detach()
         layout = by_id.get(tid)
         if layout is not None:

@@ -15,11 +15,11 @@ parameter). Gradients are whole on every dp rank when ``opt.step()`` runs
 (annot reduces them in ``model.backward``), so the update equals the plain
 optimizer's, and the broadcast keeps the replicas identical.
 
-This is ZeRO-1: parameters and gradients stay whole on each rank. FSDP2
-(``fully_shard``, ZeRO-3) is not used: annot's pipeline runs a stage several
-times per step and reduces gradients itself (ties across stages, tp partial
-sums), which FSDP2's per-forward all-gather and reduce-scatter would have to
-be taught.
+This is ZeRO-1: parameters and gradients stay whole on each rank. For
+ZeRO-3 build with ``annot.parallelize(..., fsdp=True)`` (torch's FSDP2,
+:mod:`annot.runtime.fsdp`): parameters, gradients and so the state of any
+optimizer built afterwards are sharded over dp, and ``zero_optimizer``
+returns the plain optimizer.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def zero_optimizer(
     process) it is the plain optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
     ctx = model.ctx
+    if model.fsdp is not None:  # FSDP2 shards the parameters, so their state too
+        return optimizer_class(params, **defaults)
     if ctx is None or not ctx.distributed or ctx.mesh.dp == 1:
         return optimizer_class(params, **defaults)
     from torch.distributed.optim import ZeroRedundancyOptimizer

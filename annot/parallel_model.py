@@ -49,6 +49,7 @@ class ParallelModel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce  # dp average in buckets during backward
         self.bucket_cap_mb = bucket_cap_mb
         self._buckets = None  # annot.runtime.grad_buckets.GradBuckets, built on first use
+        self.fsdp = None  # annot.runtime.fsdp.ShardedData with parallelize(fsdp=True) at dp > 1
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -133,7 +134,9 @@ class ParallelModel(nn.Module):
         ``overlap_grad_reduce=False``: one flat all-reduce after it). Built
         from the trainable parameters on first use, again when they change."""
         ctx = self.ctx
-        if not self.overlap_grad_reduce or not ctx.distributed or ctx.mesh.dp == 1:
+        if self.fsdp is not None or not self.overlap_grad_reduce:
+            return None
+        if not ctx.distributed or ctx.mesh.dp == 1:
             return None
         params = [p for p in self.module.parameters() if p.requires_grad]
         old = self._buckets
@@ -146,7 +149,10 @@ class ParallelModel(nn.Module):
         return self._buckets
 
     def begin_grad_reduce(self) -> None:
-        """A new step: forget what an unfinished one left in the buckets."""
+        """A new step: forget what an unfinished one left in the buckets (with
+        FSDP2: accumulate gradients unreduced until :meth:`arm_grad_reduce`)."""
+        if self.fsdp is not None:
+            self.fsdp.begin()
         buckets = self.grad_buckets
         if buckets is not None:
             buckets.reset()
@@ -155,6 +161,8 @@ class ParallelModel(nn.Module):
         """Let the coming backward start the dp all-reduce of ``params``
         (default: all) as their gradients land: call it before the backward
         that gives them their last gradient of the step."""
+        if self.fsdp is not None:
+            self.fsdp.arm()
         buckets = self.grad_buckets
         if buckets is not None:
             buckets.arm(params)
@@ -166,7 +174,7 @@ class ParallelModel(nn.Module):
         every tp rank (:class:`annot.VerifyError` otherwise)."""
         from annot.runtime.grads import check_replicated_grads, reduce_gradients
 
-        reduce_gradients(self.module, self.ctx, self.pipeline, self.grad_buckets)
+        reduce_gradients(self.module, self.ctx, self.pipeline, self.fsdp or self.grad_buckets)
         if self.verify:
             check_replicated_grads(self.module, self.ctx)
 
@@ -176,7 +184,14 @@ class ParallelModel(nn.Module):
         norm on every rank. Call it after the step, before ``opt.step()``."""
         from annot.runtime.grads import clip_grad_norm_
 
-        return clip_grad_norm_(self.module, self.ctx, self.pipeline, max_norm, norm_type)
+        return clip_grad_norm_(
+            self.module,
+            self.ctx,
+            self.pipeline,
+            max_norm,
+            norm_type,
+            dp_sharded=self.fsdp is not None,
+        )
 
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:

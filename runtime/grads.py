@@ -3,7 +3,9 @@
 - data parallel: average every gradient over the dp group (one flat buffer
   per dtype, so one all-reduce instead of one per parameter), or take the
   average that :class:`~annot.runtime.grad_buckets.GradBuckets` overlapped
-  with the backward;
+  with the backward, or the reduce-scatter of FSDP2
+  (:class:`~annot.runtime.fsdp.ShardedData`: each dp rank then holds a
+  shard of every gradient, and the sums below work on the shards);
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
   the same optimizer step and the copies stay identical;
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.errors import VerifyError
+from annot.runtime.fsdp import local
 
 __all__ = ["reduce_gradients", "check_replicated_grads", "clip_grad_norm_"]
 
@@ -60,17 +63,18 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def reduce_gradients(module: nn.Module, ctx, pipeline=None, buckets=None) -> None:
-    """Make this step's gradients whole: the dp average (``buckets.finish()``
-    when ``buckets``, a :class:`~annot.runtime.grad_buckets.GradBuckets`, holds
-    it, else one flat all-reduce per dtype), tp partial sums and tied-weight
-    sums. Sums commute with the average, so its place in the order is free."""
+def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp=None) -> None:
+    """Make this step's gradients whole: the dp average (``dp.finish()``
+    when ``dp``, a :class:`~annot.runtime.grad_buckets.GradBuckets` or an
+    :class:`~annot.runtime.fsdp.ShardedData`, holds it, else one flat
+    all-reduce per dtype), tp partial sums and tied-weight sums. Sums commute
+    with the average, so its place in the order is free."""
     if ctx is None or not ctx.distributed:
         return
-    if buckets is not None:  # first: finish writes every .grad back
-        buckets.finish()
+    if dp is not None:  # first: finish writes every .grad back
+        dp.finish()
     if ctx.mesh.tp > 1:
-        partial = [_grad(p) for _, p in _unique_params(module) if _sums_over_tp(p)]
+        partial = [local(_grad(p)) for _, p in _unique_params(module) if _sums_over_tp(p)]
         if partial:
             _flat_all_reduce(partial, ctx.tp_group, None)
     if pipeline is not None:
@@ -79,8 +83,8 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None, buckets=None) -> Non
                 continue
             p = tie.local_param(module)
             if p is not None:
-                dist.all_reduce(_grad(p), group=tie.group)
-    if ctx.mesh.dp > 1 and buckets is None:
+                dist.all_reduce(local(_grad(p)), group=tie.group)
+    if ctx.mesh.dp > 1 and dp is None:
         grads = [_grad(p) for _, p in _unique_params(module)]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
@@ -108,7 +112,7 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
     bad = torch.zeros(len(params), dtype=torch.float32, device=ctx.device)
     # A missing gradient reads as zeros here, without setting one (verification
     # must not change what the optimizer sees).
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for _, p in params]
     for idx in _by_dtype(grads):
         flat = torch.cat([grads[i].reshape(-1) for i in idx])
         dist.broadcast(flat, src=src, group=group)
@@ -137,7 +141,13 @@ def check_replicated_grads(module: nn.Module, ctx, rtol: float = 1e-4, atol: flo
 
 
 def clip_grad_norm_(
-    module: nn.Module, ctx, pipeline, max_norm: float, norm_type: float = 2.0
+    module: nn.Module,
+    ctx,
+    pipeline,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    dp_sharded: bool = False,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the whole parallel model: the norm
     of the single-device model's gradient, on every rank, and every local
@@ -146,10 +156,13 @@ def clip_grad_norm_(
     Each parameter counts once: a tp-sharded one as the sum of its shards; a
     tp-replicated one on tp rank 0 only; a weight tied across pipeline stages
     on the first stage holding it; over dp the gradients are already averaged
-    (equal), so dp adds nothing. Call it after the step's backward.
+    (equal), so dp adds nothing, unless ``dp_sharded`` (FSDP2): each dp rank
+    holds a shard of every gradient, and the shards add up over dp. Call it
+    after the step's backward.
     """
     p = float(norm_type)
     params = [q for _, q in _unique_params(module) if q.grad is not None]
+    grads = {id(q): local(q.grad).detach() for q in params}
     device = params[0].grad.device if params else (ctx.device if ctx else torch.device("cpu"))
     inf = p == float("inf")
     skip: set[int] = set()
@@ -165,7 +178,7 @@ def clip_grad_norm_(
     sharded = shard_layouts(module) if distributed and ctx.mesh.tp > 1 else {}
     counted_rep = not distributed or ctx.tp_rank == 0
     parts = [
-        torch.linalg.vector_norm(q.grad.detach().float(), p)
+        torch.linalg.vector_norm(grads[id(q)].float(), p)
         for q in params
         if id(q) not in skip and (id(q) in sharded or counted_rep)
     ]
@@ -176,11 +189,12 @@ def clip_grad_norm_(
         total = torch.stack(parts).pow(p).sum() if parts else zero
     if distributed:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        for axis in ("tp", "pp"):
+        for axis in ("tp", "pp", "dp") if dp_sharded else ("tp", "pp"):
             if getattr(ctx.mesh, axis) > 1:
                 dist.all_reduce(total, op=op, group=ctx.groups[axis])
     norm = total if inf else total.pow(1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for q in params:
-        q.grad.detach().mul_(coef.to(q.grad.device, q.grad.dtype))
+        g = grads[id(q)]
+        g.mul_(coef.to(g.device, g.dtype))
     return norm

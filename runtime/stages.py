@@ -150,14 +150,11 @@ class Tie:
     group: Optional[Any] = None  # ProcessGroup over the ranks holding it (None if one rank)
 
     def local_param(self, module: nn.Module):
-        for n in self.names:
-            try:
-                p = _get(module, n)
-            except (AttributeError, IndexError):
-                continue
-            if isinstance(p, nn.Parameter):
-                return p
-        return None
+        """The parameter as ``module`` (this rank's part) registers it, under
+        the first of the names it holds; None if it holds none (an absent
+        module's shadow does not count: after FSDP2 its weight is stale)."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        return next((params[n] for n in self.names if n in params), None)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from annot.errors import CheckpointError, MeshError
+from annot.runtime.fsdp import copy_full_into, full
 from annot.runtime.tp_comm import gather_full, split_local, tp_env
 
 __all__ = ["load_full_state_dict", "full_state_dict", "full_grads", "shard_layouts"]
@@ -127,14 +128,14 @@ def load_full_state_dict(
         raise CheckpointError("load_full_state_dict: " + "; ".join(errors))
     with torch.no_grad():
         for t, src in plan:
-            t.copy_(src)
+            copy_full_into(t, src)
     return _IncompatibleKeys(missing, unexpected)
 
 
 def _gather(t: torch.Tensor, layout: Layout, key: str) -> torch.Tensor:
     dim, chunks, tp = layout
     group, _ = _env_for(tp, key)
-    return gather_full(t.detach(), dim, chunks, tp, group)
+    return gather_full(full(t.detach()), dim, chunks, tp, group)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,7 +148,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for key, t in model.state_dict(keep_vars=True).items():
         layout = layouts.get(id(t))
         if layout is None:
-            out[key] = t.detach()
+            out[key] = full(t.detach())
         else:
             if id(t) not in gathered:
                 gathered[id(t)] = _gather(t, layout, key)
@@ -165,5 +166,5 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         if p.grad is None:
             continue
         layout = layouts.get(id(p))
-        out[name] = p.grad.detach() if layout is None else _gather(p.grad, layout, name)
+        out[name] = full(p.grad.detach()) if layout is None else _gather(p.grad, layout, name)
     return out

@@ -231,11 +231,14 @@ def _parity(
     schedule="1f1b",
     pp=None,
     sp=False,
+    dp=1,
+    fsdp=False,
 ):
     """On every rank: for each split in ``splits`` (None: annot chooses, over
     ``pp`` stages), parallelize, train ``steps`` AdamW steps beside the
-    single-device reference (the same microbatches, accumulated), compare
-    loss, every gradient and every parameter."""
+    single-device reference (the same microbatches, accumulated; with ``dp``
+    replicas each runs its part of the batch), compare loss, every gradient
+    and every parameter."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -246,7 +249,7 @@ def _parity(
     cls, args = build()
     out = []
     for split in splits:
-        mesh = annot.Mesh(pp=pp or len(split) + 1, tp=tp)
+        mesh = annot.Mesh(dp=dp, pp=pp or len(split) + 1, tp=tp)
         model = annot.parallelize(
             cls,
             *args,
@@ -254,6 +257,7 @@ def _parity(
             seed=0,
             split=list(split) if split is not None else None,
             sequence_parallel=sp,
+            fsdp=fsdp,
         )
         if sp:  # this rank's row layers reduce-scatter to sequence shards
             assert any(getattr(m, "sequence_dim", None) == 1 for m in model.modules())
@@ -276,14 +280,18 @@ def _parity(
         g = torch.Generator().manual_seed(4)
         for i in range(steps):
             b = batch(g, i)
-            loss = step(b).reduce_mean()
+            mine = {k: v.chunk(dp)[model.ctx.dp_rank] for k, v in b.items()}
+            loss = step(mine).reduce_mean()
+            if dp > 1:
+                torch.distributed.all_reduce(loss, group=model.ctx.dp_group)
+                loss /= dp
             ref_loss = 0.0
-            n = next(iter(b.values())).shape[0] // MICRO
-            for part in range(MICRO):
+            n = next(iter(b.values())).shape[0] // (MICRO * dp)
+            for part in range(MICRO * dp):
                 mb = {k: v[part * n : (part + 1) * n] for k, v in b.items()}
                 r = loss_of(ref, mb)
-                (r / MICRO).backward()
-                ref_loss += r.detach() / MICRO
+                (r / (MICRO * dp)).backward()
+                ref_loss += r.detach() / (MICRO * dp)
             what = f"{case} split={split} step {i}"
             assert_close(loss, ref_loss, f"{what}: loss")
             compare_grads(model, ref, what)
@@ -411,6 +419,15 @@ def test_zero_bubble_on_nested_stages_tied_head_and_checkpointing(tmp_path):
     _run(tmp_path / "c", "llama_ckpt", [["model.layers.2"]], schedule="zbh1")
     (tmp_path / "tp").mkdir()
     _run(tmp_path / "tp", "llama", [["model.layers.2"]], world=4, tp=2, schedule="zbh1")
+
+
+@pytest.mark.slow
+def test_fsdp_on_nested_stages_mid_block_tied_head(tmp_path):
+    # FSDP2 over dp=2 on replayed stages: a boundary inside a block, the tied
+    # embedding / LM head across stages (reduce-scattered, then summed), 1f1b and zbh1
+    _run(tmp_path, "llama", [["model.layers.1.mlp"]], world=4, dp=2, fsdp=True)
+    (tmp_path / "zb").mkdir()
+    _run(tmp_path / "zb", "llama", [["model.layers.2"]], world=4, dp=2, fsdp=True, schedule="zbh1")
 
 
 @pytest.mark.slow

@@ -1,0 +1,152 @@
+"""Parameters, gradients and optimizer state sharded over dp: torch's FSDP2.
+
+:class:`ShardedData` applies ``fully_shard`` over the dp axis of annot's
+mesh to this rank's part of the model (its tp shard of its pipeline stages),
+as torchtitan composes FSDP2 with tp and pp: each block is a unit, the root
+holds the rest (embeddings, final norm, head, a weight tied between them).
+Every parameter becomes a ``DTensor`` sharded on dim 0 over dp; an
+optimizer built afterwards from ``model.parameters()`` keeps 1/dp of its
+state. Gradients come out reduce-scattered: averaged over dp, each rank
+holding its shard.
+
+How a step drives it (:class:`~annot.parallel_model.ParallelModel` calls
+``begin``, ``arm`` and ``finish`` where it would drive the dp all-reduce):
+
+- without a pipeline FSDP2's own hooks run: each unit is all-gathered
+  before its forward and backward and freed after, and its gradient
+  reduce-scattered as its backward ends. ``begin`` turns the reduction off,
+  ``arm`` turns it on for the backward that gives the step's last
+  gradients (the last microbatch), so earlier microbatches only accumulate;
+- in a pipeline a stage runs forward and backward several times per step,
+  in the schedule's order, and not always through its root's ``__call__``
+  (stage methods, replayed nested stages, split backward). There FSDP2's
+  forward hooks are removed: ``begin`` all-gathers every unit once for the
+  step (autograd accumulates into the gathered parameters) and ``finish``
+  reduce-scatters the accumulated gradients and frees the gathered
+  parameters, the way ``torch.distributed.pipelining``'s
+  ``perform_reduce_grad`` drives FSDP2 (its private ``post_backward`` per
+  parameter group, then the root's final callback): parameters are whole
+  during the step and sharded at rest, as torchtitan's pp + FSDP2 keeps them
+  (no resharding between microbatches).
+
+Custom attributes of the original parameters (``annot_grad_sum``,
+``annot_shard_dim``, ...) are copied onto the sharded ones, so the tp
+bookkeeping keeps working; :func:`local` gives the tensor a collective over
+another axis (tp partial sums, tied weights across stages) works on: the dp
+shard, the same slice on every rank of that axis.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["ShardedData", "blocks_of", "local", "full", "copy_full_into"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (all-gathered over its mesh), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def copy_full_into(t: torch.Tensor, src: torch.Tensor) -> None:
+    """``t.copy_(src)`` where ``src`` is the whole tensor and ``t`` may be a
+    DTensor: each rank keeps its own shard of ``src`` (no communication)."""
+    if isinstance(t, DTensor):
+        src = distribute_tensor(
+            src.to(t.device, t.dtype), t.device_mesh, t.placements, src_data_rank=None
+        )
+    t.copy_(src)
+
+
+class ShardedData:
+    """FSDP2 over ``dp_mesh`` (the dp axis of annot's DeviceMesh) on ``module``
+    (in place), a unit per block of ``blocks`` and the root.
+
+    ``pipelined``: the module runs as pipeline stages (see the module
+    docstring); else FSDP2's hooks drive the collectives."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_mesh: DeviceMesh,
+        blocks: list[nn.Module],
+        *,
+        pipelined: bool,
+    ):
+        self.pipelined = pipelined
+        attrs = {
+            name: {k: v for k, v in vars(p).items() if k.startswith("annot_")}
+            for name, p in module.named_parameters(remove_duplicate=False)
+        }
+        # In a pipeline the units stay gathered for the whole step (begin .. finish).
+        reshard = not pipelined
+        self.units: list[FSDPModule] = []
+        for block in blocks:
+            if next(block.parameters(), None) is not None:
+                self.units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard))
+        self.units.append(fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard))
+        self.root = module
+        for name, p in module.named_parameters(remove_duplicate=False):
+            for k, v in attrs.get(name, {}).items():
+                setattr(p, k, v)
+        self.state = fully_shard.state(module)
+        self.state._lazy_init()  # the root is known now, not at its first forward
+        if pipelined:
+            # begin .. finish drive every collective; FSDP2's forward hooks would
+            # only re-wrap each unit's inputs (new tensor objects the replayed
+            # stages' frame walk counts) and queue callbacks the step runs itself
+            for st in self.state._state_ctx.all_states:
+                st._pre_forward_hook_handle.remove()
+                st._post_forward_hook_handle.remove()
+
+    def begin(self) -> None:
+        """A step begins: gradients accumulate unreduced until :meth:`arm`
+        (no pipeline) or :meth:`finish` (pipeline, which also gathers every
+        unit now, once for the step)."""
+        self.root.set_requires_gradient_sync(False)
+        if self.pipelined:
+            self.root.set_is_last_backward(False)
+            self.root.set_reshard_after_backward(False)
+            for unit in self.units:
+                unit.unshard()
+
+    def arm(self) -> None:
+        """The coming backward gives the step's last gradients (no pipeline):
+        FSDP2 reduce-scatters each unit's as its backward ends."""
+        if not self.pipelined:
+            self.root.set_requires_gradient_sync(True)
+
+    def finish(self) -> None:
+        """After the step's last backward (pipeline): reduce-scatter every
+        unit's accumulated gradient and free the gathered parameters."""
+        if not self.pipelined:
+            return
+        self.root.set_is_last_backward(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_requires_gradient_sync(True)
+        for state in self.state._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        self.state._root_post_backward_final_callback()
+        for unit in self.units:  # parameters no backward touched stay gathered otherwise
+            unit.reshard()
+
+
+def blocks_of(module: nn.Module, container: Optional[str]) -> list[nn.Module]:
+    """The children of ``container`` (a path under ``module``) that hold
+    parameters here (another stage's block is an empty placeholder)."""
+    if container is None:
+        return []
+    got = module.get_submodule(container)
+    return [b for b in got.children() if next(b.parameters(), None) is not None]
