@@ -69,6 +69,7 @@ from annot.dcp_adapter import (
 from annot.dcp_publish import check_replaceable, own_files, publish, seal, write_file
 from annot.dcp_read import FORMAT, INFO, Opened, SafeReader, open_checkpoint
 from annot.errors import CheckpointError
+from annot.runtime.fsdp import copy_full_into, shard_like
 
 __all__ = ["save", "load", "load_full"]
 
@@ -279,16 +280,23 @@ def _prepare(target: Target, optimizer, ck: Opened) -> tuple[dict, Callable[[], 
     def commit() -> None:
         with torch.no_grad():
             for t, fresh in copies:
-                t.copy_(fresh)
+                copy_full_into(t, fresh)  # FSDP2: this dp rank's shard
         for p, st in states:
             if st:
-                optimizer.state[p] = st
+                optimizer.state[p] = {
+                    k: shard_like(p, v) if _like_param(v, p) else v for k, v in st.items()
+                }
             else:
                 optimizer.state.pop(p, None)
         for group, opts in zip(optimizer.param_groups if optimizer else (), options):
             group.update(copy.deepcopy(opts))
 
     return dest, commit, set(view.tensors)
+
+
+def _like_param(v: Any, p: torch.Tensor) -> bool:
+    """An optimizer state shaped like its parameter (Adam's moments)."""
+    return isinstance(v, torch.Tensor) and v.shape == p.shape
 
 
 def load(

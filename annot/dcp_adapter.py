@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
 
 from annot.errors import CheckpointError
+from annot.runtime.fsdp import full
 
 __all__ = [
     "Layout",
@@ -170,6 +170,10 @@ class Target:
         )
 
     def stored(self, t: torch.Tensor, layout: Optional[Layout]) -> Any:
+        """What DCP writes for this rank's tensor ``t`` (or reads into it): its
+        tp shard at its place in the whole; a tensor FSDP2 shards over dp is
+        gathered over dp first (the replicas write the same bytes once)."""
+        t = full(t)
         return t if layout is None else Shard(t, layout, self.tp_rank)
 
 
@@ -197,12 +201,7 @@ def view_of(target: Target) -> View:
         t = local[tid]
         if t.is_meta:
             raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
-        if isinstance(t, DTensor):
-            raise CheckpointError(
-                f"{canon} is sharded over dp by FSDP2 (parallelize(fsdp=True)), which annot's "
-                "DCP checkpoints do not write yet; save model.full_state_dict() (the "
-                "single-device state dict, gathered on every rank) or build without fsdp=True"
-            )
+
         view.tensors[canon] = t.detach()
         layout = by_id.get(tid)
         if layout is not None:

@@ -54,9 +54,11 @@ def zero_optimizer(
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in this rank's optimizer state (after a step)."""
+    from annot.runtime.fsdp import local
+
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local shard
     return sum(
-        v.numel() * v.element_size()
+        local(v).numel() * v.element_size()  # FSDP2: this rank's dp shard
         for state in inner.state.values()
         for v in state.values()
         if isinstance(v, torch.Tensor)

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["ShardedData", "blocks_of", "local", "full", "copy_full_into"]
+__all__ = ["ShardedData", "blocks_of", "local", "full", "shard_like", "copy_full_into"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -59,14 +59,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def shard_like(like: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``src``, a whole tensor, sharded as the DTensor ``like`` is: each rank
+    keeps its own shard (no communication). ``src`` itself if ``like`` is
+    not a DTensor."""
+    if not isinstance(like, DTensor):
+        return src
+    return distribute_tensor(
+        src.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
+
+
 def copy_full_into(t: torch.Tensor, src: torch.Tensor) -> None:
-    """``t.copy_(src)`` where ``src`` is the whole tensor and ``t`` may be a
-    DTensor: each rank keeps its own shard of ``src`` (no communication)."""
-    if isinstance(t, DTensor):
-        src = distribute_tensor(
-            src.to(t.device, t.dtype), t.device_mesh, t.placements, src_data_rank=None
-        )
-    t.copy_(src)
+    """``t.copy_(src)`` where ``src`` is the whole tensor and ``t`` may be a DTensor."""
+    t.copy_(shard_like(t, src.to(t.dtype)))
 
 
 class ShardedData:
