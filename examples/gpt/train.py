@@ -57,6 +57,11 @@ def main() -> None:
         "--trace", metavar="DIR", help="write a Chrome trace (open in Perfetto) of the last step"
     )
     p.add_argument("--explain", action="store_true", help="print the plan and this rank's source")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard parameters, gradients and optimizer state over dp",
+    )
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -72,7 +77,7 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     chunks = 2 if args.schedule == "interleaved" else 1  # two model chunks per pipeline rank
-    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=args.seed, chunks=chunks)
+    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=args.seed, chunks=chunks, fsdp=args.fsdp)
     ctx = model.ctx
     master = ctx.rank == 0
     if master:
