@@ -136,6 +136,10 @@ def parallelize(
     transformers model's pp plan, else its largest ``nn.ModuleList``), or the
     container or block paths given, split along ``sequence_dim`` (1: batch
     first); in a pipeline each stage's blocks enter and leave the shards.
+    ``fsdp=True`` shards parameters, gradients and so the state of an
+    optimizer built afterwards over dp with torch's FSDP2 (``fully_shard`` on
+    each block and the root, :mod:`annot.runtime.fsdp`); at dp = 1 there is
+    nothing to shard and it changes nothing.
     Returns a :class:`ParallelModel`.
     """
     from annot.precision import parse_precision
@@ -232,6 +236,8 @@ def parallelize(
     if fsdp and ctx.distributed and mesh.dp > 1:
         _shard_data(built, plan)
         log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
+    elif fsdp:
+        log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
     return built
 
 
@@ -240,6 +246,7 @@ def _shard_data(built: ParallelModel, plan) -> None:
     model's block list (:func:`annot.hf.nested_blocks`) and the root."""
     from annot.hf import nested_blocks
     from annot.runtime.fsdp import ShardedData, blocks_of
+    from annot.runtime.stage_prune import forget_real_weights
 
     local = built.module
     if built.preflight is not None and built.preflight.keywords.get("whole") is None:
@@ -252,6 +259,7 @@ def _shard_data(built: ParallelModel, plan) -> None:
         blocks,
         pipelined=plan is not None and plan.num_stages > 1,
     )
+    forget_real_weights(local)  # a shadow's tied weight: FSDP2 holds the live one now
 
 
 def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:

@@ -201,7 +201,6 @@ def view_of(target: Target) -> View:
         t = local[tid]
         if t.is_meta:
             raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
-
         view.tensors[canon] = t.detach()
         layout = by_id.get(tid)
         if layout is not None:

@@ -131,7 +131,8 @@ class ParallelModel(nn.Module):
     def grad_buckets(self):
         """The :class:`~annot.runtime.grad_buckets.GradBuckets` that average
         gradients over dp during the backward, or None (dp = 1, or
-        ``overlap_grad_reduce=False``: one flat all-reduce after it). Built
+        ``overlap_grad_reduce=False``: one flat all-reduce after it; or FSDP2,
+        which reduce-scatters them itself). Built
         from the trainable parameters on first use, again when they change."""
         ctx = self.ctx
         if self.fsdp is not None or not self.overlap_grad_reduce:

@@ -38,9 +38,11 @@ shard, the same slice on every rank of that axis.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -80,7 +82,17 @@ class ShardedData:
     (in place), a unit per block of ``blocks`` and the root.
 
     ``pipelined``: the module runs as pipeline stages (see the module
-    docstring); else FSDP2's hooks drive the collectives."""
+    docstring); else FSDP2's hooks drive the collectives.
+
+    A block that shares a parameter with the rest of the model (a weight
+    tied between a block and the head) is left to the root's unit, which
+    holds every use. Scalar parameters (FSDP2 shards along a dimension)
+    stay whole: ``unmanaged`` lists them, for annot's own dp average.
+
+    Checked against torch 2.13's FSDP2; besides the private calls of
+    ``torch.distributed.pipelining`` (``post_backward``, the root's final
+    callback) it uses ``FSDPState._lazy_init``, the forward hook handles and
+    each parameter's unsharded gradient (:meth:`begin`)."""
 
     def __init__(
         self,
@@ -91,18 +103,33 @@ class ShardedData:
         pipelined: bool,
     ):
         self.pipelined = pipelined
-        attrs = {
-            name: {k: v for k, v in vars(p).items() if k.startswith("annot_")}
-            for name, p in module.named_parameters(remove_duplicate=False)
-        }
-        # In a pipeline the units stay gathered for the whole step (begin .. finish).
-        reshard = not pipelined
-        self.units: list[FSDPModule] = []
-        for block in blocks:
-            if next(block.parameters(), None) is not None:
-                self.units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard))
-        self.units.append(fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard))
+        named = list(module.named_parameters(remove_duplicate=False))
+        attrs = {n: {k: v for k, v in vars(p).items() if k.startswith("annot_")} for n, p in named}
+        self.unmanaged = list(
+            {id(p): p for _, p in named if p.ndim == 0 and p.requires_grad}.values()
+        )
+        ignored = set(self.unmanaged)
+        uses = Counter(id(p) for _, p in named)
+
+        def private(block: nn.Module) -> bool:
+            mine = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+            return all(uses[i] == n for i, n in mine.items())
+
+        # In a pipeline the units stay gathered for the whole step (begin .. finish);
+        # else FSDP2's default: blocks freed after forward, the root kept for backward.
+        reshard = False if pipelined else None
+        self.units: list[FSDPModule] = [
+            fully_shard(b, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+            for b in blocks
+            if private(b)
+        ]
+        self.units.append(
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+        )
         self.root = module
+        self.dp_group = dp_mesh.get_group()
+        # A replica whose step left a parameter unused still joins its reduce-scatter.
+        module.set_reduce_scatter_unused_params(True)
         for name, p in module.named_parameters(remove_duplicate=False):
             for k, v in attrs.get(name, {}).items():
                 setattr(p, k, v)
@@ -116,10 +143,22 @@ class ShardedData:
                 st._pre_forward_hook_handle.remove()
                 st._post_forward_hook_handle.remove()
 
+    def _params(self):
+        for st in self.state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                yield from group.fsdp_params
+
     def begin(self) -> None:
         """A step begins: gradients accumulate unreduced until :meth:`arm`
         (no pipeline) or :meth:`finish` (pipeline, which also gathers every
-        unit now, once for the step)."""
+        unit now, once for the step). What a step that raised left behind
+        (gathered parameters, unreduced gradients) is dropped first."""
+        for unit in self.units:
+            unit.reshard()
+        for fp in self._params():
+            fp.unsharded_accumulated_grad = None
+            if hasattr(fp, "_unsharded_param"):
+                fp._unsharded_param.grad = None
         self.root.set_requires_gradient_sync(False)
         if self.pipelined:
             self.root.set_is_last_backward(False)
@@ -134,24 +173,32 @@ class ShardedData:
             self.root.set_requires_gradient_sync(True)
 
     def finish(self) -> None:
-        """After the step's last backward (pipeline): reduce-scatter every
-        unit's accumulated gradient and free the gathered parameters."""
-        if not self.pipelined:
-            return
-        self.root.set_is_last_backward(True)
-        self.root.set_reshard_after_backward(True)
-        self.root.set_requires_gradient_sync(True)
-        for state in self.state._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                group.post_backward()
-        self.state._root_post_backward_final_callback()
-        for unit in self.units:  # parameters no backward touched stay gathered otherwise
-            unit.reshard()
+        """After the step's last backward: in a pipeline, reduce-scatter every
+        unit's accumulated gradient and free the gathered parameters; then
+        average the scalar parameters' gradients over dp (FSDP2 leaves them)."""
+        if self.pipelined:
+            self.root.set_is_last_backward(True)
+            self.root.set_reshard_after_backward(True)
+            self.root.set_requires_gradient_sync(True)
+            for state in self.state._state_ctx.all_states:
+                for group in state._fsdp_param_groups:
+                    group.post_backward()
+            self.state._root_post_backward_final_callback()
+            for unit in self.units:  # parameters no backward touched stay gathered otherwise
+                unit.reshard()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unmanaged]
+        if grads:
+            flat = torch.stack([g.reshape(()).float() for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= dist.get_world_size(self.dp_group)
+            for p, g in zip(self.unmanaged, flat):
+                p.grad = g.to(p.dtype).clone()
 
 
 def blocks_of(module: nn.Module, container: Optional[str]) -> list[nn.Module]:
     """The children of ``container`` (a path under ``module``) that hold
-    parameters here (another stage's block is an empty placeholder)."""
+    parameters here (another stage's block is an empty placeholder), each
+    an FSDP2 unit of its own."""
     if container is None:
         return []
     got = module.get_submodule(container)

@@ -63,16 +63,16 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp=None) -> None:
-    """Make this step's gradients whole: the dp average (``dp.finish()``
-    when ``dp``, a :class:`~annot.runtime.grad_buckets.GradBuckets` or an
+def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -> None:
+    """Make this step's gradients whole: the dp average
+    (``dp_reduction.finish()`` when ``dp_reduction``, a :class:`~annot.runtime.grad_buckets.GradBuckets` or an
     :class:`~annot.runtime.fsdp.ShardedData`, holds it, else one flat
     all-reduce per dtype), tp partial sums and tied-weight sums. Sums commute
     with the average, so its place in the order is free."""
     if ctx is None or not ctx.distributed:
         return
-    if dp is not None:  # first: finish writes every .grad back
-        dp.finish()
+    if dp_reduction is not None:  # first: finish writes every .grad back
+        dp_reduction.finish()
     if ctx.mesh.tp > 1:
         partial = [local(_grad(p)) for _, p in _unique_params(module) if _sums_over_tp(p)]
         if partial:
@@ -84,7 +84,7 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp=None) -> None:
             p = tie.local_param(module)
             if p is not None:
                 dist.all_reduce(local(_grad(p)), group=tie.group)
-    if ctx.mesh.dp > 1 and dp is None:
+    if ctx.mesh.dp > 1 and dp_reduction is None:
         grads = [_grad(p) for _, p in _unique_params(module)]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
@@ -180,7 +180,9 @@ def clip_grad_norm_(
     parts = [
         torch.linalg.vector_norm(grads[id(q)].float(), p)
         for q in params
-        if id(q) not in skip and (id(q) in sharded or counted_rep)
+        if id(q) not in skip
+        and (id(q) in sharded or counted_rep)
+        and grads[id(q)].numel()  # an empty dp shard (FSDP2: fewer rows than dp ranks)
     ]
     zero = torch.zeros((), device=device)
     if inf:

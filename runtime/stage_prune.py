@@ -14,7 +14,7 @@ import torch.nn as nn
 from annot.errors import PipelineError
 from annot.runtime.replay import replaying, shadow_call
 
-__all__ = ["Absent", "covered", "prune", "resolve_module", "shadow_modules"]
+__all__ = ["Absent", "covered", "forget_real_weights", "prune", "resolve_module", "shadow_modules"]
 
 
 class Absent(nn.Module):
@@ -81,6 +81,20 @@ def resolve_module(root: nn.Module, path: str) -> nn.Module:
 def shadow_modules(root: nn.Module) -> list[nn.Module]:
     """The meta shadows under ``root`` (to tell their tensors from activations)."""
     return [m.shadow for m in root.modules() if isinstance(m, Absent) and m.shadow is not None]
+
+
+def forget_real_weights(root: nn.Module) -> None:
+    """Move every real tensor the meta shadows under ``root`` still hold to the
+    meta device. A shadow keeps a weight real only when it is tied to a module
+    of this rank (an embedding tied to this stage's head); once FSDP2 has
+    replaced that module's parameter by its shard, the shadow's copy is a
+    stale whole tensor, and shapes are all a shadow needs."""
+    live = {id(p) for p in root.parameters()}  # a module both hold stays as it is
+    for shadow in shadow_modules(root):
+        for m in shadow.modules():
+            for name, t in list(m._parameters.items()):
+                if t is not None and not t.is_meta and id(t) not in live:
+                    m._parameters[name] = nn.Parameter(t.detach().to("meta"), t.requires_grad)
 
 
 def covered(path: str, keep: set[str]) -> bool:

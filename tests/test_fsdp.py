@@ -11,8 +11,35 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from torch import nn
 
 from annot.testing import run_ranks
+
+
+class Awkward(nn.Module):
+    """What FSDP2 needs help with: a one-row parameter (an empty shard on dp
+    rank 1), a scalar (FSDP2 shards along a dim: it stays whole), a block
+    whose weight is tied to the head (so not a unit of its own), and a layer
+    only some replicas use (a data-dependent branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.cls = nn.Parameter(torch.randn(1, 8))
+        self.temp = nn.Parameter(torch.tensor(0.7))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.blocks[1].weight
+
+    def forward(self, x):
+        h = self.emb(x) + self.cls
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        if bool((x[:, 0] % 2 == 0).all()):  # replica 0's batches only
+            h = h + self.extra(h)
+        return (self.head(h) * self.temp).pow(2).mean()
 
 
 def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
@@ -90,6 +117,66 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
 def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
+
+
+def _awkward(cache: str) -> None:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch.distributed as dist
+
+    import annot
+    from tests.parity import compare_grads, compare_state
+
+    model = annot.parallelize(Awkward, mesh=annot.Mesh(dp=2), seed=0, fsdp=True)
+    torch.manual_seed(0)
+    ref = Awkward()
+    assert [type(p).__name__ for p in (model.module.temp, model.module.cls)] == [
+        "Parameter",
+        "DTensor",
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    calls = {"n": 0, "boom": True}
+
+    @annot.jit(model, microbatches=2)
+    def step(x):
+        loss = model(x)
+        model.backward(loss)
+        calls["n"] += 1
+        if calls["boom"] and calls["n"] == 1:
+            raise RuntimeError("boom")  # a step that raised after a microbatch's backward
+        return loss
+
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randint(0, 8, (2, 4, 5), generator=g) * 2  # even ids: replica 0 ...
+        x[1] += 1  # ... odd: replica 1 skips `extra`
+        return x
+
+    with pytest.raises(RuntimeError, match="boom"):
+        step(batch(99)[dist.get_rank()])
+    opt.zero_grad()  # what the user can clear; FSDP2's gathered leftovers are annot's to drop
+    calls["boom"] = False
+    for i in range(3):
+        x = batch(i)
+        step(x[dist.get_rank()])
+        for r in range(2):  # both replicas' microbatches, averaged
+            for mb in x[r].chunk(2):
+                (ref(mb) / 4).backward()
+        what = f"awkward model, fsdp dp=2, step {i}"
+        compare_grads(model, ref, what)
+        norm = annot.clip_grad_norm_(model, 1e-3, norm_type=float("inf"))
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=float("inf"))
+        torch.testing.assert_close(norm, ref_norm, msg=f"{what}: inf norm")
+        compare_grads(model, ref, f"{what}, clipped")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, "awkward model, fsdp dp=2, after 3 AdamW steps")
+
+
+def test_fsdp_empty_shards_scalars_tied_block_unused_layer_and_a_raised_step(tmp_path):
+    run_ranks(_awkward, 2, str(tmp_path), timeout=240)
 
 
 def _check_share(res: list, n: int, slack: float) -> None:

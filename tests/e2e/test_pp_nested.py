@@ -259,6 +259,13 @@ def _parity(
             sequence_parallel=sp,
             fsdp=fsdp,
         )
+        if fsdp:  # no shadow keeps a whole (stale) copy of a weight FSDP2 sharded
+            from annot.runtime.stage_prune import shadow_modules
+
+            real = [
+                t for m in shadow_modules(model.module) for t in m.parameters() if not t.is_meta
+            ]
+            assert not real, [tuple(t.shape) for t in real]
         if sp:  # this rank's row layers reduce-scatter to sequence shards
             assert any(getattr(m, "sequence_dim", None) == 1 for m in model.modules())
         torch.manual_seed(0)
