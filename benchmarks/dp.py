@@ -17,6 +17,11 @@ buckets all-reduced while the backward runs (annot's default,
     buckets into ``.grad``, per step, against the flat path's step
 (e) the reduction left after the backward (``finish_gradients``), 2 MiB buckets,
     overlapped / flat: what the overlap hid
+(f) ``model.backward(loss)`` step with FSDP2 (``fsdp=True``: parameters,
+    gradients and AdamW state sharded over dp, all-gathered per block in
+    forward and backward, gradients reduce-scattered) / replicated (25 MiB
+    buckets); and the bytes each rank holds (parameters, gradients at their
+    parameter's size, AdamW state), FSDP2 / replicated
 
 Each timing is the median of interleaved repeats (flat, overlapped, flat, ...),
 the slower rank's. A step is forward, backward, reduction, AdamW.
@@ -115,6 +120,18 @@ def _rank(cache: str) -> dict:
             finish[name].append(time.perf_counter() - t)
             opt.zero_grad(set_to_none=True)
     out["e"] = tuple(statistics.median(finish[k]) for k in ("flat", "small"))
+    # (f) FSDP2 against the replicated model, and what each rank holds
+    sharded = build(fsdp=True)
+    out["f"] = time_pair(plain_step(*big), plain_step(*sharded))
+
+    def held(model, opt) -> int:
+        params = sum(
+            p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            for p in model.parameters()
+        )
+        return 2 * 4 * params + annot.state_bytes(opt)
+
+    out["bytes"] = [held(*big), held(*sharded)]
     return out
 
 
@@ -123,7 +140,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as cache:
         res = run_ranks(_rank, 2, cache, timeout=900)
-    pick = {k: (max(r[k][0] for r in res), max(r[k][1] for r in res)) for k in "abcde"}
+    pick = {k: (max(r[k][0] for r in res), max(r[k][1] for r in res)) for k in "abcdef"}
     big, small = res[0]["buckets"]
     early = res[0]["early"]
     rows = [
@@ -132,6 +149,7 @@ def main() -> None:
         ("(c) jit, 4 microbatches, 2 MiB buckets: overlapped / flat", "c"),
         ("(d) copy back into .grad / flat step", "d"),
         ("(e) reduction left after the backward: overlapped / flat", "e"),
+        ("(f) backward step, FSDP2 / replicated (25 MiB buckets)", "f"),
     ]
     print(f"buckets launched during the backward: {early[0]} of {big}, {early[1]} of {small}")
     print(f"{'measurement':58} {'flat':>10} {'overlap':>10} {'ratio':>7}")
@@ -140,6 +158,11 @@ def main() -> None:
         if k == "d":
             fl, ov = ov, fl
         print(f"{name:58} {fl * 1000:9.2f}ms {ov * 1000:9.2f}ms {ov / fl:7.3f}")
+    rep, shd = (max(r["bytes"][i] for r in res) for i in (0, 1))
+    print(
+        f"bytes held per rank (parameters, gradients, AdamW state): replicated "
+        f"{rep / 2**20:.1f} MiB, FSDP2 {shd / 2**20:.1f} MiB, ratio {shd / rep:.3f} (dp=2)"
+    )
 
 
 if __name__ == "__main__":

@@ -69,3 +69,22 @@ def train_against_reference(model, ref, batches, run, what: str, lr: float) -> N
         opt.zero_grad()
         ref_opt.zero_grad()
     compare_state(model, ref, f"{what} after {step + 1} AdamW steps")
+
+
+def gpt_dp_step(model, ref, step, x: torch.Tensor, microbatches: int, what: str) -> None:
+    """One step of a dp replica of the example GPT on its part of the global
+    batch ``x`` (``step``: its jit step, ``model(x, x)`` inside), and of the
+    reference on all of it in the same microbatches, accumulated; checks the
+    dp-mean loss against the reference's (gradients are the caller's)."""
+    dp = model.ctx.mesh.dp
+    loss = step(x.chunk(dp)[model.ctx.dp_rank]).reduce_mean()  # this replica's part
+    ref_loss = 0.0
+    n = dp * microbatches  # dp replicas x microbatches, averaged
+    for part in x.chunk(n):
+        _, r = ref(part, part)
+        (r / n).backward()
+        ref_loss += r.detach() / n
+    mean = loss.detach().clone()
+    if dp > 1:
+        dist.all_reduce(mean, group=model.ctx.dp_group)
+    assert_close(mean / dp, ref_loss, f"{what}: loss")

@@ -220,21 +220,21 @@ SCRIPTS = {
 LINE = re.compile(r"step\s+(\d+) \| annot loss (\S+) \| single-device (\S+)")
 
 
-@pytest.mark.parametrize("example", ["bert", "ncf"])
-def test_train_script_tp2(example, tmp_path):
+def _train(example: str, nproc: int, args: list, tmp_path) -> str:
+    """Run ``examples/<example>/train.py`` under torchrun on gloo ranks; check
+    that it exits 0 and that its two steps' losses equal the single-device
+    run's. Returns its stdout."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(ROOT / "examples" / example / "train.py"),
-        "--tp",
-        "2",
         "--steps",
         "2",
-        *SCRIPTS[example],
+        *args,
     ]
     env = {
         **os.environ,
@@ -249,36 +249,16 @@ def test_train_script_tp2(example, tmp_path):
     assert [s for s, _, _ in steps] == ["0", "1"], out
     for step, annot_loss, ref_loss in steps:
         assert abs(float(annot_loss) - float(ref_loss)) <= 1e-5, f"step {step}: {out}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("example", ["bert", "ncf"])
+def test_train_script_tp2(example, tmp_path):
+    _train(example, 2, ["--tp", "2", *SCRIPTS[example]], tmp_path)
 
 
 @pytest.mark.slow  # 4 ranks
 def test_gpt_train_script_fsdp_dp2_pp2(tmp_path):
     # the main example with --fsdp: dp=2 replicas (FSDP2) of a 2-stage pipeline
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        str(ROOT / "examples" / "gpt" / "train.py"),
-        "--pp",
-        "2",
-        "--fsdp",
-        "--steps",
-        "2",
-        "--n-layer",
-        "2",
-        "--seq",
-        "16",
-    ]
-    env = {**os.environ, "ANNOT_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env["ANNOT_BACKEND"] = "gloo"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "dp=2" in proc.stdout, out
-    steps = LINE.findall(proc.stdout)
-    assert [s for s, _, _ in steps] == ["0", "1"], out
-    for step, annot_loss, ref_loss in steps:
-        assert abs(float(annot_loss) - float(ref_loss)) <= 1e-5, f"step {step}: {out}"
+    out = _train("gpt", 4, ["--pp", "2", "--fsdp", "--n-layer", "2", "--seq", "16"], tmp_path)
+    assert "dp=2" in out, out

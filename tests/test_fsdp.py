@@ -50,7 +50,7 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
 
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import assert_close, compare_grads, compare_state, gpt_dp_step
 
     dp = dist.get_world_size() // (tp * pp)
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
@@ -70,15 +70,7 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
     g = torch.Generator().manual_seed(0)
     for i in range(3):
         x = torch.randint(0, 32, (4 * dp, 8), generator=g)
-        loss = step(x.chunk(dp)[model.ctx.dp_rank]).reduce_mean()  # this replica's part
-        ref_loss = 0.0
-        for part in x.chunk(2 * dp):  # dp replicas x 2 microbatches, averaged
-            _, r = ref(part, part)
-            (r / (2 * dp)).backward()
-            ref_loss += r.detach() / (2 * dp)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=model.ctx.dp_group)
-        assert_close(mean / dp, ref_loss, f"step {i}: loss")
+        gpt_dp_step(model, ref, step, x, 2, f"step {i}")
         what = f"fsdp dp={dp} tp={tp} pp={pp} {schedule} step {i}"
         compare_grads(model, ref, what)
         norm = annot.clip_grad_norm_(model, 0.05)  # below the norm: every gradient scaled

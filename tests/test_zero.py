@@ -19,7 +19,7 @@ def _zero(cache: str, tp: int, pp: int) -> dict:
 
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import compare_grads, compare_state, gpt_dp_step
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(dp=2, tp=tp, pp=pp), seed=3)
@@ -38,15 +38,7 @@ def _zero(cache: str, tp: int, pp: int) -> dict:
     g = torch.Generator().manual_seed(0)
     for i in range(3):
         x = torch.randint(0, 32, (8, 8), generator=g)
-        loss = step(x.chunk(2)[model.ctx.dp_rank]).reduce_mean()  # this replica's half
-        ref_loss = 0.0
-        for part in x.chunk(4):  # 2 replicas x 2 microbatches, averaged
-            _, r = ref(part, part)
-            (r / 4).backward()
-            ref_loss += r.detach() / 4
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=model.ctx.dp_group)
-        assert_close(mean / 2, ref_loss, f"step {i}: loss")
+        gpt_dp_step(model, ref, step, x, 2, f"step {i}")
         compare_grads(model, ref, f"tp={tp} pp={pp} dp=2 step {i}")
         opt.step()
         ref_opt.step()

@@ -316,7 +316,7 @@ def _gpt_tied(cache: str, tp: int, pp: int, schedule: str) -> dict:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import compare_grads, compare_state, gpt_dp_step
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     model = annot.parallelize(
@@ -337,15 +337,7 @@ def _gpt_tied(cache: str, tp: int, pp: int, schedule: str) -> dict:
     stats = []
     for i in range(2):
         x = torch.randint(0, 32, (8, 8), generator=g)
-        loss = step(x.chunk(2)[model.ctx.dp_rank]).reduce_mean()
-        ref_loss = 0.0
-        for part in x.chunk(4):  # 2 replicas x 2 microbatches
-            _, r = ref(part, part)
-            (r / 4).backward()
-            ref_loss += r.detach() / 4
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean, group=model.ctx.dp_group)
-        assert_close(mean / 2, ref_loss, f"step {i}: loss")
+        gpt_dp_step(model, ref, step, x, 2, f"step {i}")
         compare_grads(model, ref, f"dp=2 tp={tp} pp={pp} {schedule} overlapped, step {i}")
         stats.append(model.grad_buckets.last_step)
         for o in (opt, ref_opt):
