@@ -42,7 +42,6 @@ from collections import Counter
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -87,7 +86,7 @@ class ShardedData:
     A block that shares a parameter with the rest of the model (a weight
     tied between a block and the head) is left to the root's unit, which
     holds every use. Scalar parameters (FSDP2 shards along a dimension)
-    stay whole: ``unmanaged`` lists them, for annot's own dp average.
+    stay whole: ``unreduced`` lists them, for annot's own dp average.
 
     Checked against torch 2.13's FSDP2; besides the private calls of
     ``torch.distributed.pipelining`` (``post_backward``, the root's final
@@ -105,10 +104,10 @@ class ShardedData:
         self.pipelined = pipelined
         named = list(module.named_parameters(remove_duplicate=False))
         attrs = {n: {k: v for k, v in vars(p).items() if k.startswith("annot_")} for n, p in named}
-        self.unmanaged = list(
+        self.unreduced = list(
             {id(p): p for _, p in named if p.ndim == 0 and p.requires_grad}.values()
         )
-        ignored = set(self.unmanaged)
+        ignored = set(self.unreduced)
         uses = Counter(id(p) for _, p in named)
 
         def private(block: nn.Module) -> bool:
@@ -127,7 +126,6 @@ class ShardedData:
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
         )
         self.root = module
-        self.dp_group = dp_mesh.get_group()
         # A replica whose step left a parameter unused still joins its reduce-scatter.
         module.set_reduce_scatter_unused_params(True)
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -143,10 +141,9 @@ class ShardedData:
                 st._pre_forward_hook_handle.remove()
                 st._post_forward_hook_handle.remove()
 
-    def _params(self):
+    def _groups(self):
         for st in self.state._state_ctx.all_states:
-            for group in st._fsdp_param_groups:
-                yield from group.fsdp_params
+            yield from st._fsdp_param_groups
 
     def begin(self) -> None:
         """A step begins: gradients accumulate unreduced until :meth:`arm`
@@ -155,7 +152,7 @@ class ShardedData:
         (gathered parameters, unreduced gradients) is dropped first."""
         for unit in self.units:
             unit.reshard()
-        for fp in self._params():
+        for fp in (fp for group in self._groups() for fp in group.fsdp_params):
             fp.unsharded_accumulated_grad = None
             if hasattr(fp, "_unsharded_param"):
                 fp._unsharded_param.grad = None
@@ -173,26 +170,19 @@ class ShardedData:
             self.root.set_requires_gradient_sync(True)
 
     def finish(self) -> None:
-        """After the step's last backward: in a pipeline, reduce-scatter every
-        unit's accumulated gradient and free the gathered parameters; then
-        average the scalar parameters' gradients over dp (FSDP2 leaves them)."""
-        if self.pipelined:
-            self.root.set_is_last_backward(True)
-            self.root.set_reshard_after_backward(True)
-            self.root.set_requires_gradient_sync(True)
-            for state in self.state._state_ctx.all_states:
-                for group in state._fsdp_param_groups:
-                    group.post_backward()
-            self.state._root_post_backward_final_callback()
-            for unit in self.units:  # parameters no backward touched stay gathered otherwise
-                unit.reshard()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unmanaged]
-        if grads:
-            flat = torch.stack([g.reshape(()).float() for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= dist.get_world_size(self.dp_group)
-            for p, g in zip(self.unmanaged, flat):
-                p.grad = g.to(p.dtype).clone()
+        """After the step's last backward (pipeline): reduce-scatter every
+        unit's accumulated gradient and free the gathered parameters. The
+        scalar parameters (``unreduced``) are the caller's to average."""
+        if not self.pipelined:
+            return
+        self.root.set_is_last_backward(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_requires_gradient_sync(True)
+        for group in self._groups():
+            group.post_backward()
+        self.state._root_post_backward_final_callback()
+        for unit in self.units:  # parameters no backward touched stay gathered otherwise
+            unit.reshard()
 
 
 def blocks_of(module: nn.Module, container: Optional[str]) -> list[nn.Module]:

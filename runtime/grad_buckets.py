@@ -112,6 +112,8 @@ class LastStep:
 class GradBuckets:
     """DDP-style buckets for the dp average of ``params`` over ``group``."""
 
+    unreduced: tuple = ()  # parameters left to a flat all-reduce after finish: none
+
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],

@@ -64,11 +64,12 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 
 
 def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -> None:
-    """Make this step's gradients whole: the dp average
-    (``dp_reduction.finish()`` when ``dp_reduction``, a :class:`~annot.runtime.grad_buckets.GradBuckets` or an
-    :class:`~annot.runtime.fsdp.ShardedData`, holds it, else one flat
-    all-reduce per dtype), tp partial sums and tied-weight sums. Sums commute
-    with the average, so its place in the order is free."""
+    """Make this step's gradients whole: the dp average (``dp_reduction``, a
+    :class:`~annot.runtime.grad_buckets.GradBuckets` or an
+    :class:`~annot.runtime.fsdp.ShardedData`, holds it: ``finish()``, then one
+    flat all-reduce of what it left, ``unreduced``; without one, a flat
+    all-reduce per dtype of every gradient), tp partial sums and tied-weight
+    sums. Sums commute with the average, so its place in the order is free."""
     if ctx is None or not ctx.distributed:
         return
     if dp_reduction is not None:  # first: finish writes every .grad back
@@ -84,8 +85,11 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -
             p = tie.local_param(module)
             if p is not None:
                 dist.all_reduce(local(_grad(p)), group=tie.group)
-    if ctx.mesh.dp > 1 and dp_reduction is None:
-        grads = [_grad(p) for _, p in _unique_params(module)]
+    if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
+        if dp_reduction is None:
+            grads = [_grad(p) for _, p in _unique_params(module)]
+        else:
+            grads = [_grad(p) for p in dp_reduction.unreduced]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
 

@@ -71,6 +71,20 @@ def train_against_reference(model, ref, batches, run, what: str, lr: float) -> N
     compare_state(model, ref, f"{what} after {step + 1} AdamW steps")
 
 
+def gpt_step(model, schedule: str = "1f1b", microbatches: int = 2):
+    """The example GPT's ``@annot.jit`` training step: ``model(x, x)``'s loss,
+    ``model.backward``."""
+    import annot
+
+    @annot.jit(model, microbatches=microbatches, schedule=schedule)
+    def step(x):
+        _, loss = model(x, x)
+        model.backward(loss)
+        return loss
+
+    return step
+
+
 def gpt_dp_step(model, ref, step, x: torch.Tensor, microbatches: int, what: str) -> None:
     """One step of a dp replica of the example GPT on its part of the global
     batch ``x`` (``step``: its jit step, ``model(x, x)`` inside), and of the

@@ -50,7 +50,7 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
 
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import assert_close, compare_grads, compare_state, gpt_dp_step
+    from tests.parity import assert_close, compare_grads, compare_state, gpt_dp_step, gpt_step
 
     dp = dist.get_world_size() // (tp * pp)
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
@@ -60,12 +60,7 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
     assert model.fsdp is not None and all(isinstance(p, DTensor) for p in model.parameters())
     opt = annot.zero_optimizer(model, torch.optim.AdamW, lr=1e-2)  # plain: FSDP2 shards
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    @annot.jit(model, microbatches=2, schedule=schedule)
-    def step(x):
-        _, loss = model(x, x)
-        model.backward(loss)
-        return loss
+    step = gpt_step(model, schedule)
 
     g = torch.Generator().manual_seed(0)
     for i in range(3):

@@ -19,7 +19,7 @@ def _zero(cache: str, tp: int, pp: int) -> dict:
 
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import compare_grads, compare_state, gpt_dp_step
+    from tests.parity import compare_grads, compare_state, gpt_dp_step, gpt_step
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(dp=2, tp=tp, pp=pp), seed=3)
@@ -28,12 +28,7 @@ def _zero(cache: str, tp: int, pp: int) -> dict:
     opt = annot.zero_optimizer(model, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     assert isinstance(opt, torch.distributed.optim.ZeroRedundancyOptimizer)
-
-    @annot.jit(model, microbatches=2)
-    def step(x):
-        _, loss = model(x, x)
-        model.backward(loss)
-        return loss
+    step = gpt_step(model)
 
     g = torch.Generator().manual_seed(0)
     for i in range(3):

@@ -316,7 +316,7 @@ def _gpt_tied(cache: str, tp: int, pp: int, schedule: str) -> dict:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from examples.gpt.model import GPT, GPTConfig
-    from tests.parity import compare_grads, compare_state, gpt_dp_step
+    from tests.parity import compare_grads, compare_state, gpt_dp_step, gpt_step
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
     model = annot.parallelize(
@@ -326,12 +326,7 @@ def _gpt_tied(cache: str, tp: int, pp: int, schedule: str) -> dict:
     ref = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    @annot.jit(model, microbatches=2, schedule=schedule)
-    def step(x):
-        _, loss = model(x, x)
-        model.backward(loss)
-        return loss
+    step = gpt_step(model, schedule)
 
     g = torch.Generator().manual_seed(0)
     stats = []
