@@ -19,13 +19,18 @@ calls ``torch.autograd.backward(tensors_requiring_grad(outputs), grads)``
 
 Wire format: one message is one to three sends on the pair, in this order:
 
-1. preamble, ``uint8[size]``: ``int64[4] = [MAGIC, VERSION, header bytes,
-   payload bytes]`` followed by the header itself when it fits in the rest
-   (the usual case), and by the payload too when that also fits. It is the
-   only message the receiver posts blind. Its size is 4 KiB for a channel's
-   first transfer, then whatever the previous transfer on that channel needed
-   (rounded up to 4 KiB, at most 8 MiB): both ends compute it from the sizes of
-   the previous transfer, so with steady shapes a transfer is one message;
+1. preamble, ``uint8[size]``: ``int64[8] = [MAGIC, VERSION, header bytes,
+   payload bytes, tagged, tag0, tag1, tag2]`` followed by the header itself when
+   it fits in the rest (the usual case), and by the payload too when that also
+   fits. It is the only message the receiver posts blind. Its size is 4 KiB for
+   a channel's first transfer, then whatever the previous transfer on that
+   channel needed (rounded up to 4 KiB, at most 8 MiB): both ends compute it
+   from the sizes of the previous transfer, so with steady shapes a transfer is
+   one message. ``header bytes`` is 0 when the header is byte for byte the
+   channel's previous one (steady shapes: the receiver reuses the header it
+   parsed and checked then). The tag is three ints the caller may attach
+   (``send_pytree(..., tag=)``; the pipeline's ``(direction, stage,
+   microbatch)``), so a message's key does not make its header differ;
 2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
    UTF-8 JSON, never pickle (nothing received is ever executed or imported):
    the tree with its plain leaves, and each tensor's dtype, shape and
@@ -68,28 +73,49 @@ from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, unflatten
 __all__ = ["Handle", "recv_pytree", "send_pytree"]
 
 MAGIC = int.from_bytes(b"annotP2P", "big")
-VERSION = 2
+VERSION = 3
+PREAMBLE = struct.Struct("<8q")  # MAGIC, VERSION, header bytes, payload bytes, tagged, tag[3]
 # Size of the first message of a transfer (preamble + header when it fits).
 FIRST_BYTES = 4096
 # The first message grows to fit what the channel carried last (both sides
 # compute the same size from the previous transfer), up to this bound.
 MAX_FIRST_BYTES = 8 << 20
-_CHANNELS: dict[tuple, int] = {}
 
 
-def _channel(direction: str, peer: int, group: Any) -> tuple:
-    return (direction, peer, id(group) if group is not None else 0)
+class _Channel:
+    """One direction to one peer in one group: what both ends agreed from the
+    channel's previous transfer."""
+
+    __slots__ = ("first", "hlen", "header", "parsed")
+
+    def __init__(self) -> None:
+        self.first = FIRST_BYTES  # bytes of the next first message
+        self.hlen = 0  # the previous header's length (both ends)
+        self.header: Optional[bytes] = None  # sender: the previous header
+        self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
+
+
+_CHANNELS: dict[tuple, _Channel] = {}
+
+
+def _channel(direction: str, peer: int, group: Any) -> _Channel:
+    key = (direction, peer, id(group) if group is not None else 0)
+    ch = _CHANNELS.get(key)
+    if ch is None:
+        ch = _CHANNELS[key] = _Channel()
+    return ch
 
 
 def _next_first(hlen: int, plen: int) -> int:
     """The first-message size both ends use for the channel's next transfer:
     enough for this one's header and payload (steady shapes: one message)."""
-    need = -(-(32 + hlen) // ALIGN) * ALIGN + plen
+    need = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN + plen
     return min(MAX_FIRST_BYTES, max(FIRST_BYTES, -(-need // FIRST_BYTES) * FIRST_BYTES))
 
 
 def reset_channels() -> None:
-    """Forget the channel sizes (both ends must do it at the same point)."""
+    """Forget the channel sizes and headers (both ends must do it at the same
+    point)."""
     _CHANNELS.clear()
 
 
@@ -193,13 +219,15 @@ def send_pytree(
     stage: Optional[int] = None,
     microbatch: Optional[int] = None,
     peer_stage: Optional[int] = None,
+    tag: Optional[tuple[int, int, int]] = None,
 ) -> Handle:
     """Start sending ``obj`` to global rank ``dst``; returns a :class:`Handle`
     to ``wait()`` on. ``what`` labels the message in errors (``"activations"``);
     ``stage``/``microbatch``/``peer_stage`` name this rank's stage, the
     microbatch and the destination's stage in fault messages, which read
     ``... waited in send activations of microbatch 3``: keep ``what`` short and
-    pass the microbatch separately.
+    pass the microbatch separately. ``tag``: three ints carried beside the
+    object (``recv_pytree(..., tagged=True)`` returns them).
 
     Unsupported values raise PipelineError before anything is sent; a peer that
     fails or hangs raises RankFailure (here or in ``wait()``)."""
@@ -221,24 +249,27 @@ def send_pytree(
         )
     offsets, total = _layout(metas)
     payload = _pack(tensors, offsets, total, comm)
-    # The first message: 4 int64 words, the header when it fits, and the payload
-    # too when that also fits (steady shapes: one message a transfer). Its size
-    # is what both ends agreed from the channel's previous transfer.
-    key = _channel("send", dst, group)
-    size = _CHANNELS.get(key, FIRST_BYTES)
-    inline = len(raw) <= size - 32
-    prefix = struct.pack("<4q", MAGIC, VERSION, len(raw), total) + (raw if inline else b"")
+    # The first message: the preamble, the header when it is new and fits, and
+    # the payload too when that also fits (steady shapes: one message a
+    # transfer). Its size is what both ends agreed from the channel's previous
+    # transfer.
+    ch = _channel("send", dst, group)
+    size = ch.first
+    wire = b"" if raw == ch.header else raw  # empty: "the previous header"
+    inline = len(wire) <= size - PREAMBLE.size
+    tagged = (1, *tag) if tag is not None else (0, 0, 0, 0)
+    prefix = PREAMBLE.pack(MAGIC, VERSION, len(wire), total, *tagged) + (wire if inline else b"")
     pre = torch.empty(size, dtype=torch.uint8, device=comm)
     pre[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
     head = None
     if inline:
-        at = _inline_payload_at(len(raw), total, size)
+        at = _inline_payload_at(len(wire), total, size)
         if at is not None and payload is not None:
             pre[at : at + total].copy_(payload)
             payload = None
     else:
-        head = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(comm)
-    _CHANNELS[key] = _next_first(len(raw), total)
+        head = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(comm)
+    ch.first, ch.header, ch.hlen = _next_first(len(raw), total), raw, len(raw)
     guard_kwargs = dict(
         op=_op("send", what),
         stage=stage,
@@ -266,10 +297,12 @@ def recv_pytree(
     stage: Optional[int] = None,
     microbatch: Optional[int] = None,
     peer_stage: Optional[int] = None,
+    tagged: bool = False,
 ) -> Any:
     """Receive one object sent by :func:`send_pytree` from global rank ``src``
     (blocking, with the timeout). Tensors land on ``device`` (default: the comm
     device: CUDA under NCCL, CPU under gloo), as do ``torch.device`` leaves.
+    ``tagged``: return ``(tag, obj)``, the tag None when the sender gave none.
 
     RankFailure if ``src`` (or a rank before it) fails or hangs; PipelineError
     if the message is not what the protocol promises."""
@@ -278,8 +311,8 @@ def recv_pytree(
     op = _op("recv", what)
     guard_kwargs = dict(op=op, stage=stage, microbatch=microbatch, peer=src, peer_stage=peer_stage)
 
-    def receive(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=dtype, device=comm)
+    def receive(nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=comm)
         with faults.guard(timeout_s=timeout_s, **guard_kwargs) as timeout:
             wait_work(dist.irecv(buf, src=src, group=group), timeout, backend=backend)
         return buf
@@ -294,10 +327,11 @@ def recv_pytree(
             " receives between them in the same order (from one thread)."
         )
 
-    key = _channel("recv", src, group)
-    size = _CHANNELS.get(key, FIRST_BYTES)
-    first = receive(size, torch.uint8)
-    magic, version, hlen, plen = struct.unpack("<4q", first[:32].cpu().numpy().tobytes())
+    ch = _channel("recv", src, group)
+    size = ch.first
+    first = receive(size)
+    words = PREAMBLE.unpack(first[: PREAMBLE.size].cpu().numpy().tobytes())
+    magic, version, hlen, plen, has_tag = words[:5]
     if magic != MAGIC:
         raise reject(
             f"bad preamble: expected magic {MAGIC:#x}, received {magic & (2**64 - 1):#x}"
@@ -305,35 +339,30 @@ def recv_pytree(
         )
     if version != VERSION:
         raise reject(f"protocol version mismatch: expected {VERSION}, received {version}")
-    if not 2 <= hlen <= MAX_HEADER_BYTES:
+    if not (hlen == 0 or 2 <= hlen <= MAX_HEADER_BYTES):
         raise reject(f"header length {hlen} is outside 2..{MAX_HEADER_BYTES} bytes")
     if not 0 <= plen <= MAX_PAYLOAD_BYTES:
         raise reject(f"payload length {plen} is outside 0..{MAX_PAYLOAD_BYTES} bytes")
 
-    if hlen <= size - 32:
-        raw = first[32 : 32 + hlen].cpu().numpy().tobytes()
+    if hlen == 0:  # the channel's previous header, parsed and checked then
+        if ch.parsed is None:
+            raise reject("the sender repeats a previous header but none came on this channel")
+        tree, metas, offsets, total = ch.parsed
     else:
-        raw = receive(hlen, torch.uint8).cpu().numpy().tobytes()
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise reject(f"the {hlen}-byte header is not valid UTF-8 JSON ({err})") from None
-    try:
-        metas = _check_header(header)
-    except Malformed as bad:
-        raise reject(f"malformed header: {bad}") from None
-    offsets, total = _layout(metas)
+        tree, metas, offsets, total = _parse_header(first, hlen, size, receive, reject)
     if total != plen:
         raise reject(
             f"the header's tensors take {total} payload bytes but the preamble says {plen}"
         )
 
-    at = _inline_payload_at(hlen, plen, size) if hlen <= size - 32 else None
+    at = _inline_payload_at(hlen, plen, size) if hlen <= size - PREAMBLE.size else None
     if plen and at is not None:
         payload = first[at : at + plen]  # a view: no copy
     else:
-        payload = receive(plen, torch.uint8) if plen else None
-    _CHANNELS[key] = _next_first(hlen, plen)
+        payload = receive(plen) if plen else None
+    if hlen:  # checked: the channel's header from now on
+        ch.parsed, ch.hlen = (tree, metas, offsets, total), hlen
+    ch.first = _next_first(ch.hlen, plen)
     tensors = []
     for (dtype_name, shape, requires_grad), off in zip(metas, offsets):
         dtype = DTYPES[dtype_name]
@@ -350,16 +379,38 @@ def recv_pytree(
                 t = t.to(target)
         tensors.append(t.requires_grad_(requires_grad))
     try:
-        return unflatten(header["tree"], tensors, device=target)
+        obj = unflatten(tree, tensors, device=target)
     except PipelineError as err:
         raise reject(str(err)) from None
+    if not tagged:
+        return obj
+    return (tuple(words[5:]) if has_tag else None), obj
+
+
+def _parse_header(first, hlen: int, size: int, receive, reject) -> tuple:
+    """The header of ``hlen`` bytes (inline in ``first`` or received next),
+    checked: ``(tree, metas, offsets, payload bytes)``."""
+    if hlen <= size - PREAMBLE.size:
+        raw = first[PREAMBLE.size : PREAMBLE.size + hlen].cpu().numpy().tobytes()
+    else:
+        raw = receive(hlen).cpu().numpy().tobytes()
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise reject(f"the {hlen}-byte header is not valid UTF-8 JSON ({err})") from None
+    try:
+        metas = _check_header(header)
+    except Malformed as bad:
+        raise reject(f"malformed header: {bad}") from None
+    offsets, total = _layout(metas)
+    return header["tree"], metas, offsets, total
 
 
 def _inline_payload_at(hlen: int, plen: int, size: int) -> Optional[int]:
     """Where a payload of ``plen`` bytes sits inside a first message of ``size``
     bytes after a ``hlen``-byte header (16-byte aligned), or None when it does
     not fit."""
-    at = -(-(32 + hlen) // ALIGN) * ALIGN
+    at = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN
     return at if plen and at + plen <= size else None
 
 

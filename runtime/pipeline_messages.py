@@ -22,6 +22,8 @@ from annot.runtime.trees import map_tensors
 
 __all__ = ["PipelineMessages"]
 
+_DIRECTIONS = (F, B)  # a message tag's first int
+
 
 class PipelineMessages:
     """The p2p half of :class:`~annot.runtime.pipeline.PipelineExecutor` (see
@@ -71,7 +73,7 @@ class PipelineMessages:
         direction, dst_stage, i = a.message
         dst = self.peers[self.owner(dst_stage)]
         handle = send_pytree(
-            (direction, dst_stage, i, payload),
+            payload,
             dst,
             group=self.group,
             what="activations" if direction == F else "gradients",
@@ -79,6 +81,7 @@ class PipelineMessages:
             stage=a.stage,
             microbatch=i,
             peer_stage=dst_stage,
+            tag=(_DIRECTIONS.index(direction), dst_stage, i),
         )
         st.handles.append(handle)
 
@@ -89,7 +92,7 @@ class PipelineMessages:
         key = a.message
         box = st.inbox.setdefault(src, {})
         while key not in box:
-            msg = recv_pytree(
+            tag, payload = recv_pytree(
                 src,
                 group=self.group,
                 device=self.device,
@@ -98,17 +101,18 @@ class PipelineMessages:
                 stage=a.stage,
                 microbatch=a.microbatch,
                 peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+                tagged=True,
             )
-            if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] in (F, B)):
+            if tag is None or not 0 <= tag[0] < len(_DIRECTIONS):
                 raise PipelineError(
                     f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
-                    f"got a {type(msg).__name__}; another p2p exchange is interleaved with the "
-                    "pipeline on this pair of ranks"
+                    f"got one without a pipeline tag ({tag}); another p2p exchange is "
+                    "interleaved with the pipeline on this pair of ranks"
                 )
-            got = (msg[0], msg[1], msg[2])
+            got = (_DIRECTIONS[tag[0]], tag[1], tag[2])
             if got in box:
                 raise PipelineError(f"rank {self.rank} received {got} from rank {src} twice")
-            box[got] = msg[3]
+            box[got] = payload
         return box.pop(key)
 
     def wait_sends(self, st: StepState) -> None:

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import pickle
-import struct
 from typing import Any, NamedTuple
 
 import pytest
@@ -21,6 +20,7 @@ from annot.errors import PipelineError
 from annot.runtime.p2p import (
     FIRST_BYTES,
     MAGIC,
+    PREAMBLE,
     VERSION,
     recv_pytree,
     reset_channels,
@@ -230,16 +230,21 @@ def _raw(*tensors_: torch.Tensor) -> None:
 
 
 def _first(words: list, inline: bytes = b"") -> torch.Tensor:
-    """A fixed-size first message: 4 int64 words, then an inline header."""
+    """A fixed-size first message: the preamble's int64 words (untagged), then
+    an inline header."""
     buf = bytearray(FIRST_BYTES)
-    buf[:32] = struct.pack("<4q", *words)
-    buf[32 : 32 + len(inline)] = inline
+    buf[: PREAMBLE.size] = PREAMBLE.pack(*words, 0, 0, 0, 0)
+    buf[PREAMBLE.size : PREAMBLE.size + len(inline)] = inline
     return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+STEADY = [2, 2, 2, 5, 5, 3000, 3000, 2]  # rows of each steady-shape message
 
 
 def _p2p_session(examples: list) -> Any:
     """rank 0 sends, rank 1 receives: the drawn examples, changing shapes, a
-    gradient round trip, then garbage."""
+    gradient round trip, steady shapes (a repeated header) with tags, then
+    garbage."""
     rank = dist.get_rank()
     kw = dict(timeout_s=TIMEOUT_S)
     if rank == 0:
@@ -261,6 +266,8 @@ def _p2p_session(examples: list) -> Any:
         grads = recv_pytree(1, what="grads", **kw)
         pairs = [(t, g) for t, g in zip(tensors_requiring_grad(out), grads) if g is not None]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        for i, n in enumerate(STEADY):  # repeated headers; a payload outgrows the first message
+            send_pytree({"x": torch.full((n, 3), float(i))}, 1, tag=(1, 7, i), **kw).wait()
         # garbage: each fixed-size preamble is what a peer could send by mistake
         reset_channels()  # both ends: the next first message is FIRST_BYTES again
         header = json.dumps(
@@ -275,6 +282,7 @@ def _p2p_session(examples: list) -> Any:
             {"v": VERSION, "tree": {"k": "T", "i": 0}, "tensors": [["int64", [4], True]]}
         ).encode()
         _raw(_first([MAGIC, VERSION, len(int_grad), 0], int_grad))  # ints cannot need grad
+        _raw(_first([MAGIC, VERSION, 0, 0]))  # "the previous header", with none before
         send_pytree(["still", "in", "step"], 1, **kw).wait()
         return pickle.dumps(w.grad)  # plain pickle: a queued tensor dies with its rank
     received = [recv_pytree(0, what=f"example {i}", **kw) for i in range(len(examples))]
@@ -285,16 +293,20 @@ def _p2p_session(examples: list) -> Any:
     inp["aux"][1].add_(1)  # in place on a neighbour in the same payload buffer:
     loss.backward()  # autograd's saved h must not see a version bump
     send_pytree([t.grad for t in tensors_requiring_grad(inp)], 0, what="grads", **kw).wait()
+    steady = []
+    for _ in STEADY:
+        tag, obj = recv_pytree(0, tagged=True, **kw)
+        steady.append((tag, tuple(obj["x"].shape), obj["x"].unique().tolist()))
     reset_channels()
     errors = []
-    for i in range(6):
+    for i in range(7):
         try:
             recv_pytree(0, what=f"garbage {i}", **kw)
             errors.append(None)
         except PipelineError as err:
             errors.append(str(err))
     after = recv_pytree(0, **kw)
-    return pickle.dumps((received, shapes, flags, errors, after))
+    return pickle.dumps((received, shapes, flags, steady, errors, after))
 
 
 def _reference_grad() -> torch.Tensor:
@@ -316,13 +328,14 @@ def test_p2p_between_two_gloo_ranks():
         [],
     ]
     results = run_ranks(_p2p_session, 2, examples, timeout=240)
-    w_grad, (received, shapes, flags, errors, after) = map(pickle.loads, results)
+    w_grad, (received, shapes, flags, steady, errors, after) = map(pickle.loads, results)
     assert len(received) == len(examples)
     for sent, got in zip(examples, received):
         assert same(sent, got), (sent, got)
     assert shapes == [(1, 3), (2, 3), (3, 3), (4, 3)]
     assert flags == [True, True, False]  # h, aux[0] (non-leaves that need grad); arange
     torch.testing.assert_close(w_grad, _reference_grad())
+    assert steady == [((1, 7, i), (n, 3), [float(i)]) for i, n in enumerate(STEADY)]
     expected = [
         "bad preamble: expected magic 0x616e6e6f74503250, received 0x3039",
         f"protocol version mismatch: expected {VERSION}, received 99",
@@ -330,6 +343,7 @@ def test_p2p_between_two_gloo_ranks():
         "the 8-byte header is not valid UTF-8 JSON",
         "the header's tensors take 16 payload bytes but the preamble says 0",
         "tensor 0: requires_grad=True for int64",
+        "the sender repeats a previous header but none came on this channel",
     ]
     for i, (err, want) in enumerate(zip(errors, expected)):
         assert err is not None and err.startswith(f"recv_pytree from rank 0 (garbage {i}): "), err
