@@ -10,7 +10,8 @@
 (e) HF GPT-2 with dropout 0.1 at tp=2: each rank's slice of the single-device masks
     (annot's default, exact) vs per-rank masks of the local shape (the cost of exactness)
 (f) HF Llama at tp=2, zero hints (its tp plan) vs DTensor parallelize_module with the
-    same plan: step time
+    same plan: step time; and annot's share of the ideal, half the step of the plain
+    model in one process
 (g) the same with sequence parallelism: annot's sequence_parallel=True vs DTensor's
     SequenceParallel / PrepareModuleInput plan (torchtitan's), step time
 
@@ -261,6 +262,32 @@ def _llama_rank(cache: str, sp: bool) -> tuple[float, float]:
     return ta, tb
 
 
+def _llama_alone() -> float:
+    """The plain model's step in one process of its own: twice that rate is
+    the ideal at tp=2."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = _llama_config()
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(x, labels=x, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return time_pair(step, step)[0]
+
+
+def bench_llama_alone() -> float:
+    from annot.testing import run_ranks
+
+    return run_ranks(_llama_alone, 1, timeout=600)[0]
+
+
 def bench_llama(sp: bool) -> tuple[float, float]:
     from annot.testing import run_ranks
 
@@ -330,6 +357,10 @@ def main() -> None:
     rows.append(("(e) GPT-2 dropout tp=2: exact / per-rank masks", a, b, a / b, "(cost of exact)"))
     a, b = bench_llama(sp=False)
     rows.append(("(f) HF Llama tp=2: annot / DTensor, step", a, b, a / b, "<= 0.60 (issue 10)"))
+    one = bench_llama_alone()
+    rows.append(
+        ("(f) ideal (one process / 2) / annot tp=2, step", one / 2, a, one / 2 / a, ">= 0.6")
+    )
     a, b = bench_llama(sp=True)
     rows.append(("(g) HF Llama tp=2 + SP: annot / DTensor, step", a, b, a / b, "(lower is better)"))
     print(f"{'measurement':52} {'annot':>10} {'peer':>10} {'ratio':>7}  goal")

@@ -115,14 +115,39 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
-        x = GatherSequence.apply(x, group, layer.tp, layer.sequence_dim)
+        dim = layer.sequence_dim
+        x = _shared_entry(x, ("gather", group, dim), GatherSequence, group, layer.tp, dim)
     elif x.requires_grad:
-        # In place in backward: the gradient comes fresh from the matmul's backward.
-        x = CopyToTP.apply(x, group, True)
+        # In place in backward: the gradient comes fresh from the matmuls' backward.
+        x = _shared_entry(x, ("copy", group), CopyToTP, group, True)
     y = matmul(x, layer.weight, layer.bias)
     if layer.gather:
         y = GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
     return y
+
+
+def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
+    """``fn.apply(x, *args)``, shared by the column layers that read the same
+    ``x`` one after another (q, k and v; gate and up): their summed input
+    gradient is reduced once in backward instead of once per layer (exact: the
+    reduction is linear), and a sequence-parallel input is gathered once.
+    Megatron fuses those layers into one for this; here they stay the model's.
+
+    One entry per ``key`` (the kind of entry and its group), the last ``x``
+    entered: kept until the next column layer of that key replaces it (one
+    activation, which the layers' backward holds anyway until it runs). A hit
+    needs the same ``x`` unchanged in place since (its version): after an
+    in-place change a layer makes its own entry, as one that read the old
+    values would route its gradient past the change."""
+    last = _ENTRIES.get(key)
+    if last is not None and last[0] is x and last[2] == x._version:
+        return last[1]
+    y = fn.apply(x, *args)
+    _ENTRIES[key] = (x, y, x._version)
+    return y
+
+
+_ENTRIES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:

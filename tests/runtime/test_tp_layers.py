@@ -253,6 +253,68 @@ def test_linear_layers_match_nn_linear_tp2():
     assert run_ranks(_linear_cases, 2, 2, timeout=240) == [True, True]
 
 
+class _Gated(nn.Module):
+    """gate and up read one input, which a replicated path reads too; with
+    ``change`` the input is changed in place between the two column layers."""
+
+    def __init__(self, gate, up, down, change=False):
+        super().__init__()
+        self.gate, self.up, self.down, self.change = gate, up, down, change
+
+    def forward(self, x):
+        h = x * 1.0
+        a = F.silu(self.gate(h))
+        if self.change:
+            h.mul_(3.0)
+        return self.down(a * self.up(h)) + h.sum(-1, keepdim=True)
+
+
+def _shared_input(tp):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
+
+    ctx = _setup(Mesh(tp=tp))
+    with use(ctx):
+        for change, seq in ((False, False), (True, True)):
+            # No bias on down: under sequence parallelism its gradient is partial per shard.
+            ref = _Gated(
+                nn.Linear(8, 8 * tp), nn.Linear(8, 8 * tp), nn.Linear(8 * tp, 8, bias=False), change
+            )
+            layers = [ColumnParallelLinear(8, 8 * tp, tp=tp) for _ in range(2)]
+            par = _Gated(*layers, RowParallelLinear(8 * tp, 8, bias=False, tp=tp), change)
+            if seq:  # sequence parallelism: column layers gather shards, the row one scatters
+                for layer in (*layers, par.down):
+                    layer.sequence_dim = 1
+            load_full_state_dict(par, ref.state_dict())
+            if change:  # a frozen gate keeps no input for its backward: the change is legal
+                for gate in (ref.gate, par.gate):
+                    gate.requires_grad_(False)
+            x = torch.randn(2, 2 * tp, 8)
+            xr = x.clone().requires_grad_(True)
+            xt = (split_local(x, 1, 1, tp, ctx.tp_rank) if seq else x).clone().requires_grad_()
+            y = par(xt)  # not under CommDebugMode: its module hooks give each layer a new x
+            with CommDebugMode() as bwd:
+                y.pow(2).sum().backward()
+            y_ref = ref(xr)
+            y_ref.pow(2).sum().backward()
+            what = "in-place change, sequence shards" if change else "shared input"
+            _close(y, split_local(y_ref, 1, 1, tp, ctx.tp_rank) if seq else y_ref, f"{what}: out")
+            want = split_local(xr.grad, 1, 1, tp, ctx.tp_rank) if seq else xr.grad
+            _close(xt.grad, want, f"{what}: input grad")
+            grads = full_grads(par)
+            for name, p in ref.named_parameters():
+                if p.requires_grad:
+                    _close(grads[name], p.grad, f"{what}: grad {name}")
+            if not change:  # gate and up share one all-reduce of their summed input grad
+                assert bwd.get_comm_counts() == {ALL_REDUCE: 1}, bwd.get_comm_counts()
+    return True
+
+
+def test_column_layers_reading_one_input_reduce_its_gradient_once_tp2():
+    assert run_ranks(_shared_input, 2, 2, timeout=240) == [True, True]
+
+
 def _mlp_and_embedding(tp):
     from torch.distributed.tensor.debug import CommDebugMode
 
