@@ -240,7 +240,8 @@ def send_pytree(
     metas = [
         [str(t.dtype).removeprefix("torch."), list(t.shape), bool(t.requires_grad)] for t in tensors
     ]
-    header = {"v": VERSION, "what": what, "tree": tree, "tensors": metas}
+    # No label in the header: F and B on one channel may then reuse each other's.
+    header = {"v": VERSION, "tree": tree, "tensors": metas}
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise PipelineError(

@@ -116,10 +116,10 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
         dim = layer.sequence_dim
-        x = _shared_entry(x, ("gather", group, dim), GatherSequence, group, layer.tp, dim)
+        x = _shared_entry(x, ("gather", id(group), dim), GatherSequence, group, layer.tp, dim)
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
-        x = _shared_entry(x, ("copy", group), CopyToTP, group, True)
+        x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True)
     y = matmul(x, layer.weight, layer.bias)
     if layer.gather:
         y = GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
@@ -133,12 +133,22 @@ def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
     reduction is linear), and a sequence-parallel input is gathered once.
     Megatron fuses those layers into one for this; here they stay the model's.
 
-    One entry per ``key`` (the kind of entry and its group), the last ``x``
-    entered: kept until the next column layer of that key replaces it (one
-    activation, which the layers' backward holds anyway until it runs). A hit
-    needs the same ``x`` unchanged in place since (its version): after an
-    in-place change a layer makes its own entry, as one that read the old
-    values would route its gradient past the change."""
+    Shared only while autograd records (``x`` needs grad, grad mode on): an
+    entry made without a graph would cut the later layers off from ``x``'s
+    gradient. A hit needs the same ``x`` object unchanged in place since (its
+    version): after an in-place change a layer makes its own entry, as one
+    that read the old values would route its gradient past the change. Module
+    hooks that hand each layer a new input object (full backward hooks,
+    ``CommDebugMode``'s module tracker) turn the sharing off: more collectives,
+    the same result.
+
+    One entry per ``key`` (the kind of entry, the group's id, the gather's
+    dim): the last ``x`` entered, kept until the next column layer of that key
+    replaces it. So the last input (under sequence parallelism its gathered
+    copy) and, after a forward that had no backward, that forward's graph stay
+    alive until the next forward."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return fn.apply(x, *args)
     last = _ENTRIES.get(key)
     if last is not None and last[0] is x and last[2] == x._version:
         return last[1]

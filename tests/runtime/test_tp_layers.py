@@ -308,6 +308,16 @@ def _shared_input(tp):
                     _close(grads[name], p.grad, f"{what}: grad {name}")
             if not change:  # gate and up share one all-reduce of their summed input grad
                 assert bwd.get_comm_counts() == {ALL_REDUCE: 1}, bwd.get_comm_counts()
+        # An entry made while autograd is off is not reused once it records.
+        col = ColumnParallelLinear(8, 8 * tp, tp=tp)
+        xt = torch.randn(2, 8, requires_grad=True)
+        with torch.no_grad():
+            col(xt)
+        col(xt).sum().backward()
+        fresh = xt.detach().clone().requires_grad_(True)
+        col(fresh).sum().backward()
+        assert xt.grad is not None, "an input gradient cut off by an entry made under no_grad"
+        _close(xt.grad, fresh.grad, "input grad after an evaluation on the same input")
     return True
 
 
