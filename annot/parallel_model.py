@@ -86,13 +86,21 @@ class ParallelModel(nn.Module):
         return self.ctx.mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from annot.runtime.tp_layers import forget_shared_inputs
+
+        try:
+            return self._forward(*args, **kwargs)
+        finally:  # the tp layers' shared inputs matter within one forward only
+            forget_shared_inputs()
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.preflight is not None:  # once, before any collective
             check, self.preflight = self.preflight, None
             with self.forward_context():
                 self.dropout = check(self.module, args, kwargs)
             if self.dropout:  # a step's context entered before the sites were known
                 with self.dropout_context():
-                    return self.forward(*args, **kwargs)
+                    return self._forward(*args, **kwargs)
         if self._step is not None:
             return self._step.call(*args, **kwargs)
         if self.pipeline is not None and self.pipeline.num_stages > 1:

@@ -47,6 +47,7 @@ shards (``sequence_dim``).
 
 from __future__ import annotations
 
+import atexit
 import math
 from typing import Optional
 
@@ -78,6 +79,7 @@ __all__ = [
     "ColumnParallelEmbedding",
     "ShardedParameter",
     "shard_parameter",
+    "forget_shared_inputs",
 ]
 
 
@@ -144,9 +146,9 @@ def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
 
     One entry per ``key`` (the kind of entry, the group's id, the gather's
     dim): the last ``x`` entered, kept until the next column layer of that key
-    replaces it. So the last input (under sequence parallelism its gathered
-    copy) and, after a forward that had no backward, that forward's graph stay
-    alive until the next forward."""
+    replaces it or :func:`forget_shared_inputs` (which ``ParallelModel``
+    calls after each forward, and ``atexit`` at the end: an entry holds a
+    graph, whose nodes hold the process group)."""
     if not (x.requires_grad and torch.is_grad_enabled()):
         return fn.apply(x, *args)
     last = _ENTRIES.get(key)
@@ -158,6 +160,14 @@ def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
 
 
 _ENTRIES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def forget_shared_inputs() -> None:
+    """Drop the column layers' shared input entries (see ``_shared_entry``)."""
+    _ENTRIES.clear()
+
+
+atexit.register(forget_shared_inputs)
 
 
 def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
