@@ -90,7 +90,7 @@ class _Channel:
 
     def __init__(self) -> None:
         self.first = FIRST_BYTES  # bytes of the next first message
-        self.hlen = 0  # the previous header's length (both ends)
+        self.hlen = 0  # receiver: the previous header's length (sizes the next first message)
         self.header: Optional[bytes] = None  # sender: the previous header
         self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
 
@@ -270,7 +270,7 @@ def send_pytree(
             payload = None
     else:
         head = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(comm)
-    ch.first, ch.header, ch.hlen = _next_first(len(raw), total), raw, len(raw)
+    ch.first, ch.header = _next_first(len(raw), total), raw
     guard_kwargs = dict(
         op=_op("send", what),
         stage=stage,
