@@ -4,20 +4,30 @@
     annot rewrite model.py --tp 2 --diff          # unified diff, like black --diff
     annot rewrite model.py --tp 2 -o out/         # out/model.py, with an @generated header
     annot rewrite model.py --tp 2 --in-place      # overwrite model.py itself
+    annot rewrite transformers.models.llama.modeling_llama:LlamaForCausalLM \
+        --pp 2 --split model.layers.4 -o out/     # a nested forward, from an installed file
 
 :func:`rewrite_source` is the one dispatch from the degrees to the rewriters
 (tensor-parallel for ``--tp``, stages split for ``--pp``); the rest prints,
 diffs or writes its results, refusing any write that would land outside
-OUTDIR, on an input file, or (without ``--force``) over a file annot did not
-write.
+OUTDIR, on an input file, an installed one (in site-packages), or (without
+``--force``) over a file annot did not write.
+
+``FILE:CLASS`` or ``MODULE:CLASS`` names the root class to split at
+``--split``, in a file with no ``@stage``: a boundary below a call
+(``model.layers.4`` inside ``self.model(...)``) is followed into that class's
+source, which gets stage methods of its own
+(:mod:`annot.rewriters.nested_calls`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import sys
+import sysconfig
 import tokenize
 from typing import Optional
 
@@ -37,7 +47,14 @@ def add_rewrite(sub) -> None:
             "(Megatron layout). Prints to stdout unless --diff, -o or --in-place."
         ),
     )
-    p.add_argument("files", nargs="+", metavar="FILE", help="model source files")
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="model source files; FILE:CLASS or MODULE:CLASS (an installed module, e.g. "
+        "transformers.models.llama.modeling_llama:LlamaForCausalLM) names the class --split "
+        "cuts, following boundaries into nested forwards",
+    )
     p.add_argument(
         "--tp", type=degree, default=1, metavar="N", help="tensor-parallel degree (default 1)"
     )
@@ -48,7 +65,8 @@ def add_rewrite(sub) -> None:
         "--split",
         metavar="PATHS",
         help="with --pp: comma-separated module paths where stages begin, for the @stage class "
-        "(overrides its split=[...]; needed for @stage(auto=True): see `annot plan`)",
+        "or the CLASS given (overrides its split=[...]; needed for @stage(auto=True) and "
+        "CLASS: see `annot plan`)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -68,19 +86,42 @@ def add_rewrite(sub) -> None:
 
 
 def rewrite_source(
-    source: bytes, path: str, *, tp: int, pp: int = 1, split: Optional[list[str]] = None
+    source: bytes,
+    path: str,
+    *,
+    tp: int,
+    pp: int = 1,
+    split: Optional[list[str]] = None,
+    root: Optional[str] = None,
 ) -> bytes:
     """The one dispatch from ``annot rewrite``'s degrees to the rewriters.
 
     ``--tp 1`` leaves the source as it is; ``--pp N`` splits every ``@stage``
     class into N stages (its ``split=[...]``, ``annot.boundary()`` markers, or
-    ``split`` given here).
+    ``split`` given here), or the class ``root`` at ``split``, following
+    boundaries below its calls into the nested forwards of this file.
     """
     from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 
     out = source
     if tp > 1:
         out = rewrite_tensor_parallel(out, tp, path=path)
+    if pp > 1 and root is not None:
+        from annot.rewriters.stage_split import split_stages
+
+        if split is None:
+            raise Refusal(
+                f"{path}:{root}: give --split with {pp - 1} module path(s) where stages begin "
+                f"(`annot plan MODULE:{root} --pp {pp}` prints a balanced choice)"
+            )
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(out).readline)
+        result = split_stages(out.decode(encoding), root, split, path=path, nested=True)
+        if len(result.stages) != pp:
+            raise Refusal(
+                f"{path}:{root} splits into {len(result.stages)} stages but --pp is {pp}; give "
+                "--split with pp - 1 module paths"
+            )
+        return result.source.encode(encoding)
     if pp > 1:
         from annot.rewriters.hint_reader import read_stage_hints
         from annot.rewriters.stage_split import split_decorated
@@ -92,10 +133,9 @@ def rewrite_source(
         if split is not None:
             if not classes:
                 raise Refusal(
-                    f"{path}: --split needs a @stage class to split in source, and this file "
-                    "has none. For a model you cannot edit, annot cuts the stages at run time "
-                    "(boundaries at any depth, no source change): see them with annot plan "
-                    "MODULE:CLASS --pp N, and pass split=[...] to annot.parallelize"
+                    f"{path}: --split needs a @stage class to split, and this file has none: "
+                    f"name the class to split as {path}:CLASS (or MODULE:CLASS), whose "
+                    "boundaries may lie in nested forwards (model.layers.4)"
                 )
             if len(classes) != 1:
                 raise Refusal(
@@ -114,6 +154,35 @@ def rewrite_source(
     return out
 
 
+def _source(spec: str) -> tuple[str, Optional[str]]:
+    """``FILE``, ``FILE:CLASS``, ``MODULE`` or ``MODULE:CLASS`` -> (the file's
+    path, CLASS or None)."""
+    if os.path.exists(spec):
+        return spec, None
+    where, _, cls = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if cls and not cls.isidentifier():
+        raise Refusal(f"{spec}: {cls!r} is not a class name (FILE:CLASS or MODULE:CLASS)")
+    dotted = all(part.isidentifier() for part in where.split("."))
+    if os.path.exists(where) or where.endswith(".py") or not dotted:
+        return where, cls or None
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as exc:
+        raise Refusal(f"{spec}: cannot find module {where!r}: {exc}") from None
+    if found is None or not found.origin or not found.origin.endswith(".py"):
+        raise Refusal(f"{spec}: {where!r} is neither a file nor a Python module with source")
+    return found.origin, cls or None
+
+
+def _installed(path: str) -> bool:
+    """Whether ``path`` lies in an installed package (site-packages)."""
+    real = os.path.realpath(path)
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    return "site-packages" in real.split(os.sep) or any(
+        real.startswith(os.path.realpath(r) + os.sep) for r in roots
+    )
+
+
 def _options(args: argparse.Namespace) -> str:
     """The options that made a file, for its @generated header (re-runnable)."""
     out = f"--tp {args.tp}" + (f" --pp {args.pp}" if args.pp > 1 else "")
@@ -128,6 +197,7 @@ def _decode(data: bytes) -> str:
 
 def _run_rewrite(args: argparse.Namespace) -> int:
     results: list[tuple[str, bytes, bytes]] = []
+    roots: dict[str, Optional[str]] = {}
     failed = False
     try:
         if args.split and args.pp == 1:
@@ -135,13 +205,20 @@ def _run_rewrite(args: argparse.Namespace) -> int:
             raise Refusal(f"--split {args.split} cuts pipeline stages: give --pp {n} with it")
         if args.force and args.outdir is None:
             raise Refusal("--force only applies to -o OUTDIR")
-        for path in args.files:
+        for spec in args.files:
+            path, root = _source(spec)
+            if args.in_place and _installed(path):
+                raise Refusal(
+                    f"{spec}: {path} is an installed file; annot does not rewrite it in place. "
+                    "Write the rewritten copy with -o OUTDIR"
+                )
             try:
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError as exc:
                 raise Refusal(f"{path}: cannot read: {exc.strerror or exc}") from None
             try:
+                roots[path] = root
                 results.append(
                     (
                         path,
@@ -152,6 +229,7 @@ def _run_rewrite(args: argparse.Namespace) -> int:
                             tp=args.tp,
                             pp=args.pp,
                             split=args.split.split(",") if args.split else None,
+                            root=root,
                         ),
                     )
                 )
@@ -163,7 +241,7 @@ def _run_rewrite(args: argparse.Namespace) -> int:
         if args.diff:
             _print_diffs(results, args)
         elif args.outdir is not None:
-            _write_outdir(results, args)
+            _write_outdir(results, args, roots)
         elif args.in_place:
             _write_in_place(results)
         else:
@@ -224,7 +302,11 @@ def _destination(outdir: str, path: str) -> str:
     return dest
 
 
-def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namespace) -> None:
+def _write_outdir(
+    results: list[tuple[str, bytes, bytes]],
+    args: argparse.Namespace,
+    roots: dict[str, Optional[str]],
+) -> None:
     from annot.rewriters.codegen import add_generated_header, generated_header
 
     plan: dict[str, tuple[str, bytes]] = {}
@@ -241,7 +323,9 @@ def _write_outdir(results: list[tuple[str, bytes, bytes]], args: argparse.Namesp
                 "header); nothing the user wrote is overwritten: pick another directory, "
                 "move the file, or pass --force"
             )
-        header = generated_header(_options(args), os.path.normpath(path), data)
+        root = roots.get(path)
+        source = os.path.normpath(path) + (f":{root}" if root else "")
+        header = generated_header(_options(args), source, data)
         content = add_generated_header(out, header, path)
         assert isinstance(content, bytes)
         plan[dest] = (path, content)

@@ -113,6 +113,13 @@ class SelfPaths(cst.CSTVisitor):
         if base is not None and sl is not None:
             self.found[base + sl] = None
             return False
+        inner = node.value
+        if sl is not None and isinstance(inner, cst.Subscript):  # a stage's piece of a prefix
+            base = _module_list(inner, self.self_name)
+            if base is not None and self_path(inner, self.self_name) is None:
+                self.found[base + sl] = None  # self.h[:n][1:3] reads (at most) self.h[1:3]
+                inner.slice[0].visit(self)
+                return False
         return True
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
@@ -144,9 +151,29 @@ class Use:
     breaks: bool = False  # a loop whose body has its own ``break``
 
 
+def _module_list(seq: cst.BaseExpression, self_name: str) -> Optional[str]:
+    """The path of a module list a loop iterates from its first element:
+    ``self.h`` and a prefix of it, ``self.h[:n]`` / ``self.h[0:n]`` (HF's
+    ``self.layers[: self.config.num_hidden_layers]``), whose element ``i`` is
+    ``self.h[i]``; else None."""
+    path = self_path(seq, self_name)
+    if path is not None:
+        return path
+    if isinstance(seq, cst.Subscript) and len(seq.slice) == 1:
+        sl = seq.slice[0].slice
+        if (
+            isinstance(sl, cst.Slice)
+            and sl.step is None
+            and (sl.lower is None or (isinstance(sl.lower, cst.Integer) and sl.lower.value == "0"))
+        ):
+            return self_path(seq.value, self_name)
+    return None
+
+
 def loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str, Optional[int]]]:
-    """``self.h`` -> ("h", 0); ``enumerate(self.h, 1)`` -> ("h", 1); else None."""
-    path = self_path(iter_, self_name)
+    """``self.h`` -> ("h", 0); ``enumerate(self.h, 1)`` -> ("h", 1); a prefix
+    ``self.h[:n]`` as ``self.h``; else None."""
+    path = _module_list(iter_, self_name)
     if path is not None:
         return path, 0
     if (
@@ -158,7 +185,7 @@ def loop_target(iter_: cst.BaseExpression, self_name: str) -> Optional[tuple[str
         and not iter_.args[0].star
         and len(iter_.args) <= 2
     ):
-        path = self_path(iter_.args[0].value, self_name)
+        path = _module_list(iter_.args[0].value, self_name)
         if path is None:
             return None
         if len(iter_.args) == 1:
@@ -363,7 +390,8 @@ def loop_breaks(body: cst.CSTNode) -> list[cst.Break]:
 
 def piece_iter(iter_: cst.BaseExpression, start: int, stop: Optional[int]) -> cst.BaseExpression:
     """``self.h`` -> ``self.h[start:stop]``; ``enumerate(self.h, s)`` ->
-    ``enumerate(self.h[start:stop], s + start)``."""
+    ``enumerate(self.h[start:stop], s + start)``; a prefix ``self.h[:n]`` ->
+    ``self.h[:n][start:stop]``."""
 
     def sliced(seq: cst.BaseExpression) -> cst.Subscript:
         lower = cst.Integer(str(start)) if start else None

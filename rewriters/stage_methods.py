@@ -20,9 +20,9 @@ from typing import Optional
 import libcst as cst
 
 from annot.rewriters.boundaries import SelfPaths
-from annot.rewriters.stage_plan import STAGE_PREFIX, Plan, Splitter
+from annot.rewriters.stage_plan import Plan, Splitter
 
-__all__ = ["StagePlan", "StageSplitTransformer", "build_stages", "output_arity"]
+__all__ = ["MethodStages", "StagePlan", "StageSplitTransformer", "build_stages", "output_arity"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,10 @@ def _strip_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
 
 
 def _return_dict(names: Sequence[str], maybe: frozenset) -> cst.SimpleStatementLine:
-    items = ", ".join(f'"{n}": locals().get("{n}")' if n in maybe else f'"{n}": {n}' for n in names)
+    parts = [f'"{n}": locals().get("{n}")' if n in maybe else f'"{n}": {n}' for n in names]
+    items = ", ".join(parts)
+    if len(items) > 72:  # one item a line, as a formatter would
+        items = "\n" + "".join(f"    {p},\n" for p in parts)
     stmt = cst.ensure_type(cst.parse_statement(f"return {{{items}}}\n"), cst.SimpleStatementLine)
     if maybe:
         listed = ", ".join(n for n in names if n in maybe)
@@ -103,7 +106,15 @@ def _with_methods(found: Mapping[str, None], methods: Mapping[str, cst.FunctionD
     return tuple(out)
 
 
-def build_stages(sp: Splitter, plan: Plan) -> list[tuple[cst.FunctionDef, StagePlan]]:
+def build_stages(
+    sp: Splitter, plan: Plan, *, decorators: bool = True
+) -> list[tuple[cst.FunctionDef, StagePlan]]:
+    """The stage methods of ``plan`` (named ``sp.prefix + k``), each with its
+    :class:`StagePlan`. ``decorators``: give each the split method's
+    decorators; else only the first stage has them (a nested forward's wrap
+    the call as a whole: argument defaults such as HF's
+    ``@merge_with_config_defaults`` apply to the call's arguments, which the
+    first stage takes, and would pass later stages arguments they lack)."""
     fwd = sp.forward
     units = plan.units
     ranges = plan.ranges
@@ -132,12 +143,15 @@ def build_stages(sp: Splitter, plan: Plan) -> list[tuple[cst.FunctionDef, StageP
             outputs = cr.names
             body.append(_return_dict(cr.names, cr.maybe_unbound))
         func = cst.FunctionDef(
-            name=cst.Name(f"{STAGE_PREFIX}{k}"),
+            name=cst.Name(f"{sp.prefix}{k}"),
             params=params,
             body=fwd.body.with_changes(body=body, header=cst.TrailingWhitespace(), footer=())
             if isinstance(fwd.body, cst.IndentedBlock)
             else cst.IndentedBlock(body=body),
-            decorators=fwd.decorators,
+            decorators=fwd.decorators if decorators or k == 0 else (),
+            whitespace_before_params=fwd.whitespace_before_params
+            if k == 0
+            else cst.SimpleWhitespace(""),
             returns=fwd.returns if last else None,
             leading_lines=[cst.EmptyLine(indent=False)],
         )
@@ -153,43 +167,58 @@ def build_stages(sp: Splitter, plan: Plan) -> list[tuple[cst.FunctionDef, StageP
 # ---- the transform --------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MethodStages:
+    """Stage methods to put after ``method`` of a class, under ``header``;
+    earlier ones named ``prefix + k`` are dropped."""
+
+    method: str
+    prefix: str
+    header: str
+    stages: Sequence[cst.FunctionDef]
+
+
 class StageSplitTransformer(cst.CSTTransformer):
-    """Rewrites one class: removes its ``@stage`` decorator (leaving a comment),
-    drops stage methods of an earlier run and adds ``stages`` after forward."""
+    """Rewrites classes: adds each class's stage methods after the method they
+    split (dropping those of an earlier run) and, on the root class, replaces
+    the ``@stage`` decorator with a comment. ``inserts``: by class node."""
 
     def __init__(
         self,
-        cls: cst.ClassDef,
-        stages: Sequence[cst.FunctionDef],
+        inserts: Sequence[tuple[cst.ClassDef, MethodStages]],
+        root: cst.ClassDef,
         decorator_index: Optional[int],
         decorator_comment: Optional[str],
-        header: str,
     ) -> None:
         super().__init__()
-        self.cls = cls
-        self.stages = stages
+        self.inserts: dict[int, list[MethodStages]] = {}
+        for cls, ms in inserts:
+            self.inserts.setdefault(id(cls), []).append(ms)
+        self.root = root
         self.decorator_index = decorator_index
         self.decorator_comment = decorator_comment
-        self.header = header
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        if original is not self.cls:
+        todo = {ms.method: ms for ms in self.inserts.get(id(original), ())}
+        if not todo:
             return updated
-        first = self.stages[0].with_changes(
-            leading_lines=[
-                cst.EmptyLine(indent=False),
-                cst.EmptyLine(comment=cst.Comment(self.header)),
-            ]
-        )
+        prefixes = tuple(ms.prefix for ms in todo.values())
         new_body: list[cst.BaseStatement] = []
         for stmt in updated.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value.startswith(STAGE_PREFIX):
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value.startswith(prefixes):
                 continue
             new_body.append(stmt)
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
-                new_body += [first, *self.stages[1:]]
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value in todo:
+                ms = todo[stmt.name.value]
+                first = ms.stages[0].with_changes(
+                    leading_lines=[
+                        cst.EmptyLine(indent=False),
+                        *(cst.EmptyLine(comment=cst.Comment(h)) for h in ms.header.splitlines()),
+                    ]
+                )
+                new_body += [first, *ms.stages[1:]]
         updated = updated.with_changes(body=updated.body.with_changes(body=new_body))
-        return self._drop_decorator(updated)
+        return self._drop_decorator(updated) if original is self.root else updated
 
     def _drop_decorator(self, cls: cst.ClassDef) -> cst.ClassDef:
         if self.decorator_comment is None or self.decorator_index is None:

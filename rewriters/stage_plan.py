@@ -31,6 +31,7 @@ from annot.rewriters.forward_body import (
     returns_in,
 )
 from annot.rewriters.liveness import Crossing, Effects, crossings, live_sets, loop_piece_effects
+from annot.rewriters.nested_calls import Callee, call_pieces, callee_of, stage_prefix
 from annot.rewriters.statement_effects import (
     block_effects,
     expression_effects,
@@ -40,7 +41,7 @@ from annot.rewriters.statement_effects import (
     target_effects,
 )
 
-__all__ = ["STAGE_PREFIX", "Plan", "Splitter"]
+__all__ = ["STAGE_PREFIX", "Inner", "Plan", "Splitter"]
 
 STAGE_PREFIX = "_annot_stage_"
 
@@ -54,6 +55,18 @@ class _Cut:
     element: int
     label: str
     node: Optional[cst.CSTNode]  # where to point an error about this boundary
+    below: Optional[tuple[Callee, str, cst.Call]] = None  # a cut inside the call of item
+
+
+@dataclass(frozen=True, eq=False)
+class Inner:
+    """Boundaries below a call: item ``item`` calls ``callee``, which is split at
+    ``boundaries`` (paths relative to it) into ``len(boundaries) + 1`` parts."""
+
+    item: int
+    callee: Callee
+    boundaries: tuple[str, ...]
+    node: cst.Call
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,14 +94,31 @@ class Plan:
     cuts: list[_Cut]
     moved: dict[int, list[cst.EmptyLine]]
     returns: list[cst.Return]
+    inner: list[Inner]
 
 
 class Splitter:
     """Plans the stages of one class's forward (analysis only; no output)."""
 
-    def __init__(self, wrapper: MetadataWrapper, cls: cst.ClassDef, path: str) -> None:
+    def __init__(
+        self,
+        wrapper: MetadataWrapper,
+        cls: cst.ClassDef,
+        path: str,
+        *,
+        method: str = "forward",
+        nested: bool = False,
+    ) -> None:
+        """Plan ``cls.<method>``. ``nested``: follow a boundary below a call of a
+        submodule or helper method (:mod:`annot.rewriters.nested_calls`);
+        without it such a boundary is refused (the runtime cuts those stages at
+        run time instead)."""
         self.cls = cls
         self.path = path
+        self.method = method
+        self.prefix = stage_prefix(method)
+        self.nested = nested
+        self.module = wrapper.module
         self.locate = Locator(wrapper, path)
         self.qnames = wrapper.resolve(QualifiedNameProvider)
         self.forward = self._find_forward()
@@ -102,8 +132,8 @@ class Splitter:
             f.name.value: f
             for f in cls.body.body
             if isinstance(f, cst.FunctionDef)
-            and f.name.value != "forward"
-            and not f.name.value.startswith(STAGE_PREFIX)
+            and f.name.value != method
+            and not f.name.value.startswith("_annot_")
             and not f.decorators  # plain methods only (no static/class methods, properties)
         }
         params = param_names(self.forward.params)
@@ -118,7 +148,7 @@ class Splitter:
 
     def _find_forward(self) -> cst.FunctionDef:
         for stmt in self.cls.body.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == self.method:
                 if stmt.asynchronous is not None:
                     raise self.locate.error(
                         stmt,
@@ -126,6 +156,14 @@ class Splitter:
                         "make forward a plain method",
                     )
                 return stmt
+        if self.method != "forward" or self.nested:
+            raise self.locate.error(
+                self.cls,
+                f"class {self.cls.name.value} has no {self.method} method in its body (one "
+                "inherited from a class in another file is not rewritten); place the "
+                "boundary where its source is, or let annot cut the stages at run time: "
+                "annot.parallelize(..., split=[...])",
+            )
         raise self.locate.error(
             self.cls,
             f"class {self.cls.name.value} has no forward method in its body; @stage goes on "
@@ -210,6 +248,10 @@ class Splitter:
                     "1)`",
                 )
             return _Cut(use.item, element, path, node)
+        if self.nested:
+            below = self._below_call(path, node)
+            if below is not None:
+                return below
         called = []
         for u in self.uses:
             if u.kind == "call":
@@ -225,6 +267,123 @@ class Splitter:
             f"forward of {self.cls.name.value} calls: {listing}",
         )
 
+    def _reaches(self, fn: cst.FunctionDef, path: str, seen: frozenset) -> bool:
+        """Whether helper method ``fn`` calls or loops over ``path`` (or a module
+        above it), directly or through another helper method."""
+        positional = [*fn.params.posonly_params, *fn.params.params]
+        if not positional or fn.name.value in seen:
+            return False
+        uses: list[Use] = []
+        for i, stmt in enumerate(forward_statements(fn.body)):
+            collector = Uses(positional[0].name.value, i, self.qnames)
+            stmt.visit(collector)
+            uses += collector.uses
+        if place_boundary(uses, path) is not None:
+            return True
+        for u in uses:
+            if u.kind == "call" and u.path in self.methods:
+                if self._reaches(self.methods[u.path], path, seen | {fn.name.value}):
+                    return True
+            elif u.kind in ("call", "loop") and path.startswith(u.path + "."):
+                return True
+        return False
+
+    def _below_call(self, path: str, node: Optional[cst.CSTNode]) -> Optional[_Cut]:
+        """A boundary below a call of forward: inside a submodule's forward
+        (``"model.layers.2"`` below ``self.model(...)``), a helper method's
+        body, or an nn.Sequential called whole; None if no call leads there."""
+        for use in self.uses:
+            if use.kind == "loop" and path.startswith(use.path + "."):
+                element, _, deeper = path[len(use.path) + 1 :].partition(".")
+                if element.isdigit() and deeper:
+                    raise self.error(
+                        use.node,
+                        f"boundary {path!r} is inside element {element} of the loop over "
+                        f"self.{use.path}; in source annot cuts a loop between its elements "
+                        f"({use.path + '.' + element!r}). A boundary inside a block is cut at "
+                        "run time: annot.parallelize(..., split=[...])",
+                    )
+            if use.kind != "call":
+                continue
+            if use.path in self.methods:
+                if not self._reaches(self.methods[use.path], path, frozenset({self.method})):
+                    continue
+                callee, rest = Callee("method", use.path, self.cls), path
+            elif path.startswith(use.path + "."):
+                try:
+                    callee = callee_of(self.module, self.qnames, self.cls, use.path)
+                except ValueError as exc:
+                    raise self.error(use.node, f"boundary {path!r}: {exc}") from None
+                rest = path[len(use.path) + 1 :]
+            else:
+                continue
+            if use.context is not None:
+                raise self.error(
+                    use.node,
+                    f"boundary {path!r} lies below self.{use.path}(...), which is called inside "
+                    f"{use.context}; a stage can only begin in a call made by a top-level "
+                    f"statement of {self.method}",
+                )
+            return _Cut(use.item, 1, path, node, (callee, rest, use.node))
+        return None
+
+    def _number_below(self, cuts: list[_Cut]) -> list[_Cut]:
+        """Give the cuts below each call their part numbers: the ``j``-th
+        boundary below a call begins part ``j + 1`` of the callee (for an
+        nn.Sequential, the element it names begins it)."""
+        out: list[_Cut] = []
+        count: dict[int, int] = {}
+        for cut in cuts:
+            if cut.below is None:
+                out.append(cut)
+                continue
+            callee, rest, call = cut.below
+            if callee.kind == "sequential" and not rest.isdigit():
+                raise self.error(
+                    call,
+                    f"boundary {cut.label!r}: self.{callee.path} is an nn.Sequential called "
+                    f"whole; in source annot cuts it between its elements ('{callee.path}.2'). "
+                    "A boundary inside an element is cut at run time: "
+                    "annot.parallelize(..., split=[...])",
+                )
+            if callee.kind == "sequential" and int(rest) == 0:
+                raise self.error(
+                    call,
+                    f"boundary {cut.label!r} is the first element of self.{callee.path}: name "
+                    f"{callee.path!r} to begin the stage before the call",
+                )
+            count[cut.item] = count.get(cut.item, 0) + 1
+            out.append(_Cut(cut.item, count[cut.item], cut.label, cut.node, cut.below))
+        return out
+
+    def _inner(self, cuts: list[_Cut]) -> dict[int, Inner]:
+        """The calls cut below, by item, checking that each statement's cuts
+        are in one call (and, for an nn.Sequential, in element order)."""
+        inner: dict[int, Inner] = {}
+        for cut in cuts:
+            if cut.below is None:
+                continue
+            callee, rest, call = cut.below
+            have = inner.get(cut.item)
+            if have is not None and have.callee.path != callee.path:
+                raise self.error(
+                    call,
+                    f"boundary {cut.label!r} lies below self.{callee.path}(...) and another "
+                    f"below self.{have.callee.path}(...), in the same statement; split the "
+                    "statement in two",
+                )
+            rests = (*(have.boundaries if have else ()), rest)
+            if callee.kind == "sequential" and list(map(int, rests)) != sorted(
+                set(map(int, rests))
+            ):
+                raise self.error(
+                    call,
+                    f"boundaries below the nn.Sequential self.{callee.path} out of order or "
+                    f"repeated: {list(rests)}; give its elements in increasing order",
+                )
+            inner[cut.item] = Inner(cut.item, callee, rests, call)
+        return inner
+
     def _cuts(
         self,
         boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
@@ -232,13 +391,16 @@ class Splitter:
         markers: list[_Cut],
     ) -> list[_Cut]:
         """All cuts in forward order; refuses disorder, duplicates, empty stages."""
-        cuts: list[_Cut] = []
+        resolved: list[_Cut] = []
         seen: dict[str, _Cut] = {}
         for path, node in boundaries:
             if path in seen:
                 raise self.error(node, f"boundary {path!r} is given twice; give each once")
-            cut = self._resolve(path, node)
-            seen[path] = cut
+            seen[path] = self._resolve(path, node)
+            resolved.append(seen[path])
+        cuts: list[_Cut] = []
+        for cut in self._number_below(resolved):
+            path, node = cut.label, cut.node
             if cuts:
                 prev = cuts[-1]
                 if (cut.item, cut.element) < (prev.item, prev.element):
@@ -279,16 +441,34 @@ class Splitter:
     # -- step 2: units and what crosses ----------------------------------------------
 
     def _units(
-        self, items: list[cst.BaseStatement], cuts: list[_Cut]
+        self, items: list[cst.BaseStatement], cuts: list[_Cut], inner: dict[int, Inner]
     ) -> tuple[list[_Unit], list[int]]:
-        """Items as units (split loops as one unit per piece) and the unit
-        index where each stage after the first begins."""
+        """Items as units (split loops and cut calls as one unit per piece) and
+        the unit index where each stage after the first begins."""
         units: list[_Unit] = []
         starts: list[int] = []  # unit index where each stage after the first begins
         for i, stmt in enumerate(items):
             elements = [c.element for c in cuts if c.item == i and c.element > 0]
             if any(c.item == i and c.element == 0 for c in cuts):
                 starts.append(len(units))
+            if i in inner:
+                below = inner[i]
+                marks = (
+                    [int(b) for b in below.boundaries] if below.callee.kind == "sequential" else []
+                )
+                try:
+                    pieces = call_pieces(
+                        stmt, below.node, below.callee, self.self_name, marks or elements
+                    )
+                except ValueError as exc:
+                    raise self.error(
+                        below.node, f"boundary {below.boundaries[0]!r}: {exc}"
+                    ) from None
+                for k, piece in enumerate(pieces):
+                    if k:
+                        starts.append(len(units))
+                    units.append(_Unit(piece, i, statement_effects(piece)))
+                continue
             if not elements:
                 units.append(_Unit(stmt, i, statement_effects(stmt)))
                 continue
@@ -331,7 +511,8 @@ class Splitter:
             raise self.error(node, reason)
         items, markers, moved = self._items_and_markers()
         cuts = self._cuts(boundaries, items, markers)
-        units, starts = self._units(items, cuts)
+        inner = self._inner(cuts)
+        units, starts = self._units(items, cuts, inner)
         effects = [u.effects for u in units]
         cross = crossings(effects, self.params)
         live = live_sets(effects)
@@ -387,4 +568,12 @@ class Splitter:
                         "after the split it would still see the old value. Pass it as an "
                         "argument, or define the function after the last boundary",
                     )
-        return Plan(units, ranges, [cross[s] for s in starts], cuts, moved, scope.returns)
+        return Plan(
+            units,
+            ranges,
+            [cross[s] for s in starts],
+            cuts,
+            moved,
+            scope.returns,
+            list(inner.values()),
+        )

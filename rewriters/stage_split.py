@@ -61,12 +61,13 @@ from annot.rewriters.diagnostics import Locator, node_source, parse_source
 from annot.rewriters.hint_literals import format_hint
 from annot.rewriters.hint_reader import STAGE_NAMES, find_hints, has_qualified_name
 from annot.rewriters.stage_methods import (
+    MethodStages,
     StagePlan,
     StageSplitTransformer,
     build_stages,
     output_arity,
 )
-from annot.rewriters.stage_plan import Splitter
+from annot.rewriters.stage_plan import Plan, Splitter
 
 __all__ = ["StagePlan", "StageSplit", "split_decorated", "split_stages"]
 
@@ -127,23 +128,94 @@ def _find_class(module: cst.Module, name: str, path: str) -> cst.ClassDef:
     return found[0]
 
 
+def _chain(
+    wrapper: MetadataWrapper,
+    cls: cst.ClassDef,
+    method: str,
+    boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
+    path: str,
+    nested: bool,
+    done: dict[tuple[int, str], tuple[tuple[str, ...], Splitter, Plan, list]],
+    caller: Optional[str] = None,
+) -> None:
+    """Plan ``cls.<method>`` at ``boundaries`` into ``done``, then the callees
+    its statements are cut below (a nested forward split at its own paths)."""
+    given = tuple(b for b, _ in boundaries)
+    key = (id(cls), method)
+    if key in done:
+        if done[key][0] != given:
+            raise Locator(wrapper, path).error(
+                cls,
+                f"{cls.name.value}.{method} would be split twice, at {list(done[key][0])} and at "
+                f"{list(given)} (two calls of one class, e.g. an encoder and a decoder stack "
+                "built from the same class, cut at different places); annot rewrite writes one "
+                "set of stage methods per class: cut both at the same paths, or let annot cut "
+                "the stages at run time: annot.parallelize(..., split=[...])",
+            )
+        return
+    sp = Splitter(wrapper, cls, path, method=method, nested=nested)
+    plan = sp.plan(boundaries)
+    built = build_stages(sp, plan, decorators=caller is None)
+    done[key] = (given, sp, plan, built)
+    for inner in plan.inner:
+        if inner.callee.kind == "sequential":
+            continue
+        child = inner.callee.cls if inner.callee.kind == "module" else cls
+        assert child is not None
+        _chain(
+            wrapper,
+            child,
+            inner.callee.method,
+            [(b, None) for b in inner.boundaries],
+            path,
+            nested,
+            done,
+            caller=f"{cls.name.value}.{method}",
+        )
+
+
+def _header(sp: Splitter, plan: Plan, caller: Optional[str]) -> str:
+    labels = [c.label for c in plan.cuts]
+    what = sp.method if caller is None else f"{sp.cls.name.value}.{sp.method}"
+    if not labels:
+        return f"# annot: pipeline stages of {what} (one stage: no boundaries)"
+    out = f"# annot: pipeline stages of {what} (boundaries: {', '.join(labels)})"
+    if caller is not None:
+        out += f", run by the stages of {caller}"
+        if sp.forward.decorators:
+            names = ", ".join(
+                "@" + _one_line(node_source(d.decorator)) for d in sp.forward.decorators
+            )
+            out += (
+                f"\n# annot: its decorators ({names}) wrap the whole call: they run on its "
+                "first stage, which takes the call's arguments"
+            )
+    return out
+
+
 def _split(
     wrapper: MetadataWrapper,
     cls: cst.ClassDef,
     boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
     path: str,
+    nested: bool = False,
 ) -> StageSplit:
-    sp = Splitter(wrapper, cls, path)
-    plan = sp.plan(boundaries)
-    built = build_stages(sp, plan)
-    labels = tuple(c.label for c in plan.cuts)
+    done: dict[tuple[int, str], tuple[tuple[str, ...], Splitter, Plan, list]] = {}
+    _chain(wrapper, cls, "forward", boundaries, path, nested, done)
+    _, root, plan, built = done[(id(cls), "forward")]
+    callers: dict[tuple[int, str], str] = {}
+    for _, sp, p, _ in done.values():
+        for inner in p.inner:
+            if inner.callee.kind != "sequential":
+                child = inner.callee.cls if inner.callee.kind == "module" else sp.cls
+                callers[(id(child), inner.callee.method)] = f"{sp.cls.name.value}.{sp.method}"
+    inserts = []
+    for key, (_, sp, p, b) in done.items():
+        caller = callers.get(key)
+        header = _header(sp, p, None if key == (id(cls), "forward") else caller)
+        inserts.append((sp.cls, MethodStages(sp.method, sp.prefix, header, [f for f, _ in b])))
     n = len(built)
-    header = (
-        f"# annot: pipeline stages of forward (boundaries: {', '.join(labels)})"
-        if labels
-        else "# annot: pipeline stages of forward (one stage: no boundaries)"
-    )
-    qnames = sp.qnames
+    qnames = root.qnames
     idx = _stage_decorator(cls, qnames)
     comment = None
     if idx is not None:
@@ -156,22 +228,35 @@ def _split(
         except RewriteError:
             pass
         comment = f"# annot: {text} applied: {n} stage{'s' if n != 1 else ''}"
-    transformer = StageSplitTransformer(cls, [f for f, _ in built], idx, comment, header)
+    transformer = StageSplitTransformer(inserts, cls, idx, comment)
     source = wrapper.module.visit(transformer).code
+    labels = tuple(c.label for c in plan.cuts)
     return StageSplit(source, tuple(p for _, p in built), output_arity(plan.returns), labels)
 
 
 def split_stages(
-    source: str, class_name: str, boundaries: Sequence[str], *, path: str = "<string>"
+    source: str,
+    class_name: str,
+    boundaries: Sequence[str],
+    *,
+    path: str = "<string>",
+    nested: bool = False,
 ) -> StageSplit:
     """Split ``class_name``'s forward in ``source`` at ``boundaries`` (module
     paths where a new stage begins, in forward order; ``annot.boundary()``
     statements in forward are boundaries too). k boundaries give k + 1
     stages. Raises :class:`RewriteError` for what cannot be split safely.
+
+    ``nested``: a boundary below a call (``"model.layers.2"`` below
+    ``self.model(...)``, a helper method, an nn.Sequential called whole) is
+    followed into the callee's source in this file, which gets stage methods
+    of its own (:mod:`annot.rewriters.nested_calls`); how ``annot rewrite``
+    prints a model whose blocks sit in nested forwards. Without it such a
+    boundary is refused: the runtime cuts those stages at run time.
     """
     wrapper = MetadataWrapper(parse_source(source, path))
     cls = _find_class(wrapper.module, class_name, path)
-    return _split(wrapper, cls, [(b, None) for b in boundaries], path)
+    return _split(wrapper, cls, [(b, None) for b in boundaries], path, nested)
 
 
 def split_decorated(

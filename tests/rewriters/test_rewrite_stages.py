@@ -761,7 +761,7 @@ def test_refuse_boundary_in_nested_loop():
 @pytest.mark.parametrize(
     "loop, pos",
     [
-        ("for b in self.h[:3]:\n    x = b(x)\n", (8, 18)),
+        ("for b in self.h[1:3]:\n    x = b(x)\n", (8, 18)),
         ("for i in range(len(self.h)):\n    x = self.h[i](x)\n", (8, 18)),
         ("for b in list(self.h):\n    x = b(x)\n", (8, 18)),
     ],

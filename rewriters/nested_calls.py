@@ -1,0 +1,334 @@
+"""A boundary below a call: the statement that calls a nested forward, cut in pieces.
+
+Real models keep their blocks below the root's ``forward``:
+``LlamaForCausalLM.forward`` runs ``outputs = self.model(...)`` and
+``LlamaModel.forward`` loops over ``self.layers``; timm's ``forward`` calls the
+helper ``self.forward_features(x)``, which calls an ``nn.Sequential`` whole.
+A boundary such as ``"model.layers.2"`` is then placed by following the call
+chain: the statement that calls ``self.model`` is cut into pieces, one per
+stage of the callee, and the callee is split in its own right::
+
+    _annot_model = self.model._annot_stage_0(input_ids=input_ids, **kwargs)
+    # --- stage boundary: model.layers.2
+    outputs = self.model._annot_stage_1(**_annot_model)
+
+A :class:`Callee` says what is called: a submodule whose class (defined in the
+same file) has its ``forward`` split, a helper method of the same class split
+the same way (``self._annot_forward_features_stage_0(x)``), or an
+``nn.Sequential`` called whole, cut between its elements by slicing
+(``self.blocks[:2](x)``, ``self.blocks[2:](_annot_blocks)``).
+
+:func:`callee_of` finds the class of ``self.<path>`` from the ``__init__``
+assignments of the class and of its bases in the file; :func:`call_pieces`
+checks the statement and writes its pieces. What cannot be cut this way is
+refused with the reason (a :class:`ValueError` the splitter turns into a
+``RewriteError`` at ``file:line:col``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import libcst as cst
+
+from annot.rewriters.boundaries import qualified
+
+__all__ = ["Callee", "call_pieces", "callee_of", "stage_prefix"]
+
+_SEQUENTIAL = {"torch.nn.Sequential", "torch.nn.modules.container.Sequential"}
+
+
+def stage_prefix(method: str) -> str:
+    """The names of a method's stage methods: ``_annot_stage_k`` for forward,
+    ``_annot_<method>_stage_k`` for a helper method."""
+    return "_annot_stage_" if method == "forward" else f"_annot_{method}_stage_"
+
+
+@dataclass(frozen=True, eq=False)
+class Callee:
+    """What a cut statement calls. ``kind``: ``module`` (``self.<path>``, of
+    class ``cls``, whose forward is split), ``method`` (the helper method
+    ``path`` of the same class ``cls``) or ``sequential`` (an
+    ``nn.Sequential`` called whole; ``cls`` None)."""
+
+    kind: str
+    path: str
+    cls: Optional[cst.ClassDef]
+
+    @property
+    def method(self) -> str:
+        return self.path if self.kind == "method" else "forward"
+
+    def stage(self, self_name: str, k: int, start: int, stop: Optional[int]) -> cst.BaseExpression:
+        """The expression that runs this callee's part ``k`` (elements
+        ``start:stop`` of a sequential)."""
+        owner = f"{self_name}.{self.path}"
+        if self.kind == "sequential":
+            lo = str(start) if start else ""
+            hi = str(stop) if stop is not None else ""
+            return cst.parse_expression(f"{owner}[{lo}:{hi}]")
+        if self.kind == "method":
+            return cst.parse_expression(f"{self_name}.{stage_prefix(self.path)}{k}")
+        return cst.parse_expression(f"{owner}.{stage_prefix('forward')}{k}")
+
+
+# ---- the class of self.<path> ------------------------------------------------------
+
+
+def _classes(module: cst.Module) -> dict[str, cst.ClassDef]:
+    return {s.name.value: s for s in module.body if isinstance(s, cst.ClassDef)}
+
+
+class _Assigned(cst.CSTVisitor):
+    """``self.<name> = <value>`` statements of one ``__init__``."""
+
+    def __init__(self, self_name: str, name: str) -> None:
+        super().__init__()
+        self.self_name = self_name
+        self.name = name
+        self.values: list[cst.BaseExpression] = []
+
+    def _target(self, target: cst.BaseExpression, value: Optional[cst.BaseExpression]) -> None:
+        if (
+            value is not None
+            and isinstance(target, cst.Attribute)
+            and isinstance(target.value, cst.Name)
+            and target.value.value == self.self_name
+            and target.attr.value == self.name
+        ):
+            self.values.append(value)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for t in node.targets:
+            self._target(t.target, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._target(node.target, node.value)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False  # nested functions are another scope
+
+
+def _init_values(cls: cst.ClassDef, name: str) -> list[cst.BaseExpression]:
+    for stmt in cls.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
+            params = [*stmt.params.posonly_params, *stmt.params.params]
+            if not params:
+                return []
+            finder = _Assigned(params[0].name.value, name)
+            stmt.body.visit(finder)
+            return finder.values
+    return []
+
+
+def _bases(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list[cst.ClassDef]:
+    return [
+        classes[b.value.value]
+        for b in cls.bases
+        if b.keyword is None and isinstance(b.value, cst.Name) and b.value.value in classes
+    ]
+
+
+def _is_sequential(qnames: Mapping, func: cst.BaseExpression, classes, seen=()) -> bool:
+    if {q.name for q in qualified(qnames, func)} & _SEQUENTIAL:
+        return True
+    if isinstance(func, cst.Name) and func.value in classes and func.value not in seen:
+        cls = classes[func.value]  # class Blocks(nn.Sequential) without its own forward
+        own = any(
+            isinstance(s, cst.FunctionDef) and s.name.value == "forward" for s in cls.body.body
+        )
+        return not own and any(
+            _is_sequential(qnames, b.value, classes, (*seen, func.value)) for b in cls.bases
+        )
+    return False
+
+
+def _attribute_class(
+    module: cst.Module, qnames: Mapping, cls: cst.ClassDef, name: str
+) -> Union[cst.ClassDef, str]:
+    """The class ``self.<name>`` is built from in ``cls.__init__`` (or a base's),
+    ``"sequential"``, or raise ValueError saying why it cannot be followed."""
+    classes = _classes(module)
+    todo, seen = [cls], set()
+    while todo:
+        c = todo.pop(0)
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        values = _init_values(c, name)
+        if values:
+            built = {_built_by(module, qnames, v, classes) for v in values}
+            if len(built) == 1:
+                (only,) = built
+                if only is not None:
+                    return only
+            shown = ", ".join(cst.Module([]).code_for_node(v).split("(")[0] for v in values)
+            raise ValueError(
+                f"self.{name} is built by `{shown}` in {c.name.value}.__init__, which is not a "
+                "class of this file (nor one nn.Sequential): annot rewrite follows a call only "
+                "into a class whose source it has"
+            )
+        todo += _bases(c, classes)
+    raise ValueError(
+        f"{cls.name.value}.__init__ (and its bases in this file) never assigns self.{name}, "
+        "so annot rewrite cannot tell which forward it runs"
+    )
+
+
+def _built_by(module, qnames, value, classes) -> Union[cst.ClassDef, str, None]:
+    if not isinstance(value, cst.Call):
+        return None
+    if _is_sequential(qnames, value.func, classes):
+        return "sequential"
+    if isinstance(value.func, cst.Name) and value.func.value in classes:
+        return classes[value.func.value]
+    return None
+
+
+def callee_of(module: cst.Module, qnames: Mapping, cls: cst.ClassDef, path: str) -> Callee:
+    """The callee ``self.<path>`` (a dotted path followed attribute by attribute
+    through the classes' ``__init__``), or raise ValueError with the reason."""
+    current: Union[cst.ClassDef, str] = cls
+    for name in path.split("."):
+        if not isinstance(current, cst.ClassDef):
+            raise ValueError(f"self.{path}: an nn.Sequential has no attribute {name!r}")
+        current = _attribute_class(module, qnames, current, name)
+    if isinstance(current, str):
+        return Callee("sequential", path, None)
+    return Callee("module", path, current)
+
+
+# ---- the cut statement ---------------------------------------------------------------
+
+
+_ON_PATH = (
+    cst.Call,
+    cst.Arg,
+    cst.Attribute,
+    cst.Subscript,
+    cst.SubscriptElement,
+    cst.Index,
+    cst.BinaryOperation,
+    cst.UnaryOperation,
+    cst.Tuple,
+    cst.List,
+    cst.Element,
+    cst.StarredElement,
+)
+
+
+class _Effects(cst.CSTVisitor):
+    """Whether an expression may run code or bind names (a call, ``:=``,
+    ``await``, ``yield``): what must not move from after a callee's first part
+    to before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found = False
+
+    def visit_Call(self, node) -> bool:
+        self.found = True
+        return False
+
+    visit_NamedExpr = visit_Await = visit_Yield = visit_Call
+
+
+def _moves_nothing(value: cst.CSTNode, call: cst.Call) -> bool:
+    """Whether ``call`` sits in ``value`` such that only plain reads are
+    evaluated before it: each node on the way down is an operation, a call, an
+    argument, an attribute, a subscript or a display, and what it evaluates
+    before the way down makes no call (``self.head(self.features(x))[0]`` yes;
+    ``f(x) + self.features(x)``, ``a if c else self.features(x)``, a
+    comprehension: no)."""
+    if value is call:
+        return True
+    if not isinstance(value, _ON_PATH):
+        return False
+    for child in value.children:
+        if _moves_nothing(child, call):
+            return True
+        effects = _Effects()
+        child.visit(effects)
+        if effects.found:
+            return False
+    return False
+
+
+def _small(stmt: cst.BaseStatement, call: cst.Call) -> Optional[cst.BaseSmallStatement]:
+    """The statement's one small statement when the callee's first parts can
+    run before it: an assignment, expression or return whose value reaches
+    ``call`` with only plain reads evaluated before it (see
+    :func:`_moves_nothing`); else None."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    small = stmt.body[0]
+    if not isinstance(small, (cst.Assign, cst.AnnAssign, cst.Expr, cst.Return)):
+        return None
+    if small.value is None or not _moves_nothing(small.value, call):
+        return None
+    return small
+
+
+class _Replace(cst.CSTTransformer):
+    def __init__(self, old: cst.CSTNode, new: cst.CSTNode) -> None:
+        super().__init__()
+        self.old, self.new = old, new
+
+    def on_leave(self, original, updated):
+        return self.new if original is self.old else updated
+
+
+def call_pieces(
+    stmt: cst.BaseStatement,
+    call: cst.Call,
+    callee: Callee,
+    self_name: str,
+    elements: Sequence[int],
+) -> list[cst.SimpleStatementLine]:
+    """The pieces of ``stmt`` (which calls ``callee`` through ``call``), one per
+    stage of the callee: ``len(elements) + 1`` of them. ``elements``: where a
+    sequential's stages begin (unused otherwise). Raises ValueError with the
+    reason when the statement cannot be cut."""
+    if _small(stmt, call) is None:
+        raise ValueError(
+            f"the call of self.{callee.path} is evaluated after other calls of its statement "
+            "(or under a condition, in a comprehension or in a compound statement), which "
+            f"would then run after part of self.{callee.path}; assign its result to a name "
+            f"in a statement of its own first: `out = self.{callee.path}(...)`"
+        )
+    if callee.kind == "sequential" and (
+        len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star
+    ):
+        raise ValueError(
+            f"self.{callee.path} is an nn.Sequential, which takes one positional input"
+        )
+    temp = "_annot_" + callee.path.replace(".", "_")
+    bounds = [0, *elements, None]
+    n = len(elements) + 1
+    pieces: list[cst.SimpleStatementLine] = []
+    for k in range(n - 1):
+        if k == 0:
+            args = list(call.args)
+        elif callee.kind == "sequential":
+            args = [cst.Arg(cst.Name(temp))]
+        else:
+            args = [cst.Arg(cst.Name(temp), star="**")]
+        run = cst.Call(func=callee.stage(self_name, k, bounds[k], bounds[k + 1]), args=args)
+        if k == 0:
+            run = run.with_changes(whitespace_before_args=call.whitespace_before_args)
+        line = cst.SimpleStatementLine(
+            body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(temp))], value=run)],
+            leading_lines=stmt.leading_lines if k == 0 else (),
+        )
+        pieces.append(line)
+    last_args = (
+        [cst.Arg(cst.Name(temp))]
+        if callee.kind == "sequential"
+        else [cst.Arg(cst.Name(temp), star="**")]
+    )
+    last = cst.Call(func=callee.stage(self_name, n - 1, bounds[-2], None), args=last_args)
+    rest = stmt.visit(_Replace(call, last))
+    pieces.append(rest.with_changes(leading_lines=()))
+    return pieces
