@@ -3,7 +3,9 @@
 ``Branchy`` has what torch.export-based pipelining cannot take: a branch on
 data inside the split loop, a module called twice, an embedding tied to the
 head across the first and last stage, kwargs and a None crossing a boundary,
-an int and a float crossing, and targets that only the last stage reads.
+an int and a float crossing, targets that only the last stage reads, and a
+loop over a prefix of its block list (``self.blocks[: self.depth]``, as Hugging
+Face writes it), cut in source.
 """
 
 import torch
@@ -23,13 +25,14 @@ class Branchy(nn.Module):
         )
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied across the first and last stage
+        self.depth = depth
 
     def forward(self, idx, targets=None, mask=None, scale=1.0):
         x = self.emb(idx)
         x = self.shared(torch.relu(self.shared(x)))  # one module, called twice
         length = idx.shape[1]
         bonus = None
-        for block in self.blocks:
+        for block in self.blocks[: self.depth]:
             x = block(x)
             if x.mean() > 0:  # a different path per microbatch
                 x = x * scale

@@ -205,6 +205,11 @@ def _dynamic(cache):
     torch.manual_seed(5)
     ref = Branchy()
     assert len(model.pipeline.ties) == 1 and model.pipeline.ties[0].stages == (0, 1)
+    # the prefix loop is cut in source (not at run time), and each stage holds its blocks only
+    assert not model.report.replay, "self.blocks[: self.depth] is cut by the rewriter"
+    held = {n.split(".")[1] for n, p in model.module.named_parameters() if n.startswith("blocks.")}
+    held = {n for n in held if not any(p.is_meta for p in model.module.blocks[int(n)].parameters())}
+    assert held == ({"0", "1"} if model.ctx.pp_rank == 0 else {"2", "3"}), held
 
     @annot.jit(model, microbatches=4, schedule="1f1b")
     def step(idx, targets, mask=None, scale=1.0):
