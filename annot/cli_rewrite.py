@@ -142,7 +142,7 @@ def rewrite_source(
                     f"{path}: --split needs exactly one @stage class, found {len(classes)}"
                 )
             boundaries = {classes[0]: split}
-        text, splits = split_decorated(text, path=path, boundaries=boundaries)
+        text, splits = split_decorated(text, path=path, boundaries=boundaries, nested=True)
         for name, sp in splits.items():
             if len(sp.stages) != pp:
                 raise Refusal(

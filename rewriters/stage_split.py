@@ -264,6 +264,7 @@ def split_decorated(
     *,
     path: str = "<string>",
     boundaries: Optional[Mapping[str, Sequence[str]]] = None,
+    nested: bool = False,
 ) -> tuple[str, dict[str, StageSplit]]:
     """Apply every ``@stage`` class of ``source``: ``(new source, {class: split})``.
 
@@ -271,6 +272,7 @@ def split_decorated(
     runtime passes ``auto`` placements), else from the decorator's literal
     ``split=[...]`` (plus ``annot.boundary()`` markers). A file without
     ``@stage`` (e.g. one this already rewrote) is returned unchanged.
+    ``nested``: as for :func:`split_stages`.
     """
     boundaries = dict(boundaries or {})
     wrapper = MetadataWrapper(parse_source(source, path))
@@ -293,7 +295,7 @@ def split_decorated(
             )
         else:
             given = [(b, n) for b, n in zip(cls.spec.split, _split_nodes(cls.decorator))]
-        result = _split(wrapper, cls.node, given, path)
+        result = _split(wrapper, cls.node, given, path, nested)
         results[hint.name] = result
         source = result.source
     return source, dict(reversed(list(results.items())))

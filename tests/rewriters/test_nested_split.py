@@ -400,3 +400,21 @@ def test_without_nested_the_runtime_cut_is_left_to_the_runtime():
     with pytest.raises(RewriteError) as info:
         split_stages(CHAIN_SRC, "Net", ["body.layers.2"], path="m.py")
     assert "forward never calls self.body.layers.2" in info.value.reason
+
+
+def test_a_stage_decorator_naming_a_nested_boundary_is_followed():
+    from annot.rewriters.stage_split import split_decorated
+
+    src = CHAIN_SRC.replace(
+        "class Net(nn.Module):",
+        'from annot import stage\n\n\n@stage(split=["body.layers.3"])\nclass Net(nn.Module):',
+    )
+    out, splits = split_decorated(src, path="m.py", nested=True)
+    assert splits["Net"].boundaries == ("body.layers.3",)
+    assert '# annot: @stage(split=["body.layers.3"]) applied: 2 stages' in out
+    assert "        for layer in self.layers[: self.depth][3:]:\n" in out
+    mod = _load(out)
+    torch.manual_seed(0)
+    model = mod.Net()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_compose(model, 2, x), model(x), rtol=0, atol=0)
