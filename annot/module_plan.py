@@ -85,6 +85,12 @@ def call_order(calls: list[tuple[str, ...]]) -> list[str]:
     return list(dict.fromkeys(p for paths in calls for p in paths))
 
 
+def _container(m: nn.Module) -> bool:
+    """A module list or dict: never called (forward calls its elements), so a
+    stage cannot begin at it."""
+    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
+
+
 def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     """The candidate units of ``model`` in call order (``order`` from
     :func:`call_order`; default: registration order)."""
@@ -121,7 +127,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     fixed, begun = [], set()
     for u in out:
         parent = u.path.rpartition(".")[0]
-        if parent in blocks and parent not in begun:
+        if parent in blocks and parent not in begun and not _container(named[parent]):
             u = Unit(parent, u.params, u.owns)
         begun.add(parent)
         if fixed and fixed[-1].path == u.path:  # one call begins both: one unit

@@ -75,8 +75,18 @@ def needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool
     try:
         resplit(cls, boundaries)
     except (RewriteError, OSError, TypeError):
-        return True
-    return False
+        pass
+    else:
+        return False
+    for b in boundaries:  # cut at run time: a stage begins at a module's call
+        if isinstance(names[b], (nn.ModuleList, nn.ModuleDict)):
+            first = next(iter(names[b].named_children()), ("0", None))[0]
+            raise HintError(
+                f"pipeline boundary {b!r} names an nn.{type(names[b]).__name__}, which is never "
+                "called (forward calls its elements), so no stage could begin there; name "
+                f"the element whose call begins the stage, e.g. {b + '.' + first!r}"
+            )
+    return True
 
 
 def resplit(cls: type, boundaries: tuple[str, ...]):

@@ -10,6 +10,10 @@ pipeline tests (:mod:`tests.e2e.test_pp_nested`):
   ``self.layer1(x)`` ...; BatchNorm with running statistics (torchvision's
   ``ResNet``).
 * :class:`SequentialMLP`: every block in one ``nn.Sequential``, called once.
+* :class:`XStyleDecoder`: each layer an ``nn.ModuleList([block, norm])`` whose
+  elements forward calls directly, the list itself never called
+  (x-transformers' ``Decoder``), inside a one-line wrapper
+  (:class:`XStyleWrapper`).
 * :class:`BranchyEncoder`: a nested forward whose path depends on the data
   (``if h.mean() > 0``) and on a Python int read from a tensor, before and
   after the boundary, with a dataclass output.
@@ -203,3 +207,31 @@ class BranchyEncoder(nn.Module):
         if out.gate is None:  # early return
             return self.head(out.last_hidden)
         return self.head(out.last_hidden * out.gate)
+
+
+# -- x-transformers style -------------------------------------------------------------
+
+
+class XStyleDecoder(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 16, depth: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [nn.ModuleList([Mlp(dim, 2 * dim), nn.LayerNorm(dim)]) for _ in range(depth)]
+        )
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block, norm in self.layers:  # a layer (a ModuleList) is never called itself
+            x = norm(x + block(x))
+        return self.out(x)
+
+
+class XStyleWrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = XStyleDecoder()
+
+    def forward(self, ids):
+        return self.net(ids)

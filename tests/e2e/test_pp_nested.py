@@ -194,6 +194,18 @@ def _vectors(g, step):
     return {"x": torch.randn(4, 8, generator=g), "y": torch.randint(0, 8, (4,), generator=g)}
 
 
+def _xstyle():
+    from tests.nested_models import XStyleWrapper
+
+    return XStyleWrapper, ()
+
+
+def _ce_on_output(model, b):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(b["ids"]).flatten(0, 1), b["ids"].flatten())
+
+
 def _branchy():
     from tests.nested_models import BranchyEncoder
 
@@ -219,6 +231,7 @@ CASES = {
     "llama_ckpt": (_llama_checkpointed, _tokens, _ce_on_logits),
     "llama_sp": (_llama, _even_tokens, _ce_on_logits),
     "branchy": (_branchy, _vectors, _branchy_loss),
+    "xstyle": (_xstyle, _tokens, _ce_on_output),
 }
 
 
@@ -362,6 +375,14 @@ def test_timm_torchvision_and_sequential_styles(tmp_path, case, splits):
     _run(tmp_path, case, splits)
 
 
+def test_layers_that_are_module_lists_split_automatically(tmp_path):
+    # x-transformers' layout: the planner begins a stage at a layer's first
+    # element (called), never at the layer's ModuleList (never called)
+    res = _run(tmp_path, "xstyle", [None], pp=2)
+    (boundary,) = res[0][0][1]
+    assert boundary.startswith("net.layers.") and boundary.count(".") == 3, boundary
+
+
 def test_data_dependent_control_flow_before_the_boundary(tmp_path):
     # the branch and the .item() sit before and after the boundary; a module called twice
     _run(tmp_path, "branchy", [["encoder.layers.2"], ["encoder.layers.0"], ["head"]])
@@ -496,21 +517,29 @@ def test_interleaved_nested_stages_and_dcp_checkpoint(tmp_path):
 # ---- refusals -------------------------------------------------------------------------
 
 
-def _refusal(cache: str) -> str:
+def _refusal(cache: str) -> list[str]:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from annot.errors import HintError
-    from tests.nested_models import TimmStyleViT
+    from tests.nested_models import TimmStyleViT, XStyleWrapper
 
-    try:
-        annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.9"])
-    except HintError as e:
-        return str(e)
-    return "no error"
+    out = []
+    for cls, split in ((TimmStyleViT, "blocks.9"), (XStyleWrapper, "net.layers.2")):
+        try:
+            annot.parallelize(cls, mesh=annot.Mesh(pp=2), seed=0, split=[split])
+            out.append("no error")
+        except HintError as e:
+            out.append(str(e))
+    return out
 
 
-def test_boundary_naming_no_module_is_refused(tmp_path):
-    msg = run_ranks(_refusal, 2, str(tmp_path), timeout=120)[0]
+def test_boundary_naming_no_module_or_a_module_list_is_refused(tmp_path):
+    msg, listed = run_ranks(_refusal, 2, str(tmp_path), timeout=120)[0]
+    assert listed == (
+        "pipeline boundary 'net.layers.2' names an nn.ModuleList, which is never called "
+        "(forward calls its elements), so no stage could begin there; name the element whose "
+        "call begins the stage, e.g. 'net.layers.2.0'"
+    ), listed
     assert msg == (
         "pipeline boundary 'blocks.9' names no submodule of TimmStyleViT; a boundary is the "
         "path of the module whose call begins a stage (e.g. blocks, blocks.0, blocks.0.norm1, "
