@@ -312,6 +312,14 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
 
         hints = hints_from_hf_config(ref, tp=tp) or None
     specs, paths = _class_specs(ref, hints)
+    if tp > 1 and not specs and not paths:
+        raise HintError(
+            f"tp={tp}, but nothing in {type(ref).__name__} says how to split it: no @shard on "
+            "its classes, no hints= given, and no transformers tp plan; every rank would run "
+            "the whole model. Give the layers' layout from outside, e.g. "
+            "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
+            "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
+        )
     verify_shard_hints(ref, specs, tp, paths)
     return specs, paths
 

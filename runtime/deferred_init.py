@@ -138,8 +138,15 @@ def deferred_reference(
         ref, values = deferred_reference(lambda: GPT(cfg), lambda name: lambda t: t)
     """
     recorder = Recorder()
-    with HideMeta(recorder), recorder:
-        module = build()
+    try:
+        with HideMeta(recorder), recorder:
+            module = build()
+    except DeferredInitError:
+        raise
+    except Exception as exc:  # e.g. ConvNext's __init__ reads .tolist() of a tensor it made
+        raise DeferredInitError(
+            f"its constructor fails on the meta device ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(module, nn.Module):
         raise DeferredInitError(
             f"deferred init: build() returned {type(module).__name__}, expected an nn.Module"

@@ -157,6 +157,30 @@ def test_external_hint_matching_nothing():
     assert specs[Attn].specs == {"qkv": Col(chunks=3)} and specs[Attn].local == ("n_head",)
 
 
+def _unhinted_tp2(cache):
+    import os
+
+    import torch.nn as nn
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    try:
+        annot.parallelize(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), mesh=annot.Mesh(tp=2))
+    except HintError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tp_with_nothing_to_split_is_refused(tmp_path):
+    """A model with no @shard, no hints= and no transformers tp plan: tp=2 would
+    run the whole model on every rank, which a user would take for tp."""
+    msg = run_ranks(_unhinted_tp2, 2, str(tmp_path), timeout=120)[0]
+    assert msg.startswith(
+        "tp=2, but nothing in Sequential says how to split it: no @shard on its classes, no "
+        "hints= given, and no transformers tp plan; every rank would run the whole model."
+    ), msg
+    assert "or use tp=1" in msg
+
+
 def _step(x, y):
     return x
 

@@ -156,6 +156,26 @@ def _images(g, step):
     return {"x": torch.randn(4, 3, 8, 8, generator=g), "y": torch.randint(0, 5, (4,), generator=g)}
 
 
+def _convnext():
+    """HF ConvNext: its __init__ reads .tolist() of a tensor, so deferred init
+    cannot replay it and each rank builds it whole (with a warning)."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1], num_labels=5
+    )
+    return ConvNextForImageClassification, (cfg,)
+
+
+def _images32(g, step):
+    import torch
+
+    return {
+        "x": torch.randn(4, 3, 32, 32, generator=g),
+        "y": torch.randint(0, 5, (4,), generator=g),
+    }
+
+
 def _dataclass_logits(model, b):
     """Style 3: a field of the model's dataclass output, loss outside."""
     import torch.nn.functional as F
@@ -232,6 +252,7 @@ CASES = {
     "llama_sp": (_llama, _even_tokens, _ce_on_logits),
     "branchy": (_branchy, _vectors, _branchy_loss),
     "xstyle": (_xstyle, _tokens, _ce_on_output),
+    "convnext": (_convnext, _images32, _dataclass_logits),
 }
 
 
@@ -381,6 +402,11 @@ def test_layers_that_are_module_lists_split_automatically(tmp_path):
     res = _run(tmp_path, "xstyle", [None], pp=2)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("net.layers.") and boundary.count(".") == 3, boundary
+
+
+@pytest.mark.slow
+def test_hf_convnext_built_whole_when_deferred_init_cannot_replay_it(tmp_path):
+    _run(tmp_path, "convnext", [["convnext.encoder.stages.1.layers.1"], None], pp=2)
 
 
 def test_data_dependent_control_flow_before_the_boundary(tmp_path):
