@@ -235,3 +235,10 @@ class XStyleWrapper(nn.Module):
 
     def forward(self, ids):
         return self.net(ids)
+
+
+class XStyleSubclass(XStyleDecoder):
+    """Only ``__init__`` of its own; forward inherited from the library's class."""
+
+    def __init__(self):
+        super().__init__(depth=4)

@@ -220,6 +220,12 @@ def _xstyle():
     return XStyleWrapper, ()
 
 
+def _xsubclass():
+    from tests.nested_models import XStyleSubclass
+
+    return XStyleSubclass, ()
+
+
 def _ce_on_output(model, b):
     import torch.nn.functional as F
 
@@ -253,6 +259,7 @@ CASES = {
     "branchy": (_branchy, _vectors, _branchy_loss),
     "xstyle": (_xstyle, _tokens, _ce_on_output),
     "convnext": (_convnext, _images32, _dataclass_logits),
+    "xsubclass": (_xsubclass, _tokens, _ce_on_output),
 }
 
 
@@ -402,6 +409,8 @@ def test_layers_that_are_module_lists_split_automatically(tmp_path):
     res = _run(tmp_path, "xstyle", [None], pp=2)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("net.layers.") and boundary.count(".") == 3, boundary
+    # a subclass that inherits forward (only its __init__ is its own): cut at run time
+    _run(tmp_path, "xsubclass", [None, ["layers.2.0"]], pp=2)
 
 
 @pytest.mark.slow
