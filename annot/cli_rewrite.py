@@ -167,19 +167,29 @@ def _source(spec: str) -> tuple[str, Optional[str]]:
         return where, cls or None
     try:
         found = importlib.util.find_spec(where)
-    except (ImportError, ValueError) as exc:
-        raise Refusal(f"{spec}: cannot find module {where!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a parent package's __init__ may raise anything
+        raise Refusal(
+            f"{spec}: cannot find module {where!r} ({type(exc).__name__}: {exc}); for a file, "
+            f"give its path: {where.replace('.', '/')}.py:{cls or 'CLASS'}"
+        ) from None
     if found is None or not found.origin or not found.origin.endswith(".py"):
-        raise Refusal(f"{spec}: {where!r} is neither a file nor a Python module with source")
+        raise Refusal(
+            f"{spec}: {where!r} is neither a file nor an importable Python module with source "
+            f"(a file: {where.replace('.', '/')}.py:{cls or 'CLASS'})"
+        )
     return found.origin, cls or None
 
 
 def _installed(path: str) -> bool:
-    """Whether ``path`` lies in an installed package (site-packages)."""
+    """Whether ``path`` lies in an installed package (site- or dist-packages,
+    the interpreter's own library)."""
     real = os.path.realpath(path)
-    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    return "site-packages" in real.split(os.sep) or any(
-        real.startswith(os.path.realpath(r) + os.sep) for r in roots
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    parts = real.split(os.sep)
+    return (
+        "site-packages" in parts
+        or "dist-packages" in parts
+        or any(real.startswith(os.path.realpath(r) + os.sep) for r in roots)
     )
 
 
@@ -207,6 +217,8 @@ def _run_rewrite(args: argparse.Namespace) -> int:
             raise Refusal("--force only applies to -o OUTDIR")
         for spec in args.files:
             path, root = _source(spec)
+            if root is not None and args.pp == 1:
+                raise Refusal(f"{spec}: CLASS names the class --split cuts: give --pp N with it")
             if args.in_place and _installed(path):
                 raise Refusal(
                     f"{spec}: {path} is an installed file; annot does not rewrite it in place. "

@@ -153,9 +153,10 @@ class Use:
 
 def _module_list(seq: cst.BaseExpression, self_name: str) -> Optional[str]:
     """The path of a module list a loop iterates from its first element:
-    ``self.h`` and a prefix of it, ``self.h[:n]`` / ``self.h[0:n]`` (HF's
-    ``self.layers[: self.config.num_hidden_layers]``), whose element ``i`` is
-    ``self.h[i]``; else None."""
+    ``self.h`` and a prefix of it whose length is an int literal or a setting
+    on ``self`` (HF's ``self.layers[: self.config.num_hidden_layers]``; each
+    stage's piece reads it again, so not a local the loop may change), whose
+    element ``i`` is ``self.h[i]``; else None."""
     path = self_path(seq, self_name)
     if path is not None:
         return path
@@ -165,6 +166,10 @@ def _module_list(seq: cst.BaseExpression, self_name: str) -> Optional[str]:
             isinstance(sl, cst.Slice)
             and sl.step is None
             and (sl.lower is None or (isinstance(sl.lower, cst.Integer) and sl.lower.value == "0"))
+            and (  # read again by every stage's piece: a literal or a setting on self
+                isinstance(sl.upper, cst.Integer)
+                or (sl.upper is not None and self_path(sl.upper, self_name, ints=False))
+            )
         ):
             return self_path(seq.value, self_name)
     return None
@@ -341,7 +346,7 @@ def place_boundary(uses: Sequence[Use], path: str) -> Optional[Placement]:
             rest = path[len(use.path) + 1 :]
             if path == use.path:
                 element = 0
-            elif path.startswith(use.path + ".") and rest.isdigit():
+            elif path.startswith(use.path + ".") and rest.isascii() and rest.isdigit():
                 element = int(rest)
                 if use.kind == "loop-other":
                     return Placement(use, element, "loop-other")

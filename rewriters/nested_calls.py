@@ -235,11 +235,16 @@ class _Effects(cst.CSTVisitor):
     visit_NamedExpr = visit_Await = visit_Yield = visit_Call
 
 
+def _plain(node: cst.CSTNode) -> bool:
+    """A value no callee can change: a local name or a literal."""
+    return isinstance(node, (cst.Name, cst.Integer, cst.Float, cst.SimpleString))
+
+
 def _moves_nothing(value: cst.CSTNode, call: cst.Call) -> bool:
     """Whether ``call`` sits in ``value`` such that only plain reads are
     evaluated before it: each node on the way down is an operation, a call, an
     argument, an attribute, a subscript or a display, and what it evaluates
-    before the way down makes no call (``self.head(self.features(x))[0]`` yes;
+    before the way down is a local name, a literal or the called method (``self.head(self.features(x))[0]`` yes;
     ``f(x) + self.features(x)``, ``a if c else self.features(x)``, a
     comprehension: no)."""
     if value is call:
@@ -249,10 +254,15 @@ def _moves_nothing(value: cst.CSTNode, call: cst.Call) -> bool:
     for child in value.children:
         if _moves_nothing(child, call):
             return True
+        if not isinstance(child, cst.BaseExpression):
+            continue  # parentheses, commas, operators
+        if isinstance(value, cst.Arg) and child is value.keyword:
+            continue
         effects = _Effects()
         child.visit(effects)
-        if effects.found:
-            return False
+        method = isinstance(value, cst.Call) and child is value.func  # self.head(...)'s lookup
+        if effects.found or not (method or _plain(child)):
+            return False  # evaluated before the call: it would move after the callee's part
     return False
 
 
@@ -286,10 +296,12 @@ def call_pieces(
     callee: Callee,
     self_name: str,
     elements: Sequence[int],
+    taken: frozenset = frozenset(),
 ) -> list[cst.SimpleStatementLine]:
     """The pieces of ``stmt`` (which calls ``callee`` through ``call``), one per
     stage of the callee: ``len(elements) + 1`` of them. ``elements``: where a
-    sequential's stages begin (unused otherwise). Raises ValueError with the
+    sequential's stages begin (unused otherwise). ``taken``: names the method
+    uses, which the temporary holding the callee's state must not be. Raises ValueError with the
     reason when the statement cannot be cut."""
     if _small(stmt, call) is None:
         raise ValueError(
@@ -305,6 +317,8 @@ def call_pieces(
             f"self.{callee.path} is an nn.Sequential, which takes one positional input"
         )
     temp = "_annot_" + callee.path.replace(".", "_")
+    while temp in taken:  # a name of the user's
+        temp += "_"
     bounds = [0, *elements, None]
     n = len(elements) + 1
     pieces: list[cst.SimpleStatementLine] = []

@@ -69,6 +69,18 @@ class Inner:
     node: cst.Call
 
 
+def _names(fn: cst.FunctionDef) -> set[str]:
+    """Every name a function's code mentions."""
+    found: set[str] = set()
+
+    class _All(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> None:
+            found.add(node.value)
+
+    fn.visit(_All())
+    return found
+
+
 @dataclass(frozen=True, eq=False)
 class _Unit:
     """A piece of forward's code that lies wholly in one stage: a top-level
@@ -295,7 +307,7 @@ class Splitter:
         for use in self.uses:
             if use.kind == "loop" and path.startswith(use.path + "."):
                 element, _, deeper = path[len(use.path) + 1 :].partition(".")
-                if element.isdigit() and deeper:
+                if element.isascii() and element.isdigit() and deeper:
                     raise self.error(
                         use.node,
                         f"boundary {path!r} is inside element {element} of the loop over "
@@ -338,7 +350,7 @@ class Splitter:
                 out.append(cut)
                 continue
             callee, rest, call = cut.below
-            if callee.kind == "sequential" and not rest.isdigit():
+            if callee.kind == "sequential" and not (rest.isascii() and rest.isdigit()):
                 raise self.error(
                     call,
                     f"boundary {cut.label!r}: self.{callee.path} is an nn.Sequential called "
@@ -447,6 +459,7 @@ class Splitter:
         the unit index where each stage after the first begins."""
         units: list[_Unit] = []
         starts: list[int] = []  # unit index where each stage after the first begins
+        names = frozenset(_names(self.forward))
         for i, stmt in enumerate(items):
             elements = [c.element for c in cuts if c.item == i and c.element > 0]
             if any(c.item == i and c.element == 0 for c in cuts):
@@ -458,7 +471,7 @@ class Splitter:
                 )
                 try:
                     pieces = call_pieces(
-                        stmt, below.node, below.callee, self.self_name, marks or elements
+                        stmt, below.node, below.callee, self.self_name, marks or elements, names
                     )
                 except ValueError as exc:
                     raise self.error(

@@ -128,6 +128,22 @@ def _find_class(module: cst.Module, name: str, path: str) -> cst.ClassDef:
     return found[0]
 
 
+# Hugging Face's forward decorators that read the call's arguments (defaults
+# from the config, return_dict, output flags) or only document it: on a nested
+# forward they run on its first stage, which takes the call's arguments. (Output
+# capture, output_hidden_states=True, sees only that stage.)
+FIRST_STAGE_DECORATORS = frozenset(
+    {
+        "auto_docstring",
+        "can_return_tuple",
+        "merge_with_config_defaults",
+        "capture_outputs",
+        "check_model_inputs",
+        "deprecate_kwarg",
+    }
+)
+
+
 def _chain(
     wrapper: MetadataWrapper,
     cls: cst.ClassDef,
@@ -154,6 +170,19 @@ def _chain(
             )
         return
     sp = Splitter(wrapper, cls, path, method=method, nested=nested)
+    if caller is not None:
+        for dec in sp.forward.decorators:
+            func = dec.decorator.func if isinstance(dec.decorator, cst.Call) else dec.decorator
+            name = func.attr.value if isinstance(func, cst.Attribute) else node_source(func)
+            if name not in FIRST_STAGE_DECORATORS:
+                raise sp.error(
+                    dec,
+                    f"{cls.name.value}.{method} is decorated with "
+                    f"@{_one_line(node_source(dec.decorator))}, which wraps the whole call; its "
+                    "stage methods cannot keep it. Cut these stages at run time "
+                    "(annot.parallelize(..., split=[...])), or place the boundary outside "
+                    f"{cls.name.value}",
+                )
     plan = sp.plan(boundaries)
     built = build_stages(sp, plan, decorators=caller is None)
     done[key] = (given, sp, plan, built)
@@ -162,16 +191,28 @@ def _chain(
             continue
         child = inner.callee.cls if inner.callee.kind == "module" else cls
         assert child is not None
-        _chain(
-            wrapper,
-            child,
-            inner.callee.method,
-            [(b, None) for b in inner.boundaries],
-            path,
-            nested,
-            done,
-            caller=f"{cls.name.value}.{method}",
-        )
+        try:
+            _chain(
+                wrapper,
+                child,
+                inner.callee.method,
+                [(b, None) for b in inner.boundaries],
+                path,
+                nested,
+                done,
+                caller=f"{cls.name.value}.{method}",
+            )
+        except RewriteError as err:
+            if inner.callee.kind != "module":
+                raise
+            raise RewriteError(
+                f"{err.reason} [in {child.name.value}, called as self.{inner.callee.path}(...) "
+                f"by {cls.name.value}.{method}: its paths are the given ones less "
+                f"'{inner.callee.path}.']",
+                err.path,
+                err.line,
+                err.col,
+            ) from None
 
 
 def _header(sp: Splitter, plan: Plan, caller: Optional[str]) -> str:

@@ -418,3 +418,59 @@ def test_a_stage_decorator_naming_a_nested_boundary_is_followed():
     model = mod.Net()
     x = torch.randn(3, 4)
     torch.testing.assert_close(_compose(model, 2, x), model(x), rtol=0, atol=0)
+
+
+def test_the_callee_state_takes_a_name_of_its_own():
+    src = CHAIN_SRC.replace(
+        "        h = self.body(x, scale=2.0)\n        return h\n",
+        "        _annot_body = x * 2\n        h = self.body(x, scale=2.0)\n        return h + _annot_body\n",
+    )
+    split = split_stages(src, "Net", ["body.layers.2"], path="m.py", nested=True)
+    assert "        _annot_body_ = self.body._annot_stage_0(x, scale=2.0)\n" in split.source
+    mod = _load(split.source)
+    torch.manual_seed(0)
+    model = mod.Net()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_compose(model, 2, x), model(x), rtol=0, atol=0)
+
+
+def test_refuse_a_read_the_callee_may_change_before_the_call():
+    src = CHAIN_SRC.replace(
+        "        h = self.features(x)\n", "        h = self.depth * self.features(x)\n"
+    )
+    err = _refused(src, "Net", ["body.layers.2"])
+    assert "the call of self.features is evaluated after other calls of its statement" in err.reason
+    # a local name cannot change: that one stays
+    src = CHAIN_SRC.replace(
+        "        h = self.features(x)\n",
+        "        h = x.sum() + 0\n        h = h * self.features(x)\n",
+    )
+    split = split_stages(src, "Net", ["body.layers.2"], path="m.py", nested=True)
+    assert "        h = h * self._annot_features_stage_1(**_annot_features)\n" in split.source
+
+
+def test_refuse_a_prefix_whose_length_the_loop_may_change():
+    src = CHAIN_SRC.replace(
+        "        for layer in self.layers[: self.depth]:\n            h = layer(h)\n",
+        "        n = self.depth\n        for layer in self.layers[:n]:\n            h = layer(h)\n            n = n - 1\n",
+    )
+    err = _refused(src, "Net", ["body.layers.2"])
+    assert "forward loops over `self.layers[:n]`; annot can cut a loop only when it iterates" in (
+        err.reason
+    )
+    assert err.reason.endswith(
+        "[in Body, called as self.body(...) by Net.features: its paths are the given ones less 'body.']"
+    )
+
+
+def test_refuse_a_nested_forward_with_a_decorator_that_wraps_the_call():
+    src = CHAIN_SRC.replace(
+        "    def forward(self, x, scale=1.0):\n",
+        "    @torch.no_grad()\n    def forward(self, x, scale=1.0):\n",
+    )
+    err = _refused(src, "Net", ["body.layers.2"])
+    assert err.reason.startswith(
+        "Body.forward is decorated with @torch.no_grad(), which wraps the whole call; its stage "
+        "methods cannot keep it."
+    )
+    assert (err.line, err.col) == (20, 5)
