@@ -197,7 +197,24 @@ def callee_of(module: cst.Module, qnames: Mapping, cls: cst.ClassDef, path: str)
         current = _attribute_class(module, qnames, current, name)
     if isinstance(current, str):
         return Callee("sequential", path, None)
-    return Callee("module", path, current)
+    return Callee("module", path, _defines(module, current, "forward"))
+
+
+def _defines(module: cst.Module, cls: cst.ClassDef, method: str) -> cst.ClassDef:
+    """The class whose body defines ``method`` for ``cls``: itself, else the
+    first base in this file that does (x-transformers' ``Decoder`` runs
+    ``AttentionLayers.forward``); ``cls`` when none does (refused later)."""
+    classes = _classes(module)
+    todo, seen = [cls], set()
+    while todo:
+        c = todo.pop(0)
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if any(isinstance(s, cst.FunctionDef) and s.name.value == method for s in c.body.body):
+            return c
+        todo += _bases(c, classes)
+    return cls
 
 
 # ---- the cut statement ---------------------------------------------------------------

@@ -474,3 +474,17 @@ def test_refuse_a_nested_forward_with_a_decorator_that_wraps_the_call():
         "methods cannot keep it."
     )
     assert (err.line, err.col) == (20, 5)
+
+
+def test_a_callee_forward_defined_by_a_base_class_in_the_file():
+    """x-transformers' style: ``Decoder(AttentionLayers)`` runs its base's forward."""
+    src = CHAIN_SRC.replace(
+        "class Net(nn.Module):", "class Deep(Body):\n    pass\n\n\nclass Net(nn.Module):"
+    ).replace("self.body = Body(n, depth)", "self.body = Deep(n, depth)")
+    split = split_stages(src, "Net", ["body.layers.2"], path="m.py", nested=True)
+    assert "pipeline stages of Body.forward (boundaries: layers.2)" in split.source
+    mod = _load(split.source)
+    torch.manual_seed(0)
+    model = mod.Net()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_compose(model, 2, x), model(x), rtol=0, atol=0)
