@@ -12,6 +12,7 @@ arguments.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Iterator
@@ -116,6 +117,17 @@ def default_backend() -> str:
     return "nccl"
 
 
+def _leave() -> None:
+    """At interpreter exit, end the process group annot started, so its
+    threads are joined before teardown (left to the interpreter, a gloo rank
+    could abort with "terminate called without an active exception" after
+    the program's last line). Bounded: a peer that hung cannot hold the exit."""
+    from annot.runtime.faults import abort_process_group
+
+    if dist.is_available() and dist.is_initialized():
+        abort_process_group(wait_s=10.0)
+
+
 def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:
     """Join (or start) the process group from torchrun's environment and build
     the dp x pp x tp DeviceMesh. Validates the mesh against the world size."""
@@ -128,6 +140,7 @@ def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        atexit.register(_leave)  # the group annot started, annot ends
     world = dist.get_world_size()
     mesh.validate(world)
     rank = dist.get_rank()
