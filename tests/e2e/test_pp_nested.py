@@ -403,6 +403,7 @@ def test_timm_torchvision_and_sequential_styles(tmp_path, case, splits):
     _run(tmp_path, case, splits)
 
 
+@pytest.mark.slow  # fast-set budget
 def test_layers_that_are_module_lists_split_automatically(tmp_path):
     # x-transformers' layout: the planner begins a stage at a layer's first
     # element (called), never at the layer's ModuleList (never called)
