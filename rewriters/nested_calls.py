@@ -131,6 +131,17 @@ def _bases(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]) -> list[cst.C
     ]
 
 
+def _lineage(cls: cst.ClassDef, classes: Mapping[str, cst.ClassDef]):
+    """``cls``, then its bases defined in this file, breadth first, each once."""
+    todo, seen = [cls], set()
+    while todo:
+        c = todo.pop(0)
+        if id(c) not in seen:
+            seen.add(id(c))
+            yield c
+            todo += _bases(c, classes)
+
+
 def _is_sequential(qnames: Mapping, func: cst.BaseExpression, classes, seen=()) -> bool:
     if {q.name for q in qualified(qnames, func)} & _SEQUENTIAL:
         return True
@@ -151,12 +162,7 @@ def _attribute_class(
     """The class ``self.<name>`` is built from in ``cls.__init__`` (or a base's),
     ``"sequential"``, or raise ValueError saying why it cannot be followed."""
     classes = _classes(module)
-    todo, seen = [cls], set()
-    while todo:
-        c = todo.pop(0)
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
+    for c in _lineage(cls, classes):
         values = _init_values(c, name)
         if values:
             built = {_built_by(module, qnames, v, classes) for v in values}
@@ -170,7 +176,6 @@ def _attribute_class(
                 "class of this file (nor one nn.Sequential): annot rewrite follows a call only "
                 "into a class whose source it has"
             )
-        todo += _bases(c, classes)
     raise ValueError(
         f"{cls.name.value}.__init__ (and its bases in this file) never assigns self.{name}, "
         "so annot rewrite cannot tell which forward it runs"
@@ -204,16 +209,9 @@ def _defines(module: cst.Module, cls: cst.ClassDef, method: str) -> cst.ClassDef
     """The class whose body defines ``method`` for ``cls``: itself, else the
     first base in this file that does (x-transformers' ``Decoder`` runs
     ``AttentionLayers.forward``); ``cls`` when none does (refused later)."""
-    classes = _classes(module)
-    todo, seen = [cls], set()
-    while todo:
-        c = todo.pop(0)
-        if id(c) in seen:
-            continue
-        seen.add(id(c))
+    for c in _lineage(cls, _classes(module)):
         if any(isinstance(s, cst.FunctionDef) and s.name.value == method for s in c.body.body):
             return c
-        todo += _bases(c, classes)
     return cls
 
 
