@@ -102,9 +102,18 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     paths = sorted(named, key=lambda p: (rank.get(p, len(rank)), list(named).index(p)))
     counted: set[int] = set()
     out: list[Unit] = []
+
+    def block_of(path: str) -> str:
+        """The block ``path`` is a part of: its parent, or the first ancestor
+        above module lists / dicts (T5Block.layer[i], x-transformers' norms)."""
+        parent = path.rpartition(".")[0]
+        while parent and parent not in blocks and _container(named[parent]):
+            parent = parent.rpartition(".")[0]
+        return parent
+
     for path in paths:
         m = named[path]
-        parent = path.rpartition(".")[0]
+        parent = block_of(path)
         in_block = any(path == b or path.startswith(b + ".") for b in blocks)
         if path in blocks:
             has_parts = any(next(c.parameters(), None) is not None for c in m.children())
@@ -115,8 +124,8 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
                 continue  # deeper than a block's parts, or no weights
         elif next(m.parameters(recurse=False), None) is None or path == "":
             continue
-        if isinstance(m, _BLOCKS) and path not in blocks:
-            continue
+        if _container(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):
+            continue  # never called (a list, a dict), or a container outside the blocks
         n = 0
         for p in m.parameters():
             if id(p) not in counted:
@@ -126,7 +135,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     # a unit that is a block's first part begins at the block itself
     fixed, begun = [], set()
     for u in out:
-        parent = u.path.rpartition(".")[0]
+        parent = block_of(u.path)
         if parent in blocks and parent not in begun and not _container(named[parent]):
             u = Unit(parent, u.params, u.owns)
         begun.add(parent)

@@ -124,3 +124,22 @@ def test_tp_halves_what_the_transformers_tp_plan_splits():
     plan = plan_module_boundaries(model, 2, tp=2)
     assert sum(plan.stage_memory) == 16 * (split // 2 + whole)
     assert sum(plan_module_boundaries(model, 2).stage_memory) == 16 * (split + whole)
+
+
+def test_a_block_whose_part_is_a_sequential_counts_its_weights():
+    """HF ResNet: each encoder stage holds one nn.Sequential of layers. Its weights
+    are a unit; before, they were skipped and stage 0 got the stem alone."""
+    transformers = pytest.importorskip("transformers")
+    from annot.module_plan import units
+
+    cfg = transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1]
+    )
+    model = transformers.ResNetForImageClassification(cfg)
+    found = {u.path: u.params for u in units(model)}
+    for i in range(4):
+        stage = model.resnet.encoder.stages[i]
+        assert found[f"resnet.encoder.stages.{i}"] == sum(p.numel() for p in stage.parameters())
+    assert sum(found.values()) == sum(p.numel() for p in model.parameters())
+    plan = plan_module_boundaries(model, 2)
+    assert plan.boundaries[0].startswith("resnet.encoder.stages."), plan.table()

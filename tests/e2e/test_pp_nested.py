@@ -415,6 +415,14 @@ def test_layers_that_are_module_lists_split_automatically(tmp_path):
 
 
 @pytest.mark.slow
+def test_hf_t5_automatic_split_sees_the_layers_of_its_blocks(tmp_path):
+    # T5Block keeps its layers in a ModuleList: they are the blocks' parts
+    res = _run(tmp_path, "t5", [None], pp=2)
+    (boundary,) = res[0][0][1]
+    assert ".block." in boundary, boundary
+
+
+@pytest.mark.slow
 def test_hf_convnext_built_whole_when_deferred_init_cannot_replay_it(tmp_path):
     _run(tmp_path, "convnext", [["convnext.encoder.stages.1.layers.1"], None], pp=2)
 
