@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from annot.errors import HintError
 
-__all__ = ["ModulePlan", "Unit", "call_order", "plan_module_boundaries", "units"]
+__all__ = ["ModulePlan", "Unit", "call_order", "never_called", "plan_module_boundaries", "units"]
 
 _BLOCKS = (nn.ModuleList, nn.Sequential)
 
@@ -85,7 +85,7 @@ def call_order(calls: list[tuple[str, ...]]) -> list[str]:
     return list(dict.fromkeys(p for paths in calls for p in paths))
 
 
-def _container(m: nn.Module) -> bool:
+def never_called(m: nn.Module) -> bool:
     """A module list or dict: never called (forward calls its elements), so a
     stage cannot begin at it."""
     return isinstance(m, (nn.ModuleList, nn.ModuleDict))
@@ -107,7 +107,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
         """The block ``path`` is a part of: its parent, or the first ancestor
         above module lists / dicts (T5Block.layer[i], x-transformers' norms)."""
         parent = path.rpartition(".")[0]
-        while parent and parent not in blocks and _container(named[parent]):
+        while parent and parent not in blocks and never_called(named[parent]):
             parent = parent.rpartition(".")[0]
         return parent
 
@@ -124,7 +124,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
                 continue  # deeper than a block's parts, or no weights
         elif next(m.parameters(recurse=False), None) is None or path == "":
             continue
-        if _container(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):
+        if never_called(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):
             continue  # never called (a list, a dict), or a container outside the blocks
         n = 0
         for p in m.parameters():
@@ -136,7 +136,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     fixed, begun = [], set()
     for u in out:
         parent = block_of(u.path)
-        if parent in blocks and parent not in begun and not _container(named[parent]):
+        if parent in blocks and parent not in begun and not never_called(named[parent]):
             u = Unit(parent, u.params, u.owns)
         begun.add(parent)
         if fixed and fixed[-1].path == u.path:  # one call begins both: one unit

@@ -19,7 +19,7 @@ import libcst as cst
 import torch.nn as nn
 
 from annot.errors import PartitionError, RewriteError
-from annot.rewriters.boundaries import Use, Uses, place_boundary
+from annot.rewriters.boundaries import Use, place_boundary, uses_in
 from annot.rewriters.forward_body import forward_statements
 
 __all__ = ["module_at", "no_markers", "points_and_split", "split_forward", "split_points"]
@@ -82,11 +82,7 @@ def _proposals(source: str, qualname: str, model: nn.Module) -> list[tuple[str, 
     """(path, (item, element), group) for every split point, in forward order."""
     module = cst.parse_module(source)
     self_name, items = _forward_items(_find_class(module, qualname))
-    uses: list[Use] = []
-    for i, stmt in enumerate(items):
-        finder = Uses(self_name, i, qnames={})
-        stmt.visit(finder)
-        uses += finder.uses
+    uses = uses_in(items, self_name, qnames={})
     out: dict[tuple[int, int], tuple[str, tuple]] = {}
     for i in range(len(items)):
         mine = [u for u in uses if u.item == i and u.context is None]

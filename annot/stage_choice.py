@@ -78,8 +78,10 @@ def needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool
         pass
     else:
         return False
+    from annot.module_plan import never_called
+
     for b in boundaries:  # cut at run time: a stage begins at a module's call
-        if isinstance(names[b], (nn.ModuleList, nn.ModuleDict)):
+        if never_called(names[b]):
             first = next(iter(names[b].named_children()), ("0", None))[0]
             raise HintError(
                 f"pipeline boundary {b!r} names an nn.{type(names[b]).__name__}, which is never "

@@ -35,6 +35,7 @@ __all__ = [
     "place_boundary",
     "qualified",
     "self_path",
+    "uses_in",
 ]
 
 
@@ -318,6 +319,16 @@ class Uses(cst.CSTVisitor):
 
     def visit_GeneratorExp(self, node: cst.GeneratorExp) -> bool:
         return self._comprehension(node)
+
+
+def uses_in(stmts: Sequence[cst.CSTNode], self_name: str, qnames: Mapping) -> list[Use]:
+    """The :class:`Use` records of a body's top-level statements, item by item."""
+    out: list[Use] = []
+    for i, stmt in enumerate(stmts):
+        collector = Uses(self_name, i, qnames)
+        stmt.visit(collector)
+        out += collector.uses
+    return out
 
 
 @dataclass(frozen=True)

@@ -256,12 +256,13 @@ def _plain(node: cst.CSTNode) -> bool:
 
 
 def _moves_nothing(value: cst.CSTNode, call: cst.Call) -> bool:
-    """Whether ``call`` sits in ``value`` such that only plain reads are
-    evaluated before it: each node on the way down is an operation, a call, an
-    argument, an attribute, a subscript or a display, and what it evaluates
-    before the way down is a local name, a literal or the called method (``self.head(self.features(x))[0]`` yes;
-    ``f(x) + self.features(x)``, ``a if c else self.features(x)``, a
-    comprehension: no)."""
+    """Whether ``call`` sits in ``value`` such that nothing the callee's first
+    part could change is evaluated before it: each node on the way down is an
+    operation, a call, an argument, an attribute, a subscript or a display,
+    and what it evaluates before the way down is a local name, a literal or
+    the called method (``self.head(self.features(x))[0]``, ``h * self.f(x)``:
+    yes; ``f(x) + self.f(x)``, ``self.scale * self.f(x)``, ``a if c else
+    self.f(x)``, a comprehension: no)."""
     if value is call:
         return True
     if not isinstance(value, _ON_PATH):
@@ -310,14 +311,14 @@ def call_pieces(
     call: cst.Call,
     callee: Callee,
     self_name: str,
-    elements: Sequence[int],
+    boundaries: Sequence[str],
     taken: frozenset = frozenset(),
 ) -> list[cst.SimpleStatementLine]:
     """The pieces of ``stmt`` (which calls ``callee`` through ``call``), one per
-    stage of the callee: ``len(elements) + 1`` of them. ``elements``: where a
-    sequential's stages begin (unused otherwise). ``taken``: names the method
-    uses, which the temporary holding the callee's state must not be. Raises ValueError with the
-    reason when the statement cannot be cut."""
+    part of the callee cut at ``boundaries`` (paths relative to it; for a
+    sequential, the elements where its parts begin). ``taken``: names the
+    method uses, which the temporary holding the callee's state must not be.
+    Raises ValueError with the reason when the statement cannot be cut."""
     if _small(stmt, call) is None:
         raise ValueError(
             f"the call of self.{callee.path} is evaluated after other calls of its statement "
@@ -325,7 +326,8 @@ def call_pieces(
             f"would then run after part of self.{callee.path}; assign its result to a name "
             f"in a statement of its own first: `out = self.{callee.path}(...)`"
         )
-    if callee.kind == "sequential" and (
+    sequential = callee.kind == "sequential"
+    if sequential and (
         len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star
     ):
         raise ValueError(
@@ -334,30 +336,21 @@ def call_pieces(
     temp = "_annot_" + callee.path.replace(".", "_")
     while temp in taken:  # a name of the user's
         temp += "_"
-    bounds = [0, *elements, None]
-    n = len(elements) + 1
+    carried = cst.Arg(cst.Name(temp), star="" if sequential else "**")
+    bounds = [0, *(int(b) for b in boundaries), None] if sequential else [0] * (len(boundaries) + 2)
+    n = len(boundaries) + 1
     pieces: list[cst.SimpleStatementLine] = []
-    for k in range(n - 1):
-        if k == 0:
-            args = list(call.args)
-        elif callee.kind == "sequential":
-            args = [cst.Arg(cst.Name(temp))]
-        else:
-            args = [cst.Arg(cst.Name(temp), star="**")]
-        run = cst.Call(func=callee.stage(self_name, k, bounds[k], bounds[k + 1]), args=args)
+    for k in range(n):
+        run = cst.Call(
+            func=callee.stage(self_name, k, bounds[k], bounds[k + 1] if k < n - 1 else None),
+            args=list(call.args) if k == 0 else [carried],
+        )
         if k == 0:
             run = run.with_changes(whitespace_before_args=call.whitespace_before_args)
-        line = cst.SimpleStatementLine(
-            body=[cst.Assign(targets=[cst.AssignTarget(cst.Name(temp))], value=run)],
-            leading_lines=stmt.leading_lines if k == 0 else (),
-        )
-        pieces.append(line)
-    last_args = (
-        [cst.Arg(cst.Name(temp))]
-        if callee.kind == "sequential"
-        else [cst.Arg(cst.Name(temp), star="**")]
-    )
-    last = cst.Call(func=callee.stage(self_name, n - 1, bounds[-2], None), args=last_args)
-    rest = stmt.visit(_Replace(call, last))
-    pieces.append(rest.with_changes(leading_lines=()))
+        if k == n - 1:  # the statement itself, the call's last part in its place
+            piece = cst.ensure_type(stmt.visit(_Replace(call, run)), cst.SimpleStatementLine)
+        else:
+            assign = cst.Assign(targets=[cst.AssignTarget(cst.Name(temp))], value=run)
+            piece = cst.SimpleStatementLine(body=[assign])
+        pieces.append(piece.with_changes(leading_lines=stmt.leading_lines if k == 0 else ()))
     return pieces

@@ -21,7 +21,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, QualifiedNameProvider
 
 from annot.errors import RewriteError
-from annot.rewriters.boundaries import Use, Uses, loop_breaks, piece_iter, place_boundary
+from annot.rewriters.boundaries import Use, Uses, loop_breaks, piece_iter, place_boundary, uses_in
 from annot.rewriters.diagnostics import Locator, node_source
 from annot.rewriters.forward_body import (
     Closures,
@@ -148,6 +148,7 @@ class Splitter:
             and not f.name.value.startswith("_annot_")
             and not f.decorators  # plain methods only (no static/class methods, properties)
         }
+        self.method_uses: dict[str, list[Use]] = {}  # a helper method's, once each
         params = param_names(self.forward.params)
         self.params = tuple(p for p in params if p != self.self_name)
         self.uses: list[Use] = []  # filled by _items_and_markers
@@ -285,11 +286,12 @@ class Splitter:
         positional = [*fn.params.posonly_params, *fn.params.params]
         if not positional or fn.name.value in seen:
             return False
-        uses: list[Use] = []
-        for i, stmt in enumerate(forward_statements(fn.body)):
-            collector = Uses(positional[0].name.value, i, self.qnames)
-            stmt.visit(collector)
-            uses += collector.uses
+        uses = self.method_uses.get(fn.name.value)
+        if uses is None:
+            stmts = forward_statements(fn.body)
+            uses = self.method_uses[fn.name.value] = uses_in(
+                stmts, positional[0].name.value, self.qnames
+            )
         if place_boundary(uses, path) is not None:
             return True
         for u in uses:
@@ -339,41 +341,16 @@ class Splitter:
             return _Cut(use.item, 1, path, node, (callee, rest, use.node))
         return None
 
-    def _number_below(self, cuts: list[_Cut]) -> list[_Cut]:
-        """Give the cuts below each call their part numbers: the ``j``-th
-        boundary below a call begins part ``j + 1`` of the callee (for an
-        nn.Sequential, the element it names begins it)."""
+    def _number_below(self, cuts: list[_Cut]) -> tuple[list[_Cut], dict[int, Inner]]:
+        """Number the cuts below each call: the ``j``-th boundary below a call
+        begins part ``j + 1`` of the callee; and the calls cut below, by item.
+        Refuses cuts below two calls of one statement, and for an
+        nn.Sequential anything but its elements after the first, in order."""
         out: list[_Cut] = []
-        count: dict[int, int] = {}
-        for cut in cuts:
-            if cut.below is None:
-                out.append(cut)
-                continue
-            callee, rest, call = cut.below
-            if callee.kind == "sequential" and not (rest.isascii() and rest.isdigit()):
-                raise self.error(
-                    call,
-                    f"boundary {cut.label!r}: self.{callee.path} is an nn.Sequential called "
-                    f"whole; in source annot cuts it between its elements ('{callee.path}.2'). "
-                    "A boundary inside an element is cut at run time: "
-                    "annot.parallelize(..., split=[...])",
-                )
-            if callee.kind == "sequential" and int(rest) == 0:
-                raise self.error(
-                    call,
-                    f"boundary {cut.label!r} is the first element of self.{callee.path}: name "
-                    f"{callee.path!r} to begin the stage before the call",
-                )
-            count[cut.item] = count.get(cut.item, 0) + 1
-            out.append(_Cut(cut.item, count[cut.item], cut.label, cut.node, cut.below))
-        return out
-
-    def _inner(self, cuts: list[_Cut]) -> dict[int, Inner]:
-        """The calls cut below, by item, checking that each statement's cuts
-        are in one call (and, for an nn.Sequential, in element order)."""
         inner: dict[int, Inner] = {}
         for cut in cuts:
             if cut.below is None:
+                out.append(cut)
                 continue
             callee, rest, call = cut.below
             have = inner.get(cut.item)
@@ -385,24 +362,39 @@ class Splitter:
                     "statement in two",
                 )
             rests = (*(have.boundaries if have else ()), rest)
-            if callee.kind == "sequential" and list(map(int, rests)) != sorted(
-                set(map(int, rests))
-            ):
-                raise self.error(
-                    call,
-                    f"boundaries below the nn.Sequential self.{callee.path} out of order or "
-                    f"repeated: {list(rests)}; give its elements in increasing order",
-                )
+            if callee.kind == "sequential":
+                if not (rest.isascii() and rest.isdigit()):
+                    raise self.error(
+                        call,
+                        f"boundary {cut.label!r}: self.{callee.path} is an nn.Sequential called "
+                        f"whole; in source annot cuts it between its elements "
+                        f"('{callee.path}.2'). A boundary inside an element is cut at run time: "
+                        "annot.parallelize(..., split=[...])",
+                    )
+                if int(rest) == 0:
+                    raise self.error(
+                        call,
+                        f"boundary {cut.label!r} is the first element of self.{callee.path}: "
+                        f"name {callee.path!r} to begin the stage before the call",
+                    )
+                if list(map(int, rests)) != sorted(set(map(int, rests))):
+                    raise self.error(
+                        call,
+                        f"boundaries below the nn.Sequential self.{callee.path} out of order or "
+                        f"repeated: {list(rests)}; give its elements in increasing order",
+                    )
             inner[cut.item] = Inner(cut.item, callee, rests, call)
-        return inner
+            out.append(_Cut(cut.item, len(rests), cut.label, cut.node, cut.below))
+        return out, inner
 
     def _cuts(
         self,
         boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
         items: list[cst.BaseStatement],
         markers: list[_Cut],
-    ) -> list[_Cut]:
-        """All cuts in forward order; refuses disorder, duplicates, empty stages."""
+    ) -> tuple[list[_Cut], dict[int, Inner]]:
+        """All cuts in forward order, and the calls cut below (by item);
+        refuses disorder, duplicates, empty stages."""
         resolved: list[_Cut] = []
         seen: dict[str, _Cut] = {}
         for path, node in boundaries:
@@ -411,7 +403,8 @@ class Splitter:
             seen[path] = self._resolve(path, node)
             resolved.append(seen[path])
         cuts: list[_Cut] = []
-        for cut in self._number_below(resolved):
+        numbered, inner = self._number_below(resolved)
+        for cut in numbered:
             path, node = cut.label, cut.node
             if cuts:
                 prev = cuts[-1]
@@ -448,7 +441,7 @@ class Splitter:
                 f"boundary {c.label!r} is after the last statement of forward, leaving the "
                 "last stage empty; remove it",
             )
-        return allcuts
+        return allcuts, inner
 
     # -- step 2: units and what crosses ----------------------------------------------
 
@@ -459,19 +452,16 @@ class Splitter:
         the unit index where each stage after the first begins."""
         units: list[_Unit] = []
         starts: list[int] = []  # unit index where each stage after the first begins
-        names = frozenset(_names(self.forward))
+        names = frozenset(_names(self.forward)) if inner else frozenset()
         for i, stmt in enumerate(items):
             elements = [c.element for c in cuts if c.item == i and c.element > 0]
             if any(c.item == i and c.element == 0 for c in cuts):
                 starts.append(len(units))
             if i in inner:
                 below = inner[i]
-                marks = (
-                    [int(b) for b in below.boundaries] if below.callee.kind == "sequential" else []
-                )
                 try:
                     pieces = call_pieces(
-                        stmt, below.node, below.callee, self.self_name, marks or elements, names
+                        stmt, below.node, below.callee, self.self_name, below.boundaries, names
                     )
                 except ValueError as exc:
                     raise self.error(
@@ -523,8 +513,7 @@ class Splitter:
             node, reason = scope.bad[0]
             raise self.error(node, reason)
         items, markers, moved = self._items_and_markers()
-        cuts = self._cuts(boundaries, items, markers)
-        inner = self._inner(cuts)
+        cuts, inner = self._cuts(boundaries, items, markers)
         units, starts = self._units(items, cuts, inner)
         effects = [u.effects for u in units]
         cross = crossings(effects, self.params)

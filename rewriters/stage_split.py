@@ -144,6 +144,18 @@ FIRST_STAGE_DECORATORS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class _Level:
+    """One method of the call chain, split: at ``given``, called by ``caller``
+    (``Class.method``; None for the root's forward)."""
+
+    given: tuple[str, ...]
+    splitter: Splitter
+    plan: Plan
+    built: list
+    caller: Optional[str]
+
+
 def _chain(
     wrapper: MetadataWrapper,
     cls: cst.ClassDef,
@@ -151,7 +163,7 @@ def _chain(
     boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]],
     path: str,
     nested: bool,
-    done: dict[tuple[int, str], tuple[tuple[str, ...], Splitter, Plan, list]],
+    done: dict[tuple[int, str], _Level],
     caller: Optional[str] = None,
 ) -> None:
     """Plan ``cls.<method>`` at ``boundaries`` into ``done``, then the callees
@@ -159,10 +171,10 @@ def _chain(
     given = tuple(b for b, _ in boundaries)
     key = (id(cls), method)
     if key in done:
-        if done[key][0] != given:
+        if done[key].given != given:
             raise Locator(wrapper, path).error(
                 cls,
-                f"{cls.name.value}.{method} would be split twice, at {list(done[key][0])} and at "
+                f"{cls.name.value}.{method} would be split twice, at {list(done[key].given)} and at "
                 f"{list(given)} (two calls of one class, e.g. an encoder and a decoder stack "
                 "built from the same class, cut at different places); annot rewrite writes one "
                 "set of stage methods per class: cut both at the same paths, or let annot cut "
@@ -185,12 +197,11 @@ def _chain(
                 )
     plan = sp.plan(boundaries)
     built = build_stages(sp, plan, decorators=caller is None)
-    done[key] = (given, sp, plan, built)
+    done[key] = _Level(given, sp, plan, built, caller)
     for inner in plan.inner:
-        if inner.callee.kind == "sequential":
+        child = inner.callee.cls  # a submodule's class, or this one for a helper method
+        if child is None:  # an nn.Sequential: sliced in place
             continue
-        child = inner.callee.cls if inner.callee.kind == "module" else cls
-        assert child is not None
         try:
             _chain(
                 wrapper,
@@ -241,22 +252,24 @@ def _split(
     path: str,
     nested: bool = False,
 ) -> StageSplit:
-    done: dict[tuple[int, str], tuple[tuple[str, ...], Splitter, Plan, list]] = {}
+    done: dict[tuple[int, str], _Level] = {}
     _chain(wrapper, cls, "forward", boundaries, path, nested, done)
-    _, root, plan, built = done[(id(cls), "forward")]
-    callers: dict[tuple[int, str], str] = {}
-    for _, sp, p, _ in done.values():
-        for inner in p.inner:
-            if inner.callee.kind != "sequential":
-                child = inner.callee.cls if inner.callee.kind == "module" else sp.cls
-                callers[(id(child), inner.callee.method)] = f"{sp.cls.name.value}.{sp.method}"
-    inserts = []
-    for key, (_, sp, p, b) in done.items():
-        caller = callers.get(key)
-        header = _header(sp, p, None if key == (id(cls), "forward") else caller)
-        inserts.append((sp.cls, MethodStages(sp.method, sp.prefix, header, [f for f, _ in b])))
+    root = done[(id(cls), "forward")]
+    plan, built = root.plan, root.built
+    inserts = [
+        (
+            lv.splitter.cls,
+            MethodStages(
+                lv.splitter.method,
+                lv.splitter.prefix,
+                _header(lv.splitter, lv.plan, lv.caller),
+                [f for f, _ in lv.built],
+            ),
+        )
+        for lv in done.values()
+    ]
     n = len(built)
-    qnames = root.qnames
+    qnames = root.splitter.qnames
     idx = _stage_decorator(cls, qnames)
     comment = None
     if idx is not None:
