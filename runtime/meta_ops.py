@@ -6,7 +6,8 @@ operand on meta once per signature of its operands and afterwards makes the
 result from the recorded shapes; :func:`on_meta` moves an op's operands to
 meta. :func:`flat`, :func:`signature`, :func:`recipe` and :func:`remake` are
 the structure specs and result recipes that this op cache and the replay's
-module cache (``shadow_call``) share.
+module cache (``shadow_call``) share; a :func:`portable` recipe is plain data
+that can cross a pipeline boundary (the owner's log of its modules' outputs).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["MetaOps", "on_meta", "has_meta", "signature", "flat", "recipe", "remake"]
+__all__ = ["MetaOps", "on_meta", "has_meta", "signature", "flat", "portable", "recipe", "remake"]
 
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
 
@@ -55,15 +56,19 @@ def signature(leaf: Any) -> Any:
     return leaf if isinstance(leaf, _PLAIN) else type(leaf)
 
 
+_TAGS = {tuple: "t", list: "l", dict: "d"}
+
+
 # Not pytree: tree_flatten costs about 3.5 times as much per op on this hot path.
 def flat(x: Any, leaves: list) -> Any:
-    """A structure spec of ``x`` over tuples, lists and plain dicts, its other
-    values appended to ``leaves`` (cheaper than a pytree for the hot path)."""
+    """A structure spec of ``x`` over tuples, lists and plain dicts (tagged
+    ``"t"``, ``"l"``, ``"d"``: plain data), its other values appended to
+    ``leaves`` (cheaper than a pytree for the hot path)."""
     t = type(x)
     if t is tuple or t is list:
-        return (t, tuple(flat(v, leaves) for v in x))
+        return (_TAGS[t], tuple(flat(v, leaves) for v in x))
     if t is dict:
-        return (dict, tuple((k, flat(v, leaves)) for k, v in x.items()))
+        return ("d", tuple((k, flat(v, leaves)) for k, v in x.items()))
     leaves.append(x)
     return None
 
@@ -71,10 +76,11 @@ def flat(x: Any, leaves: list) -> Any:
 def _unflat(spec: Any, leaves: Any) -> Any:
     if spec is None:
         return next(leaves)
-    t, items = spec
-    if t is dict:
+    tag, items = spec
+    if tag == "d":
         return {k: _unflat(v, leaves) for k, v in items}
-    return t(_unflat(v, leaves) for v in items)
+    values = (_unflat(v, leaves) for v in items)
+    return tuple(values) if tag == "t" else list(values)
 
 
 def recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
@@ -100,6 +106,27 @@ def recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
         else:
             return None
     return tuple(recipe), spec
+
+
+# what a pipeline boundary carries as it is (annot.runtime.p2p_codec)
+_PORTABLE = (*_PLAIN, torch.dtype, torch.device, torch.Size)
+
+
+def portable(hit: tuple) -> bool:
+    """Whether a :func:`recipe` is plain data a pipeline boundary can carry
+    (its values and dict keys are of the kinds :mod:`annot.runtime.p2p_codec`
+    sends)."""
+    recipe, spec = hit
+
+    def keys_ok(spec: Any) -> bool:
+        if spec is None:
+            return True
+        tag, items = spec
+        if tag == "d":
+            return all(type(k) in (str, int) and keys_ok(v) for k, v in items)
+        return all(keys_ok(v) for v in items)
+
+    return all(kind != "plain" or isinstance(a, _PORTABLE) for kind, a in recipe) and keys_ok(spec)
 
 
 def remake(hit: tuple, leaves: list) -> Any:

@@ -31,7 +31,15 @@ refused naming the variable. Control flow that reads tensor values
 (``if x.mean() > 0``, ``.item()``) is replayed from a log: every such answer
 a stage computes is recorded in order and sent along, and a later stage's
 replay reads it back, so data-dependent branches take the same path on every
-stage. Gradients flow back through the tensors that crossed, as with any
+stage. The same log carries the outputs of the modules the later stages hold
+as placeholders: the rank that runs such a module for real records the
+structure, shapes and dtypes of what it returned (and which of its value
+reads happened inside), and a later stage's replay answers the placeholder's
+call from that record instead of running it on meta. So a module whose output
+shapes depend on its data (a mixture of experts routing tokens with
+``nonzero``) or whose kernels have no meta version (``_grouped_mm`` in
+float32, a custom kernel) replays like any other; a module whose output is not
+plain data (a cache object) is run on meta, as before. Gradients flow back through the tensors that crossed, as with any
 stage: the receiver's swapped objects are leaves whose ``.grad`` goes back.
 
 The price: each stage re-runs the Python of the stages before it (on meta:
@@ -59,13 +67,23 @@ from torch.utils._pytree import tree_map
 
 from annot.errors import PipelineError
 from annot.runtime.frame_walk import frame_tensors, state_ids
-from annot.runtime.meta_ops import MetaOps, flat, has_meta, on_meta, recipe, remake, signature
+from annot.runtime.meta_ops import (
+    MetaOps,
+    flat,
+    has_meta,
+    on_meta,
+    portable,
+    recipe,
+    remake,
+    signature,
+)
 from annot.runtime.value_reads import DECISIONS, log_reads, unlog
 
 __all__ = [
     "ReplayStage",
     "StageDone",
     "install_boundaries",
+    "install_output_log",
     "replaying",
     "call_with",
     "shadow_call",
@@ -98,6 +116,14 @@ class _Run:
         self.top_code = None  # the frame where the walk stops (the runner's)
         self.mode: Optional[_ReplayMode] = None  # while replaying
         self.patches: list = []  # value reads logged while running for real
+        # The output log of the modules other stages hold as placeholders, by
+        # (path, how many calls of it came before in this forward): what the
+        # owner recorded (received) and what goes on (received + this stage's).
+        self.logged = {(e[0], e[1]): e for e in received["m"]} if received else {}
+        self.log_out: list = list(received["m"]) if received and record else []
+        self.calls: dict[str, int] = {}  # logged paths entered so far, with counts
+        self.entered: list[str] = []  # ... in order
+        self.open: list[tuple] = []  # (path, n, log position, len(entered)) of calls under way
 
 
 _ACTIVE: list[_Run] = []
@@ -108,17 +134,21 @@ def replaying() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
 
 
-def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
-    """Run another stage's module for shapes while replaying: on meta the first
-    time for each signature of its inputs, then from ``cache`` (fresh meta
-    tensors of the recorded shapes, the same aliasing of inputs and outputs),
-    so a replay costs little more than the Python of the modules it passes
-    through. A module whose outputs depend on values (it read one from the log)
-    or are not plain pytrees is never cached."""
+def shadow_call(path: str, shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
+    """Another stage's module (the placeholder at ``path``) called while
+    replaying: its outputs as the stage that ran it logged them (fresh meta
+    tensors of the logged shapes, the same aliasing of inputs and outputs), and
+    the value reads made inside it skipped. Without a log entry (its output is
+    not plain data) ``shadow`` runs on meta, the first time for each signature
+    of its inputs, then from ``cache``; one whose outputs depend on values (it
+    read one from the log) or are not plain pytrees is never cached."""
     run = _ACTIVE[-1]
     leaves: list = []
     with torch._C.DisableTorchFunction():  # .shape / .dtype without the replay mode
         key = (flat((args, kwargs), leaves), tuple(signature(x) for x in leaves))
+    entry = run.logged.get(run.open[-1][:2]) if run.open and run.open[-1][0] == path else None
+    if entry is not None:
+        return _from_log(run, entry, leaves)
     hit = cache.get(key)
     if hit is not None:
         return remake(hit, leaves)
@@ -134,6 +164,23 @@ def shadow_call(shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> An
         if hit is not None:
             cache[key] = hit
     return out
+
+
+def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
+    path, n, start, end, inner, hit = entry
+    if start != run.pos:
+        raise PipelineError(
+            f"pipeline stage {run.index} replays the earlier stages' part of forward: call "
+            f"{n} of {path!r} came after {run.pos} value reads here but after {start} on the "
+            "stage that ran it; the forward took a different path on the two ranks"
+        )
+    if run.record:
+        run.decisions_out.extend(run.decisions_in[start:end])
+    run.pos = end
+    for q in inner:  # the logged modules it called: counted as if run here
+        run.calls[q] = run.calls.get(q, 0) + 1
+    run.entered.extend(inner)
+    return remake(hit, leaves)
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -175,7 +222,10 @@ class _ReplayMode(TorchFunctionMode):
 
 class _ShapeMode(TorchFunctionMode):
     """For :func:`shape_run`: ops with a meta operand run on meta; a value read
-    of a meta tensor answers zero / False (the path taken is a guess there)."""
+    of a meta tensor answers zero / False, and an op that meta cannot run
+    (its output shape depends on the data, like ``nonzero``; its meta kernel
+    refuses a dtype the real one takes) runs on zeros: the path taken is a
+    guess there."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -185,8 +235,35 @@ class _ShapeMode(TorchFunctionMode):
                 if func is torch.Tensor.tolist:
                     return torch.zeros(t.shape, dtype=t.dtype).tolist()
                 return False if func in (torch.Tensor.__bool__, torch.equal) else 0
-            args, kwargs = on_meta(func, args, kwargs)
+            meta = on_meta(func, args, kwargs)
+            try:
+                return func(*meta[0], **meta[1])
+            except (NotImplementedError, RuntimeError) as exc:
+                return _on_zeros(func, args, kwargs, exc)
         return func(*args, **kwargs)
+
+
+_ZEROS_LIMIT = 1 << 28  # bytes of zeros one op of the probe may make
+
+
+def _on_zeros(func, args: tuple, kwargs: dict, failed: Exception) -> Any:
+    """``func`` run for real with zeros for its meta operands (up to
+    :data:`_ZEROS_LIMIT` bytes, else it raises ``failed``, meta's error), its
+    tensors moved to meta."""
+    leaves: list = []
+    flat((args, kwargs), leaves)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+    if sum(t.numel() * t.element_size() for t in tensors if t.is_meta) > _ZEROS_LIMIT:
+        raise failed
+    real = tree_map(
+        lambda t: (
+            torch.zeros_like(t, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
+        ),
+        (args, kwargs),
+    )
+    out = func(*real[0], **real[1])
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, out)
 
 
 def call_with(fn, sample: Any) -> Any:
@@ -211,23 +288,77 @@ def shape_run(fn, sample: Any) -> Any:
 # -- boundaries ---------------------------------------------------------------
 
 
+def _called(root: nn.Module, path: str) -> nn.Module:
+    """The module forward calls at ``path``: the placeholder where another
+    stage holds it, else the module (also inside the meta shadows)."""
+    from annot.runtime.stage_prune import Absent, resolve_module
+
+    parent, _, name = path.rpartition(".")
+    holder = resolve_module(root, parent)._modules.get(name) if name else None
+    return holder if isinstance(holder, Absent) else resolve_module(root, path)
+
+
 def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     """Forward pre-hooks on the module at each boundary path (also inside the
     meta shadows of modules held by other stages). They act only while a
     :class:`ReplayStage` runs; returns the hook handles."""
-    from annot.runtime.stage_prune import Absent, resolve_module
+    # first of the module's pre-hooks: what the others do (sequence
+    # parallelism's scatter) is the stage's work on what arrived
+    return [
+        _called(root, path).register_forward_pre_hook(_make_hook(k, path), prepend=True)
+        for k, path in enumerate(boundaries, start=1)
+    ]
 
+
+def install_output_log(root: nn.Module, paths: Sequence[str]) -> list:
+    """Hooks on the modules at ``paths`` (those some stage holds as a
+    placeholder): the rank that runs one for real logs its outputs for the
+    later stages' replay (see :func:`shadow_call`). Every rank hooks the same
+    paths, so the calls are counted alike everywhere. Returns the handles."""
     handles = []
-    for k, path in enumerate(boundaries, start=1):
-        module = resolve_module(root, path)
-        parent, _, name = path.rpartition(".")
-        holder = resolve_module(root, parent)._modules.get(name) if name else None
-        if isinstance(holder, Absent):
-            module = holder  # its call (not its shadow's) is what forward makes
-        # first of the module's pre-hooks: what the others do (sequence
-        # parallelism's scatter) is the stage's work on what arrived
-        handles.append(module.register_forward_pre_hook(_make_hook(k, path), prepend=True))
+    for path in paths:
+        module = _called(root, path)
+        handles.append(module.register_forward_pre_hook(_log_enter(path)))
+        handles.append(module.register_forward_hook(_log_exit(path), with_kwargs=True))
     return handles
+
+
+def _log_enter(path: str):
+    def hook(module: nn.Module, args: tuple) -> None:
+        if not _ACTIVE:
+            return
+        run = _ACTIVE[-1]
+        n = run.calls.get(path, 0)
+        run.calls[path] = n + 1
+        run.entered.append(path)
+        run.open.append((path, n, len(run.decisions_out), len(run.entered)))
+
+    return hook
+
+
+def _log_exit(path: str):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if not _ACTIVE:
+            return
+        run = _ACTIVE[-1]
+        while run.open:  # (a call that raised into an except of the model never exited)
+            call = run.open.pop()
+            if call[0] == path:
+                break
+        else:
+            return
+        if not run.record or run.replaying:
+            return  # logged by the stage that ran it (or nobody needs it)
+        leaves: list = []
+        flat((args, kwargs), leaves)
+        hit = recipe(out, {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)})
+        if hit is not None and portable(hit):
+            _, n, start, inner = call
+            run.log_out.append(
+                (path, n, start, len(run.decisions_out), tuple(run.entered[inner:]), hit)
+            )
+
+    return hook
 
 
 def _make_hook(k: int, path: str):
@@ -303,7 +434,11 @@ def _swap(meta: torch.Tensor, real: torch.Tensor) -> None:
 def _leave(run: _Run, frame) -> None:
     """Boundary ``run.index + 1``: the live tensors are this stage's outputs."""
     tensors, _ = frame_tensors(frame, run.top_code, run.stage.state_ids)
-    run.outputs = {"t": [None if t.is_meta else t for t in tensors], "d": run.decisions_out}
+    run.outputs = {
+        "t": [None if t.is_meta else t for t in tensors],
+        "d": run.decisions_out,
+        "m": run.log_out,
+    }
     raise StageDone()
 
 
@@ -346,8 +481,18 @@ class ReplayStage:
         except StageDone:
             self.outputs = run.outputs
             raise
-        except RuntimeError as exc:
-            if "meta" in str(exc) and not run.replaying:
+        except (RuntimeError, NotImplementedError) as exc:
+            if run.replaying:
+                where = f" in {run.open[-1][0]!r}" if run.open else ""
+                raise PipelineError(
+                    f"pipeline stage {self.index} replays the earlier stages' part of forward "
+                    f"(shapes only, on the meta device) and an op{where} failed there: {exc}. "
+                    "A module of another stage is answered from the log of what it returned "
+                    "when that is tensors in tuples, lists and dicts; this one returned "
+                    "something else, or the op sits in code between modules. Return plain "
+                    "containers from it, or pass split= with a boundary before it"
+                ) from exc
+            if isinstance(exc, RuntimeError) and "meta" in str(exc):
                 raise PipelineError(
                     f"pipeline stage {self.index} used a tensor that an earlier stage computed "
                     "but that did not cross the boundary (it was held by an object other than "

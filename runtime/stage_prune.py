@@ -14,7 +14,15 @@ import torch.nn as nn
 from annot.errors import PipelineError
 from annot.runtime.replay import replaying, shadow_call
 
-__all__ = ["Absent", "covered", "forget_real_weights", "prune", "resolve_module", "shadow_modules"]
+__all__ = [
+    "Absent",
+    "absent_paths",
+    "covered",
+    "forget_real_weights",
+    "prune",
+    "resolve_module",
+    "shadow_modules",
+]
 
 
 class Absent(nn.Module):
@@ -34,7 +42,7 @@ class Absent(nn.Module):
     def forward(self, *args, **kwargs):
         if self.shadow is not None and replaying():
             # another stage's work: shapes only (meta), even where its weights are real here
-            return shadow_call(self.shadow, self.shapes, args, kwargs)
+            return shadow_call(self.path, self.shadow, self.shapes, args, kwargs)
         raise PipelineError(
             f"module {self.path!r} belongs to another pipeline stage but was called here; "
             + (
@@ -105,6 +113,23 @@ def _ancestor(path: str, keep) -> bool:
     return any(k.startswith(path + ".") for k in keep)
 
 
+def absent_paths(
+    root: nn.Module, keep: set[str], through: frozenset = frozenset(), prefix: str = ""
+) -> list[str]:
+    """The submodules :func:`prune` replaces with :class:`Absent` (the same
+    arguments), without changing anything."""
+    paths = []
+    for name, child in root.named_children():
+        path = f"{prefix}{name}"
+        if covered(path, keep):
+            continue
+        if _ancestor(path, keep) or _ancestor(path, through):
+            paths += absent_paths(child, keep, through, path + ".")
+        else:
+            paths.append(path)
+    return paths
+
+
 def prune(
     root: nn.Module,
     keep: set[str],
@@ -117,14 +142,20 @@ def prune(
     (holding the module as its meta shadow when ``shadows``). Modules above a
     path in ``through`` (the boundaries this rank's stages begin or end at)
     stay too: their forwards make the calls that cross those boundaries."""
-    for name, child in list(root.named_children()):
+    for path in absent_paths(root, keep, through, prefix):
+        parent, _, name = path[len(prefix) :].rpartition(".")
+        holder = root.get_submodule(parent)
+        holder._modules[name] = Absent(path, holder._modules[name] if shadows else None)
+    _prune_parameters(root, keep, prefix, shadows, through)
+
+
+def _prune_parameters(
+    root: nn.Module, keep: set[str], prefix: str, shadows: bool, through: frozenset
+) -> None:
+    for name, child in root.named_children():
         path = f"{prefix}{name}"
-        if covered(path, keep):
-            continue
-        if _ancestor(path, keep) or _ancestor(path, through):
-            prune(child, keep, path + ".", shadows=shadows, through=through)
-        else:
-            root._modules[name] = Absent(path, child if shadows else None)
+        if not isinstance(child, Absent) and not covered(path, keep):
+            _prune_parameters(child, keep, path + ".", shadows, through)
     for name in list(root._parameters):
         if not covered(f"{prefix}{name}", keep):
             p = root._parameters[name]

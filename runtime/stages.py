@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.errors import PipelineError
-from annot.runtime.stage_prune import covered, prune
+from annot.runtime.stage_prune import absent_paths, covered, prune
 
 __all__ = []
 
@@ -41,14 +41,25 @@ def call_order_stage_modules(
     the order the model registers them: stage ``k`` from boundary ``k`` up to
     boundary ``k + 1``. Modules without parameters (activations, rotary
     tables) go with the stages that call them (so a block of another stage is
-    one meta shadow, not a shell around its activation), or to every stage
-    where the probe did not see them called; a container's own parameters
+    one meta shadow, not a shell around its activation); where the probe did
+    not see them called, with the stage of their position if they sit inside a
+    module no boundary cuts (a block's activation), else on every stage (a
+    rotary table the root's forward calls); a container's own parameters
     (``cls_token``) go with the stage of its position."""
     named = dict(root.named_modules(remove_duplicate=False))
     called = set().union(*calls.values()) if calls else set()
     n = len(boundaries) + 1
     out: dict[int, set[str]] = {s: set() for s in range(n)}
     stage = 0
+
+    def in_one_stage(path: str) -> bool:
+        """Whether a proper ancestor of ``path`` (not the root) holds no boundary below it."""
+        parts = path.split(".")
+        return any(
+            not any(b.startswith(a + ".") for b in boundaries)
+            for a in (".".join(parts[:i]) for i in range(1, len(parts)))
+        )
+
     for path, m in named.items():
         while stage + 1 < n and (
             path == boundaries[stage] or path.startswith(boundaries[stage] + ".")
@@ -58,8 +69,8 @@ def call_order_stage_modules(
         callers = [s for s in out if path in calls[s]] if path in called else []
         if path and next(m.parameters(), None) is None:  # stateless or buffers only
             # with its callers where the probe saw it called (elsewhere the replay
-            # runs it inside another stage's meta shadow), else on every stage
-            for s in callers or out:
+            # runs it inside another stage's meta shadow)
+            for s in callers or ([stage] if in_one_stage(path) else out):
                 out[s].add(path)
         elif own:
             container = any(True for _ in m.children())
@@ -170,6 +181,7 @@ class PipelinePlan:
     local_keys: tuple[str, ...] = ()
     stage_modules: dict[int, set[str]] = field(default_factory=dict)
     checkpoint: bool = False  # @stage(checkpoint=True): recompute each stage in backward
+    logged: tuple[str, ...] = ()  # replayed stages: the module paths whose outputs are logged
 
     @property
     def num_stages(self) -> int:
@@ -199,7 +211,7 @@ class PipelinePlan:
 
         wrap = checkpoint_stage if self.checkpoint else (lambda f: f)
         if self.replay:
-            from annot.runtime.replay import ReplayStage, install_boundaries
+            from annot.runtime.replay import ReplayStage, install_boundaries, install_output_log
 
             if self.checkpoint:
                 raise PipelineError(
@@ -209,6 +221,7 @@ class PipelinePlan:
                 )
             if not getattr(module, "_annot_boundaries_installed", False):
                 install_boundaries(module, self.boundaries)
+                install_output_log(module, self.logged)
                 module._annot_boundaries_installed = True
             return [
                 LocalStage(index=s, fn=ReplayStage(module, s, self.boundaries), module=module)
@@ -281,14 +294,27 @@ def build_plan(
                     g = dist.new_group(ranks)
                     if d == dp_ and t == tp_ and ctx.pp_rank in owners:
                         tie.group = g
-    local_ids = [ctx.pp_rank + c * mesh.pp for c in range(chunks)]
-    keep = set().union(*(stage_modules[s] for s in local_ids))
-    through = frozenset(
-        boundaries[b]
-        for s in local_ids
-        for b in (s - 1, s)
-        if split is None and 0 <= b < len(boundaries)
+
+    def held(pp_rank: int) -> tuple[set[str], frozenset]:
+        """What rank ``pp_rank``'s part keeps, and the boundaries it crosses."""
+        ids = [pp_rank + c * mesh.pp for c in range(chunks)]
+        keep = set().union(*(stage_modules[s] for s in ids))
+        through = frozenset(
+            boundaries[b]
+            for s in ids
+            for b in (s - 1, s)
+            if split is None and 0 <= b < len(boundaries)
+        )
+        return keep, through
+
+    # replayed stages: the modules some rank holds as a placeholder, whose
+    # outputs the rank that runs them logs (annot.runtime.replay)
+    logged = (
+        sorted(set().union(*(absent_paths(model, *held(r)) for r in range(mesh.pp))))
+        if split is None
+        else []
     )
+    keep, through = held(ctx.pp_rank)
     prune(model, keep, shadows=split is None, through=through)
     local_keys = tuple(model.state_dict().keys())
     return PipelinePlan(
@@ -301,4 +327,5 @@ def build_plan(
         local_keys=local_keys,
         stage_modules=stage_modules,
         checkpoint=checkpoint,
+        logged=tuple(logged),
     )

@@ -41,6 +41,34 @@ def _llama(tie: bool = True):
     return LlamaForCausalLM, (cfg,)
 
 
+def _qwen2_moe(experts: str = "grouped_mm"):
+    """A mixture of experts: tokens routed by value (``grouped_mm`` over
+    offsets from a histogram, or ``eager``: ``nonzero`` per expert), whose
+    kernels have no meta version in float32 or output shapes that depend on
+    the data; a later stage replays them from their owner's log."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        experts_implementation=experts,
+    )
+    return Qwen2MoeForCausalLM, (cfg,)
+
+
+def _qwen2_moe_eager():
+    return _qwen2_moe("eager")
+
+
 def _tokens(g, step):
     import torch
 
@@ -259,6 +287,8 @@ CASES = {
     "branchy": (_branchy, _vectors, _branchy_loss),
     "xstyle": (_xstyle, _tokens, _ce_on_output),
     "convnext": (_convnext, _images32, _dataclass_logits),
+    "qwen2moe": (_qwen2_moe, _tokens, _hf_labels),
+    "qwen2moe_eager": (_qwen2_moe_eager, _tokens, _hf_labels),
     "xsubclass": (_xsubclass, _tokens, _ce_on_output),
 }
 
@@ -425,6 +455,18 @@ def test_hf_t5_automatic_split_sees_the_layers_of_its_blocks(tmp_path):
 @pytest.mark.slow
 def test_hf_convnext_built_whole_when_deferred_init_cannot_replay_it(tmp_path):
     _run(tmp_path, "convnext", [["convnext.encoder.stages.1.layers.1"], None], pp=2)
+
+
+def test_mixture_of_experts_replays_from_the_owners_log(tmp_path):
+    # HF Qwen2-MoE: float32 grouped_mm has no meta kernel; a boundary inside a
+    # block (after attention) and between blocks, the MoE on both sides
+    _run(tmp_path, "qwen2moe", [["model.layers.1.mlp"], ["model.layers.2"]])
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_eager_routing_automatic_split(tmp_path):
+    # the eager experts loop: nonzero() per expert (shapes from the data)
+    _run(tmp_path, "qwen2moe_eager", [None], pp=2)
 
 
 def test_data_dependent_control_flow_before_the_boundary(tmp_path):

@@ -31,6 +31,13 @@ def test_a_block_of_another_stage_is_held_whole_by_that_stage():
             assert f"{block}.mlp.act_fn" in held[stage]
             assert not any(p == block or p.startswith(block + ".") for p in held[other])
     assert "model.rotary_emb" in held[0] and "model.rotary_emb" not in held[1]
-    # without a probe, modules without weights are on every stage
+    # without a probe: a block's activation goes with its block, a module
+    # without weights that the shared forward calls (rotary table) everywhere
     blind = call_order_stage_modules(model, boundaries)
-    assert all("model.layers.0.mlp.act_fn" in blind[s] for s in (0, 1))
+    assert "model.layers.0.mlp.act_fn" in blind[0] and "model.layers.0.mlp.act_fn" not in blind[1]
+    assert "model.layers.3.mlp.act_fn" in blind[1] and "model.layers.3.mlp.act_fn" not in blind[0]
+    assert all("model.rotary_emb" in blind[s] for s in (0, 1))
+    # a boundary inside a block: the activation goes with its MLP's weights
+    cut = call_order_stage_modules(model, ("model.layers.1.mlp",))
+    assert [s for s in cut if "model.layers.1.mlp.act_fn" in cut[s]] == [1]
+    assert [s for s in cut if "model.layers.1.mlp.down_proj" in cut[s]] == [1]
