@@ -6,18 +6,30 @@ operand on meta once per signature of its operands and afterwards makes the
 result from the recorded shapes; :func:`on_meta` moves an op's operands to
 meta. :func:`flat`, :func:`signature`, :func:`recipe` and :func:`remake` are
 the structure specs and result recipes that this op cache and the replay's
-module cache (``shadow_call``) share; a :func:`portable` recipe is plain data
-that can cross a pipeline boundary (the owner's log of its modules' outputs).
+module cache (``shadow_call``) share; :func:`pack` and :func:`unpack` carry a
+recipe across a pipeline boundary (the owner's log of its modules' outputs).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["MetaOps", "on_meta", "has_meta", "signature", "flat", "portable", "recipe", "remake"]
+__all__ = [
+    "MetaOps",
+    "on_meta",
+    "has_meta",
+    "signature",
+    "flat",
+    "pack",
+    "recipe",
+    "remake",
+    "unpack",
+]
 
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
 
@@ -108,25 +120,76 @@ def recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
     return tuple(recipe), spec
 
 
-# what a pipeline boundary carries as it is (annot.runtime.p2p_codec)
-_PORTABLE = (*_PLAIN, torch.dtype, torch.device, torch.Size)
-
-
-def portable(hit: tuple) -> bool:
-    """Whether a :func:`recipe` is plain data a pipeline boundary can carry
-    (its values and dict keys are of the kinds :mod:`annot.runtime.p2p_codec`
-    sends)."""
+def pack(hit: tuple) -> Optional[str]:
+    """A :func:`recipe` as one JSON string, to cross a pipeline boundary in the
+    log of module outputs (one string is cheap for the wire codec, a nested
+    structure is not); None if it holds a value JSON cannot carry (a memory
+    format, a dict key other than str or int)."""
     recipe, spec = hit
+    items = []
+    for kind, a in recipe:
+        if kind == "new":
+            a = [list(a[0]), list(a[1]), _DTYPE_NAME[a[2]]]
+        elif kind == "plain":
+            if isinstance(a, torch.dtype):
+                kind, a = "dtype", _DTYPE_NAME[a]
+            elif isinstance(a, torch.Size):
+                kind, a = "size", list(a)
+            elif isinstance(a, torch.device):
+                kind, a = "device", str(a)
+            elif not isinstance(a, _PLAIN):
+                return None
+        items.append([kind, a])
+    try:
+        return json.dumps([items, _spec_lists(spec)], separators=(",", ":"))
+    except TypeError:  # a dict key JSON cannot carry
+        return None
 
-    def keys_ok(spec: Any) -> bool:
-        if spec is None:
-            return True
-        tag, items = spec
-        if tag == "d":
-            return all(type(k) in (str, int) and keys_ok(v) for k, v in items)
-        return all(keys_ok(v) for v in items)
 
-    return all(kind != "plain" or isinstance(a, _PORTABLE) for kind, a in recipe) and keys_ok(spec)
+def _spec_lists(spec: Any) -> Any:
+    if spec is None:
+        return None
+    tag, items = spec
+    if tag == "d":
+        if not all(type(k) in (str, int) for k, _ in items):
+            raise TypeError("dict key")
+        return [tag, [[k, _spec_lists(v)] for k, v in items]]
+    return [tag, [_spec_lists(v) for v in items]]
+
+
+def _spec_tuples(spec: Any) -> Any:
+    if spec is None:
+        return None
+    tag, items = spec
+    if tag == "d":
+        return (tag, tuple((k, _spec_tuples(v)) for k, v in items))
+    return (tag, tuple(_spec_tuples(v) for v in items))
+
+
+@functools.lru_cache(maxsize=4096)
+def unpack(text: str) -> tuple:
+    """The recipe :func:`pack` made (cached by the string: a module logs the
+    same one every microbatch)."""
+    items, spec = json.loads(text)
+    recipe = []
+    for kind, a in items:
+        if kind == "new":
+            a = (tuple(a[0]), tuple(a[1]), getattr(torch, a[2]))
+        elif kind == "dtype":
+            kind, a = "plain", getattr(torch, a)
+        elif kind == "size":
+            kind, a = "plain", torch.Size(a)
+        elif kind == "device":
+            kind, a = "plain", torch.device(a)
+        recipe.append((kind, a))
+    return tuple(recipe), _spec_tuples(spec)
+
+
+_DTYPE_NAME = {
+    getattr(torch, n): n
+    for n in dir(torch)
+    if isinstance(getattr(torch, n, None), torch.dtype) and not n.startswith("_")
+}
 
 
 def remake(hit: tuple, leaves: list) -> Any:

@@ -72,10 +72,11 @@ from annot.runtime.meta_ops import (
     flat,
     has_meta,
     on_meta,
-    portable,
+    pack,
     recipe,
     remake,
     signature,
+    unpack,
 )
 from annot.runtime.value_reads import DECISIONS, log_reads, unlog
 
@@ -167,7 +168,7 @@ def shadow_call(path: str, shadow: nn.Module, cache: dict, args: tuple, kwargs: 
 
 
 def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
-    path, n, start, end, inner, hit = entry
+    path, n, start, end, inner, text = entry
     if start != run.pos:
         raise PipelineError(
             f"pipeline stage {run.index} replays the earlier stages' part of forward: call "
@@ -180,7 +181,7 @@ def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
     for q in inner:  # the logged modules it called: counted as if run here
         run.calls[q] = run.calls.get(q, 0) + 1
     run.entered.extend(inner)
-    return remake(hit, leaves)
+    return remake(unpack(text), leaves)
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -352,10 +353,11 @@ def _log_exit(path: str):
         leaves: list = []
         flat((args, kwargs), leaves)
         hit = recipe(out, {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)})
-        if hit is not None and portable(hit):
+        text = pack(hit) if hit is not None else None
+        if text is not None:
             _, n, start, inner = call
             run.log_out.append(
-                (path, n, start, len(run.decisions_out), tuple(run.entered[inner:]), hit)
+                (path, n, start, len(run.decisions_out), tuple(run.entered[inner:]), text)
             )
 
     return hook

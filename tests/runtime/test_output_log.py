@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from annot.errors import PipelineError
-from annot.runtime.meta_ops import portable, recipe
+from annot.runtime.meta_ops import pack, recipe, unpack
 from annot.runtime.p2p_codec import flatten, unflatten
 from annot.runtime.replay import (
     ReplayStage,
@@ -111,15 +111,16 @@ def test_without_the_log_the_replay_cannot_compute_the_shape():
         _run_both(x, drop_log=True)
 
 
-def test_recipes_that_cross_the_wire_are_plain_data():
-    x = torch.ones(2, 3)
-    hit = recipe(({"a": x, "b": [x, 2]}, torch.float16, None), {})
-    assert portable(hit)
-    tree, tensors = flatten(hit)
-    assert not tensors and unflatten(tree, []) == hit
-    # values the codec does not carry: run on meta instead of logged
-    assert not portable(recipe((x, torch.channels_last), {}))
-    assert not portable(recipe({(1, 2): x}, {}))
+def test_recipes_cross_the_wire_as_one_string():
+    x, y = torch.ones(2, 3), torch.ones(4, 1)[::2]
+    out = ({"a": x, 3: [x, y, 2.5]}, torch.float16, torch.Size([2]), torch.device("cpu"), None)
+    hit = recipe(out, {id(y): 0})
+    text = pack(hit)
+    tree, tensors = flatten(text)
+    assert not tensors and unpack(unflatten(tree, [])) == hit
+    # values JSON does not carry: the module runs on meta instead of being logged
+    assert pack(recipe((x, torch.channels_last), {})) is None
+    assert pack(recipe({(1, 2): x}, {})) is None
 
 
 def test_the_shape_probe_runs_ops_meta_cannot_on_zeros():
