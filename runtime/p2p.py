@@ -232,6 +232,10 @@ def send_pytree(
     Unsupported values raise PipelineError before anything is sent; a peer that
     fails or hangs raises RankFailure (here or in ``wait()``)."""
     where = f" ({_op('send', what)} to rank {dst})"
+    if tag is not None and not (
+        isinstance(tag, tuple) and len(tag) == 3 and all(type(v) is int for v in tag)
+    ):
+        raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
     try:
         tree, tensors = flatten(obj)
     except PipelineError as err:

@@ -176,6 +176,9 @@ def test_unsupported_leaf_names_its_path():
         r"\(send activations to rank 2\)",
     ):
         send_pytree({"cache": [0, {1}]}, 2, what="activations")
+    for bad in ((1, 2), (1, 2, "3"), [1, 2, 3]):
+        with pytest.raises(PipelineError, match=r"tag= must be a tuple of three ints"):
+            send_pytree(torch.ones(1), 2, what="activations", tag=bad)
 
 
 def test_local_namedtuple_is_refused_clearly():
