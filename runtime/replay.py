@@ -396,8 +396,12 @@ def _enter(run: _Run, frame) -> None:
         raise PipelineError(
             f"pipeline stage {run.index}: {len(got)} tensors arrived at boundary {path!r} but "
             f"this rank's forward holds {len(mine)} there; the forward took a different path "
-            "on the two ranks (control flow that depends on something other than the step's "
-            "inputs and the model's values?)"
+            "on the two ranks. Either control flow depends on something other than the step's "
+            "inputs and the model's values, or a forward hook stored tensors on the rank that "
+            "ran the module (transformers' output_hidden_states, output_attentions and "
+            "output_router_logits collect each layer's outputs that way): a stage does not "
+            "run the hooks of modules other stages hold, so turn that capture off under "
+            "pipeline parallelism"
         )
     for j, (t, r) in enumerate(zip(mine, got)):
         if r is None:

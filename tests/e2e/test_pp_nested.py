@@ -631,3 +631,35 @@ def test_boundary_naming_no_module_or_a_module_list_is_refused(tmp_path):
         "path of the module whose call begins a stage (e.g. blocks, blocks.0, blocks.0.norm1, "
         "blocks.0.attn, blocks.0.attn.qkv, blocks.0.attn.proj, blocks.0.norm2, blocks.0.mlp)"
     ), msg
+
+
+def _captured_outputs(cache: str) -> str:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from annot.errors import AnnotError
+
+    cls, args = _llama()
+    model = annot.parallelize(cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=["model.layers.2"])
+
+    @annot.jit(model, microbatches=1)
+    def step(ids):
+        out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+        model.backward(out.loss)
+
+    try:
+        step(torch.zeros(2, 5, dtype=torch.long))
+    except AnnotError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.slow
+def test_outputs_captured_by_hooks_on_other_stages_are_refused(tmp_path):
+    # transformers collects output_hidden_states with forward hooks: the stage
+    # that replays the layers of another stage cannot hold what they stored
+    first, second = run_ranks(_captured_outputs, 2, str(tmp_path), timeout=120)
+    assert second.startswith("PipelineError: pipeline stage 1: 7 tensors arrived"), second
+    assert "a forward hook stored tensors on the rank that ran the module" in second, second
+    assert first.startswith("RankFailure: rank 1 (stage 1) failed"), first
