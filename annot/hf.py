@@ -11,20 +11,26 @@ forward (``LlamaModel.forward``); :mod:`annot.runtime.replay` cuts stages there.
 over the stages, and :func:`sample_inputs` makes the tiny input the meta
 probe of call order runs on. Under a pipeline the KV cache cannot cross a
 stage boundary: :func:`pipeline_call_kwargs` turns it off when the call does
-not ask for it and refuses ``use_cache=True``.
+not ask for it and refuses ``use_cache=True``. transformers' output capture
+(``output_hidden_states``, ``output_router_logits``: forward hooks that append
+each layer's outputs to a collector) crosses stages through
+:func:`captured_outputs`, which the replay logs with each layer's outputs.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch.nn as nn
 
 from annot.errors import HintError, PipelineError
 from annot.hf_tp_plan import ANNOT_PLANS, base_prefix, hints_from_hf_config, is_hf_model
+from annot.runtime.replay import register_collectors
 
 __all__ = [
     "ANNOT_PLANS",
+    "captured_outputs",
     "hints_from_hf_config",
     "is_hf_model",
     "nested_blocks",
@@ -148,3 +154,17 @@ def _forward_params(module: nn.Module) -> set[str]:
         return set(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         return set()
+
+
+def captured_outputs() -> list[tuple[str, list]]:
+    """The lists transformers' output-capture hooks append to in the forward
+    under way (``hidden_states``, ``attentions``, ``router_logits``, ...); none
+    when transformers is not loaded or no capture is on."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = capturing._active_collector.get() if capturing is not None else None
+    if not collector:
+        return []
+    return [(k, v) for k, v in collector.items() if isinstance(v, list) and not k.startswith("_")]
+
+
+register_collectors(captured_outputs)

@@ -85,6 +85,7 @@ __all__ = [
     "StageDone",
     "install_boundaries",
     "install_output_log",
+    "register_collectors",
     "replaying",
     "call_with",
     "shadow_call",
@@ -181,7 +182,17 @@ def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
     for q in inner:  # the logged modules it called: counted as if run here
         run.calls[q] = run.calls.get(q, 0) + 1
     run.entered.extend(inner)
-    return remake(unpack(text), leaves)
+    out, appended = remake(unpack(text), leaves)
+    if appended:
+        lists = dict(_collectors())
+        for name, items in appended.items():
+            if name not in lists:
+                raise PipelineError(
+                    f"pipeline stage {run.index}: call {n} of {path!r} captured {name!r} "
+                    "outputs on the stage that ran it, but that capture is off here"
+                )
+            lists[name].extend(items)
+    return out
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -311,6 +322,25 @@ def install_boundaries(root: nn.Module, boundaries: Sequence[str]) -> list:
     ]
 
 
+# Functions that return the lists forward hooks append module outputs to right
+# now, by name (transformers' output capture: annot.hf registers it).
+_COLLECTORS: list = []
+
+
+def register_collectors(fn) -> None:
+    """Register ``fn() -> [(name, list), ...]``: lists that forward hooks
+    append module outputs to during a forward (an output-capture mechanism). A
+    logged module's appends are logged with its outputs and made again, as
+    meta tensors, where a later stage answers the call from the log, so every
+    stage holds the same tensors and the captured ones cross the boundaries."""
+    if fn not in _COLLECTORS:
+        _COLLECTORS.append(fn)
+
+
+def _collectors() -> list:
+    return [c for fn in _COLLECTORS for c in fn()] if _COLLECTORS else []
+
+
 def install_output_log(root: nn.Module, paths: Sequence[str]) -> list:
     """Hooks on the modules at ``paths`` (those some stage holds as a
     placeholder): the rank that runs one for real logs its outputs for the
@@ -319,20 +349,26 @@ def install_output_log(root: nn.Module, paths: Sequence[str]) -> list:
     handles = []
     for path in paths:
         module = _called(root, path)
-        handles.append(module.register_forward_pre_hook(_log_enter(path)))
-        handles.append(module.register_forward_hook(_log_exit(path), with_kwargs=True))
+        exit_ = module.register_forward_hook(_log_exit(path), with_kwargs=True)
+        handles.append(module.register_forward_pre_hook(_log_enter(path, exit_.id)))
+        handles.append(exit_)
     return handles
 
 
-def _log_enter(path: str):
+def _log_enter(path: str, exit_id: int):
     def hook(module: nn.Module, args: tuple) -> None:
         if not _ACTIVE:
             return
+        hooks = module._forward_hooks
+        if next(reversed(hooks)) != exit_id:  # after hooks added since (output capture)
+            hooks.move_to_end(exit_id)
         run = _ACTIVE[-1]
         n = run.calls.get(path, 0)
         run.calls[path] = n + 1
         run.entered.append(path)
-        run.open.append((path, n, len(run.decisions_out), len(run.entered)))
+        lists = _collectors()
+        sizes = [len(lst) for _, lst in lists]
+        run.open.append((path, n, len(run.decisions_out), len(run.entered), lists, sizes))
 
     return hook
 
@@ -350,12 +386,14 @@ def _log_exit(path: str):
             return
         if not run.record or run.replaying:
             return  # logged by the stage that ran it (or nobody needs it)
+        _, n, start, inner, lists, sizes = call
+        appended = {name: lst[k:] for (name, lst), k in zip(lists, sizes) if len(lst) > k}
         leaves: list = []
         flat((args, kwargs), leaves)
-        hit = recipe(out, {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)})
+        ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        hit = recipe((out, appended), ins)
         text = pack(hit) if hit is not None else None
         if text is not None:
-            _, n, start, inner = call
             run.log_out.append(
                 (path, n, start, len(run.decisions_out), tuple(run.entered[inner:]), text)
             )
