@@ -508,6 +508,34 @@ class ReplayStage:
         self.meta_ops = MetaOps()  # the replay's ops on meta, by signature
         self.outputs: Optional[dict] = None
 
+    def _replay_failed(self, run: _Run, exc: BaseException) -> str:
+        from annot.runtime.stage_prune import Absent
+
+        head = (
+            f"pipeline stage {self.index} replays the earlier stages' part of forward (shapes "
+            "only, on the meta device) and an op"
+        )
+        if not run.open:
+            return (
+                f"{head} between modules failed there: {exc}. Code outside the modules whose "
+                "output shapes depend on the data (or whose ops have no meta kernel) cannot be "
+                "replayed; move it into a module, or pass split= with a boundary after it"
+            )
+        path = run.open[-1][0]
+        if not isinstance(_called(self.root, path), Absent):
+            return (
+                f"{head} in {path!r} failed there: {exc}. {path!r} belongs to an earlier stage "
+                "this rank also holds (interleaved virtual stages), and a rank's own modules "
+                "replay on meta; its ops cannot. Use chunks=1 for this model, or boundaries "
+                "that give this rank no stage before it"
+            )
+        return (
+            f"{head} in {path!r} failed there: {exc}. A module of another stage is answered "
+            "from the log of what it returned when that is tensors in tuples, lists and "
+            "dicts; this one returned something else. Return plain containers from it, or "
+            "pass split= with a boundary before it"
+        )
+
     def __call__(self, received: Optional[dict], call) -> Any:
         last = self.index == self.num_stages - 1
         run = _Run(self, received, record=not last)
@@ -527,15 +555,7 @@ class ReplayStage:
             raise
         except (RuntimeError, NotImplementedError) as exc:
             if run.replaying:
-                where = f" in {run.open[-1][0]!r}" if run.open else ""
-                raise PipelineError(
-                    f"pipeline stage {self.index} replays the earlier stages' part of forward "
-                    f"(shapes only, on the meta device) and an op{where} failed there: {exc}. "
-                    "A module of another stage is answered from the log of what it returned "
-                    "when that is tensors in tuples, lists and dicts; this one returned "
-                    "something else, or the op sits in code between modules. Return plain "
-                    "containers from it, or pass split= with a boundary before it"
-                ) from exc
+                raise PipelineError(self._replay_failed(run, exc)) from exc
             if isinstance(exc, RuntimeError) and "meta" in str(exc):
                 raise PipelineError(
                     f"pipeline stage {self.index} used a tensor that an earlier stage computed "

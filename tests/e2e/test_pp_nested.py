@@ -658,3 +658,49 @@ def test_boundary_naming_no_module_or_a_module_list_is_refused(tmp_path):
         "path of the module whose call begins a stage (e.g. blocks, blocks.0, blocks.0.norm1, "
         "blocks.0.attn, blocks.0.attn.qkv, blocks.0.attn.proj, blocks.0.norm2, blocks.0.mlp)"
     ), msg
+
+
+def _interleaved_moe(cache: str) -> str:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from annot.errors import AnnotError
+
+    cls, args = _qwen2_moe()
+    model = annot.parallelize(
+        cls,
+        *args,
+        mesh=annot.Mesh(pp=2),
+        seed=0,
+        chunks=2,
+        split=["model.layers.1", "model.layers.2", "model.layers.3"],
+    )
+
+    @annot.jit(model, microbatches=2, schedule="interleaved")
+    def step(b):
+        loss = _hf_labels(model, b)
+        model.backward(loss)
+
+    try:
+        step(_tokens(torch.Generator().manual_seed(4), 0))
+    except AnnotError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.slow
+def test_interleaved_stages_refuse_replaying_their_own_moe_on_meta(tmp_path):
+    # rank 1 holds stages 1 and 3: stage 3 replays stage 1's layer (its own
+    # module, not a placeholder answered from the log) on meta, where float32
+    # grouped_mm has no kernel
+    _, second = run_ranks(_interleaved_moe, 2, str(tmp_path), timeout=200)
+    assert second.startswith(
+        "PipelineError: pipeline stage 3 replays the earlier stages' part of forward (shapes "
+        "only, on the meta device) and an op in 'model.layers.1' failed there: "
+    ), second
+    assert second.endswith(
+        "'model.layers.1' belongs to an earlier stage this rank also holds (interleaved virtual "
+        "stages), and a rank's own modules replay on meta; its ops cannot. Use chunks=1 for "
+        "this model, or boundaries that give this rank no stage before it"
+    ), second
