@@ -46,6 +46,10 @@ class Unit:
     path: str
     params: int
     owns: tuple[str, ...] = ()
+    # the parameters its forward multiplies by, a proxy for its FLOPs per token:
+    # an embedding's table (looked up) counts zero, a tied weight counts in every
+    # unit that multiplies by it (``params`` counts it once, for memory)
+    work: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,19 +135,33 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
             if id(p) not in counted:
                 counted.add(id(p))
                 n += p.numel()
-        out.append(Unit(path, n, (path,)))
+        out.append(Unit(path, n, (path,), _work(m)))
     # a unit that is a block's first part begins at the block itself
     fixed, begun = [], set()
     for u in out:
         parent = block_of(u.path)
         if parent in blocks and parent not in begun and not never_called(named[parent]):
-            u = Unit(parent, u.params, u.owns)
+            u = Unit(parent, u.params, u.owns, u.work)
         begun.add(parent)
         if fixed and fixed[-1].path == u.path:  # one call begins both: one unit
-            fixed[-1] = Unit(u.path, fixed[-1].params + u.params, fixed[-1].owns + u.owns)
+            last = fixed[-1]
+            fixed[-1] = Unit(u.path, last.params + u.params, last.owns + u.owns, last.work + u.work)
         else:
             fixed.append(u)
     return fixed
+
+
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _work(module: nn.Module) -> int:
+    """The parameters ``module``'s forward multiplies by (see :attr:`Unit.work`)."""
+    seen: dict[int, int] = {}
+    for m in module.modules():
+        if not isinstance(m, _LOOKUPS):
+            for p in m.parameters(recurse=False):
+                seen[id(p)] = p.numel()
+    return sum(seen.values())
 
 
 def _first_grad_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -317,7 +335,9 @@ def plan_module_boundaries(
 ) -> ModulePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
-    ``cost``: "params" (no sample needed; a meta model is fine), "time" or
+    ``cost``: "params" (no sample needed; a meta model is fine: each unit's
+    parameters as a proxy for its FLOPs per token, an embedding's table
+    counting zero and a tied head counting in full, :attr:`Unit.work`), "time" or
     "flops" (``model`` with real weights and ``sample``, one microbatch of
     forward's arguments: a dict, a tuple or a tensor). ``order``: module paths
     in call order (default: the call order on ``sample``, else registration
@@ -372,7 +392,7 @@ def plan_module_boundaries(
             ]
             share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
         base = (
-            [float(u.params) for u in found]
+            [float(u.work) for u in found]
             if cost == "params"
             else _times(model, found, sample, repeats)
         )

@@ -143,3 +143,32 @@ def test_a_block_whose_part_is_a_sequential_counts_its_weights():
     assert sum(found.values()) == sum(p.numel() for p in model.parameters())
     plan = plan_module_boundaries(model, 2)
     assert plan.boundaries[0].startswith("resnet.encoder.stages."), plan.table()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_without_a_sample_an_embedding_weighs_nothing_and_a_tied_head_in_full(tie):
+    # "params" stands for FLOPs per token: an embedding's table is looked up, the
+    # head multiplies by it (tied or not). Old behaviour: a tied head weighed 0
+    # and the embedding the whole table, so pp=2 put the embedding alone on stage 0
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    plan = plan_module_boundaries(model, 4)
+    work = {u.path: u.work for u in plan.units}
+    assert work["model.embed_tokens"] == 0 and work["lm_head"] == 4096 * 64
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert sum(work.values()) == 8 * layer + 4096 * 64 + 64  # the final norm's weight
+    # the head (7 layers of work) is a stage of its own, the bottleneck no
+    # split avoids; the layers share the other three stages
+    assert plan.boundaries[0] != "model.layers.0" and plan.boundaries[-1] == "lm_head"
+    assert max(plan.stage_costs) == work["lm_head"], plan.stage_costs
