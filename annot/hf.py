@@ -104,7 +104,7 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
 
 def sample_inputs(model: nn.Module) -> Optional[dict]:
     """A tiny microbatch for a transformers model, made from its config (token
-    ids, pixels, decoder ids): enough for a meta forward that shows the order
+    ids, pixels, mel features, decoder ids): enough for a meta forward that shows the order
     of module calls. None for other models."""
     import torch
 
@@ -119,6 +119,9 @@ def sample_inputs(model: nn.Module) -> Optional[dict]:
         out = {name: torch.zeros(1, getattr(config, "num_channels", 3), size, size)}
     elif name == "input_ids":
         out = {name: torch.zeros(1, 4, dtype=torch.long)}
+    elif name == "input_features" and hasattr(config, "num_mel_bins"):  # speech (Whisper)
+        frames = 2 * getattr(config, "max_source_positions", 1500)  # the encoder's fixed length
+        out = {name: torch.zeros(1, config.num_mel_bins, frames)}
     else:
         return None
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
@@ -161,7 +164,8 @@ def captured_outputs() -> list[tuple[str, list]]:
     under way (``hidden_states``, ``attentions``, ``router_logits``, ...); none
     when transformers is not loaded or no capture is on."""
     capturing = sys.modules.get("transformers.utils.output_capturing")
-    collector = capturing._active_collector.get() if capturing is not None else None
+    active = getattr(capturing, "_active_collector", None)  # (private: may move)
+    collector = active.get() if active is not None else None
     if not collector:
         return []
     return [(k, v) for k, v in collector.items() if isinstance(v, list) and not k.startswith("_")]

@@ -65,7 +65,8 @@ _VALUES = (*_PLAIN, torch.dtype, torch.device, torch.Size, torch.memory_format, 
 def signature(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), leaf.dtype)
-    return leaf if isinstance(leaf, _PLAIN) else type(leaf)
+    # typed: True, 1 and 1.0 are equal keys but not equal arguments (x * 2 vs x * 2.0)
+    return (type(leaf), leaf) if isinstance(leaf, _PLAIN) else type(leaf)
 
 
 _TAGS = {tuple: "t", list: "l", dict: "d"}
@@ -223,9 +224,9 @@ def _op_key(func, args: tuple, kwargs: dict) -> tuple[Optional[tuple], list]:
         if isinstance(x, torch.Tensor):
             sig.append((x.shape, x.stride(), x.dtype, x.is_meta))
         elif isinstance(x, _VALUES) or x is Ellipsis:
-            sig.append(x)
+            sig.append((type(x), x))  # typed: True, 1 and 1.0 are equal keys
         elif isinstance(x, slice) and all(isinstance(v, _PLAIN) for v in (x.start, x.stop, x.step)):
-            sig.append((slice, x.start, x.stop, x.step))
+            sig.append((slice, *((type(v), v) for v in (x.start, x.stop, x.step))))
         else:
             return None, leaves
     return (func, spec, tuple(sig)), leaves

@@ -123,9 +123,9 @@ class _Run:
         # owner recorded (received) and what goes on (received + this stage's).
         self.logged = {(e[0], e[1]): e for e in received["m"]} if received else {}
         self.log_out: list = list(received["m"]) if received and record else []
-        self.calls: dict[str, int] = {}  # logged paths entered so far, with counts
+        self.calls: dict[str, int] = {}  # logged modules (by key) entered so far, with counts
         self.entered: list[str] = []  # ... in order
-        self.open: list[tuple] = []  # (path, n, log position, len(entered)) of calls under way
+        self.open: list[_Call] = []  # the logged calls under way, innermost last
 
 
 _ACTIVE: list[_Run] = []
@@ -136,44 +136,88 @@ def replaying() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
 
 
-def shadow_call(path: str, shadow: nn.Module, cache: dict, args: tuple, kwargs: dict) -> Any:
-    """Another stage's module (the placeholder at ``path``) called while
+class _Call:
+    """A logged module's call under way (see :func:`install_output_log`)."""
+
+    __slots__ = ("key", "n", "start", "inner", "lists", "sizes", "module", "kind")
+
+    def __init__(self, key, n, start, inner, lists, sizes, module, kind):
+        self.key, self.n, self.start, self.inner = key, n, start, inner
+        self.lists, self.sizes, self.module, self.kind = lists, sizes, module, kind
+
+
+def _entry(run: _Run, module: nn.Module) -> Optional[tuple]:
+    """The log entry answering this call of ``module`` (whose pre-hook opened
+    the innermost logged call), if the stage that ran it logged one."""
+    call = run.open[-1] if run.open else None
+    if call is None or call.module is not module:
+        return None
+    return run.logged.get((call.key, call.n))
+
+
+def shadow_call(absent: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Another stage's module (the placeholder ``absent``) called while
     replaying: its outputs as the stage that ran it logged them (fresh meta
     tensors of the logged shapes, the same aliasing of inputs and outputs), and
     the value reads made inside it skipped. Without a log entry (its output is
-    not plain data) ``shadow`` runs on meta, the first time for each signature
-    of its inputs, then from ``cache``; one whose outputs depend on values (it
+    not plain data) its shadow runs on meta (where the logged modules inside
+    it are answered from the log in turn), the first time for each signature
+    of its inputs, then from its cache; one whose outputs depend on values (it
     read one from the log) or are not plain pytrees is never cached."""
     run = _ACTIVE[-1]
     leaves: list = []
     with torch._C.DisableTorchFunction():  # .shape / .dtype without the replay mode
-        key = (flat((args, kwargs), leaves), tuple(signature(x) for x in leaves))
-    entry = run.logged.get(run.open[-1][:2]) if run.open and run.open[-1][0] == path else None
+        spec = flat((args, kwargs), leaves)
+    entry = _entry(run, absent)
     if entry is not None:
         return _from_log(run, entry, leaves)
+    with torch._C.DisableTorchFunction():
+        key = (spec, tuple(signature(x) for x in leaves))
+    cache = absent.shapes
     hit = cache.get(key)
     if hit is not None:
         return remake(hit, leaves)
     pos = run.pos
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    out = shadow(*meta[0], **meta[1])
+    out = absent.shadow(*meta[0], **meta[1])
     if run.pos == pos:
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         metas: list = []
         flat(meta, metas)
         ins.update({id(x): i for i, x in enumerate(metas)})
-        hit = recipe(out, ins)
+        hit = _recipe(out, ins, run.stage.state_ids)
         if hit is not None:
             cache[key] = hit
     return out
 
 
+def _recipe(out: Any, ins: dict, state: set) -> Optional[tuple]:
+    """:func:`recipe` of ``out``, or None where it holds module state (a
+    parameter or buffer the module returns: the frame walk leaves state out,
+    so a fresh meta tensor in its place would be one tensor too many) or a
+    tensor without strides."""
+    try:
+        hit = recipe(out, ins)
+    except (RuntimeError, NotImplementedError):  # .stride() of a sparse or nested tensor
+        return None
+    if hit is None:
+        return None
+    leaves: list = []
+    flat(out, leaves)
+    if any(
+        isinstance(t, torch.Tensor) and (id(t) in state or isinstance(t, nn.Parameter))
+        for t in leaves
+    ):
+        return None
+    return hit
+
+
 def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
-    path, n, start, end, inner, text = entry
+    key, n, start, end, inner, text = entry
     if start != run.pos:
         raise PipelineError(
             f"pipeline stage {run.index} replays the earlier stages' part of forward: call "
-            f"{n} of {path!r} came after {run.pos} value reads here but after {start} on the "
+            f"{n} of {key!r} came after {run.pos} value reads here but after {start} on the "
             "stage that ran it; the forward took a different path on the two ranks"
         )
     if run.record:
@@ -182,17 +226,38 @@ def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
     for q in inner:  # the logged modules it called: counted as if run here
         run.calls[q] = run.calls.get(q, 0) + 1
     run.entered.extend(inner)
+    run.open[-1].kind = "answered"  # (its own hooks' appends are the logged ones)
     out, appended = remake(unpack(text), leaves)
     if appended:
         lists = dict(_collectors())
         for name, items in appended.items():
             if name not in lists:
                 raise PipelineError(
-                    f"pipeline stage {run.index}: call {n} of {path!r} captured {name!r} "
+                    f"pipeline stage {run.index}: call {n} of {key!r} captured {name!r} "
                     "outputs on the stage that ran it, but that capture is off here"
                 )
             lists[name].extend(items)
+        run.open[-1].sizes = [len(lst) for _, lst in run.open[-1].lists]
     return out
+
+
+class _FromLog:
+    """The ``forward`` of a logged module inside another stage's meta shadow:
+    answered from the log while replaying, where its owner logged the call."""
+
+    def __init__(self, module: nn.Module, forward):
+        self.module = module
+        self.__wrapped__ = forward  # (inspect.signature follows it)
+
+    def __call__(self, *args, **kwargs):
+        run = _ACTIVE[-1] if _ACTIVE else None
+        entry = _entry(run, self.module) if run is not None and run.replaying else None
+        if entry is None:
+            return self.__wrapped__(*args, **kwargs)
+        leaves: list = []
+        with torch._C.DisableTorchFunction():
+            flat((args, kwargs), leaves)
+        return _from_log(run, entry, leaves)
 
 
 class _ReplayMode(TorchFunctionMode):
@@ -341,62 +406,92 @@ def _collectors() -> list:
     return [c for fn in _COLLECTORS for c in fn()] if _COLLECTORS else []
 
 
-def install_output_log(root: nn.Module, paths: Sequence[str]) -> list:
-    """Hooks on the modules at ``paths`` (those some stage holds as a
-    placeholder): the rank that runs one for real logs its outputs for the
-    later stages' replay (see :func:`shadow_call`). Every rank hooks the same
-    paths, so the calls are counted alike everywhere. Returns the handles."""
-    handles = []
-    for path in paths:
+def install_output_log(root: nn.Module, keys: dict[str, str]) -> list:
+    """Hooks on the modules at the paths of ``keys`` (those some stage holds as
+    a placeholder, and the blocks inside them), each logged under its key (the
+    first path of the module, so a module reached by several paths, a shared
+    embedding, is one module everywhere): the rank that runs one for real logs
+    its outputs for the later stages' replay (see :func:`shadow_call`). Every
+    rank hooks the same keys, so the calls are counted alike everywhere; a
+    logged module inside a meta shadow answers from the log. Returns the handles."""
+    from annot.runtime.stage_prune import Absent
+
+    handles, done = [], set()
+    for path, key in keys.items():
         module = _called(root, path)
-        exit_ = module.register_forward_hook(_log_exit(path), with_kwargs=True)
-        handles.append(module.register_forward_pre_hook(_log_enter(path, exit_.id)))
+        if id(module) in done:
+            continue
+        done.add(id(module))
+        kind = "absent" if isinstance(module, Absent) else _kind(root, path)
+        exit_ = module.register_forward_hook(_log_exit(), with_kwargs=True)
+        handles.append(module.register_forward_pre_hook(_log_enter(key, kind, exit_.id)))
         handles.append(exit_)
+        if kind == "shadow":
+            module.forward = _FromLog(module, module.forward)
     return handles
 
 
-def _log_enter(path: str, exit_id: int):
+def _kind(root: nn.Module, path: str) -> str:
+    """ "shadow" if ``path`` lies inside another stage's meta shadow here, else "own"."""
+    from annot.runtime.stage_prune import Absent
+
+    obj: Any = root
+    for part in path.split("."):
+        obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
+        if isinstance(obj, Absent):
+            return "shadow"
+    return "own"
+
+
+def _log_enter(key: str, kind: str, exit_id: int):
     def hook(module: nn.Module, args: tuple) -> None:
         if not _ACTIVE:
             return
         hooks = module._forward_hooks
-        if next(reversed(hooks)) != exit_id:  # after hooks added since (output capture)
-            hooks.move_to_end(exit_id)
+        if exit_id in hooks and next(reversed(hooks)) != exit_id:
+            hooks.move_to_end(exit_id)  # after hooks added since (output capture)
         run = _ACTIVE[-1]
-        n = run.calls.get(path, 0)
-        run.calls[path] = n + 1
-        run.entered.append(path)
+        n = run.calls.get(key, 0)
+        run.calls[key] = n + 1
+        run.entered.append(key)
         lists = _collectors()
         sizes = [len(lst) for _, lst in lists]
-        run.open.append((path, n, len(run.decisions_out), len(run.entered), lists, sizes))
+        start = len(run.decisions_out)
+        run.open.append(_Call(key, n, start, len(run.entered), lists, sizes, module, kind))
 
     return hook
 
 
-def _log_exit(path: str):
+def _log_exit():
     def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if not _ACTIVE:
             return
         run = _ACTIVE[-1]
-        while run.open:  # (a call that raised into an except of the model never exited)
-            call = run.open.pop()
-            if call[0] == path:
-                break
-        else:
+        # its frame, and above it those of calls that raised into an except of the model
+        at = next(
+            (i for i in range(len(run.open) - 1, -1, -1) if run.open[i].module is module), None
+        )
+        if at is None:
+            return
+        call = run.open[at]
+        del run.open[at:]
+        if (
+            call.kind == "answered"
+        ):  # its own hooks ran again on the answer: the log's appends stand
+            for (_, lst), k in zip(call.lists, call.sizes):
+                del lst[k:]
             return
         if not run.record or run.replaying:
             return  # logged by the stage that ran it (or nobody needs it)
-        _, n, start, inner, lists, sizes = call
-        appended = {name: lst[k:] for (name, lst), k in zip(lists, sizes) if len(lst) > k}
+        appended = {name: lst[k:] for (name, lst), k in zip(call.lists, call.sizes) if len(lst) > k}
         leaves: list = []
         flat((args, kwargs), leaves)
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-        hit = recipe((out, appended), ins)
+        hit = _recipe((out, appended), ins, run.stage.state_ids)
         text = pack(hit) if hit is not None else None
         if text is not None:
-            run.log_out.append(
-                (path, n, start, len(run.decisions_out), tuple(run.entered[inner:]), text)
-            )
+            inner = tuple(run.entered[call.inner :])
+            run.log_out.append((call.key, call.n, call.start, len(run.decisions_out), inner, text))
 
     return hook
 
@@ -436,10 +531,9 @@ def _enter(run: _Run, frame) -> None:
             f"this rank's forward holds {len(mine)} there; the forward took a different path "
             "on the two ranks. Either control flow depends on something other than the step's "
             "inputs and the model's values, or a forward hook stored tensors on the rank that "
-            "ran the module (transformers' output_hidden_states, output_attentions and "
-            "output_router_logits collect each layer's outputs that way): a stage does not "
-            "run the hooks of modules other stages hold, so turn that capture off under "
-            "pipeline parallelism"
+            "ran the module into a collector the replay does not know: register it with "
+            "annot.runtime.replay.register_collectors (transformers' output capture is "
+            "registered)"
         )
     for j, (t, r) in enumerate(zip(mine, got)):
         if r is None:
@@ -509,31 +603,39 @@ class ReplayStage:
         self.outputs: Optional[dict] = None
 
     def _replay_failed(self, run: _Run, exc: BaseException) -> str:
-        from annot.runtime.stage_prune import Absent
-
+        why = str(exc).rstrip(".")
         head = (
             f"pipeline stage {self.index} replays the earlier stages' part of forward (shapes "
             "only, on the meta device) and an op"
         )
         if not run.open:
             return (
-                f"{head} between modules failed there: {exc}. Code outside the modules whose "
-                "output shapes depend on the data (or whose ops have no meta kernel) cannot be "
-                "replayed; move it into a module, or pass split= with a boundary after it"
+                f"{head} outside the modules other stages hold failed there: {why}. Code whose "
+                "output shapes depend on the data (or whose ops have no meta kernel) replays "
+                "only inside such a module; move it into one, or pass split= with a boundary "
+                "after it"
             )
-        path = run.open[-1][0]
-        if not isinstance(_called(self.root, path), Absent):
+        call = run.open[-1]
+        if call.kind == "own":
+            begin = self.boundaries[self.index - 1]
+            if begin.startswith(call.key + "."):  # the stage begins inside it
+                return (
+                    f"{head} in {call.key!r} failed there: {why}. Stage {self.index} begins "
+                    f"inside it ({begin!r}), so this rank runs its part before the boundary on "
+                    f"meta, where its ops cannot run. Put the boundary at {call.key!r} or after "
+                    "it instead"
+                )
             return (
-                f"{head} in {path!r} failed there: {exc}. {path!r} belongs to an earlier stage "
-                "this rank also holds (interleaved virtual stages), and a rank's own modules "
-                "replay on meta; its ops cannot. Use chunks=1 for this model, or boundaries "
-                "that give this rank no stage before it"
+                f"{head} in {call.key!r} failed there: {why}. {call.key!r} belongs to an "
+                "earlier stage this rank also holds (interleaved virtual stages), and a rank's "
+                "own modules replay on meta, where its ops cannot run. Use chunks=1 for this "
+                "model"
             )
         return (
-            f"{head} in {path!r} failed there: {exc}. A module of another stage is answered "
-            "from the log of what it returned when that is tensors in tuples, lists and "
-            "dicts; this one returned something else. Return plain containers from it, or "
-            "pass split= with a boundary before it"
+            f"{head} in {call.key!r} failed there: {why}. A module of another stage is "
+            "answered from the log of what it returned when that is tensors in tuples, lists "
+            "and dicts; this one returned something else. Return plain containers from it, "
+            "or pass split= with a boundary before it"
         )
 
     def __call__(self, received: Optional[dict], call) -> Any:

@@ -42,7 +42,7 @@ class Absent(nn.Module):
     def forward(self, *args, **kwargs):
         if self.shadow is not None and replaying():
             # another stage's work: shapes only (meta), even where its weights are real here
-            return shadow_call(self.path, self.shadow, self.shapes, args, kwargs)
+            return shadow_call(self, args, kwargs)
         raise PipelineError(
             f"module {self.path!r} belongs to another pipeline stage but was called here; "
             + (
@@ -128,6 +128,33 @@ def absent_paths(
         else:
             paths.append(path)
     return paths
+
+
+def logged_modules(root: nn.Module, absent: set[str]) -> dict[str, str]:
+    """The module paths whose outputs the pipeline replay logs
+    (:func:`annot.runtime.replay.install_output_log`), each with its key, the
+    module's first path (a module reached by several paths is one module):
+    every path some rank holds as a placeholder (``absent``) and, inside one
+    that holds block lists (``nn.ModuleList``, ``nn.ModuleDict``), the modules
+    down to the blocks (its children, the children of the modules above each
+    list, the lists' elements). A placeholder whose output is not plain data (a
+    ``ModelOutput``) runs its shadow on meta, where those answer from the log."""
+    named = dict(root.named_modules(remove_duplicate=False))
+    first: dict[int, str] = {}
+    for path, m in named.items():
+        first.setdefault(id(m), path)
+    out = set(absent)
+    for p in absent:
+        lists = [
+            q
+            for q, m in named[p].named_modules(prefix=p, remove_duplicate=False)
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+        ]
+        depth = p.count(".") + 1
+        above = {".".join(q.split(".")[:k]) for q in lists for k in range(depth, q.count(".") + 2)}
+        for a in above:
+            out.update(f"{a}.{name}" for name, _ in named[a].named_children())
+    return {path: first[id(named[path])] for path in sorted(out)}
 
 
 def prune(

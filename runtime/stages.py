@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from annot.errors import PipelineError
-from annot.runtime.stage_prune import absent_paths, covered, prune
+from annot.runtime.stage_prune import absent_paths, covered, logged_modules, prune
 
 __all__ = []
 
@@ -85,23 +86,45 @@ def call_order_stage_modules(
 def record_calls(root: nn.Module, sample: Any) -> list[tuple[str, ...]]:
     """Every module call of one forward of ``root`` on ``sample``, in order,
     each as the paths of the module called (a shared module has several): one
-    meta forward (:func:`annot.runtime.replay.shape_run`, no FLOPs)."""
+    meta forward (:func:`annot.runtime.replay.shape_run`, no FLOPs). A module
+    whose parameter another module's forward reads directly
+    (``self.rel_embeddings.weight``, never called) counts as called there."""
     from annot.runtime.replay import shape_run
 
     paths: dict[int, tuple[str, ...]] = {}
     for path, m in root.named_modules(remove_duplicate=False):
         paths[id(m)] = (*paths.get(id(m), ()), path)
+    owner = {id(p): paths[id(m)] for m in root.modules() for p in m.parameters(recurse=False)}
     calls: list[tuple[str, ...]] = []
     handles = [
         m.register_forward_pre_hook(lambda module, args: calls.append(paths[id(module)]))
         for m in root.modules()
     ]
     try:
-        shape_run(root, sample)
+        with _ParameterReads(owner, calls):
+            shape_run(root, sample)
     finally:
         for h in handles:
             h.remove()
     return calls
+
+
+class _ParameterReads(TorchFunctionMode):
+    """For :func:`record_calls`: an op on a parameter appends its module's paths
+    to ``calls`` (once per run of reads: its own forward's ops add nothing new)."""
+
+    def __init__(self, owner: dict[int, tuple[str, ...]], calls: list):
+        super().__init__()
+        self.owner = owner
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            paths = self.owner.get(id(a)) if isinstance(a, nn.Parameter) else None
+            if paths is not None and (not self.calls or self.calls[-1] != paths):
+                self.calls.append(paths)
+        return func(*args, **kwargs)
 
 
 def stage_calls(calls: list[tuple[str, ...]], boundaries: tuple[str, ...]) -> dict[int, set[str]]:
@@ -181,7 +204,8 @@ class PipelinePlan:
     local_keys: tuple[str, ...] = ()
     stage_modules: dict[int, set[str]] = field(default_factory=dict)
     checkpoint: bool = False  # @stage(checkpoint=True): recompute each stage in backward
-    logged: tuple[str, ...] = ()  # replayed stages: the module paths whose outputs are logged
+    # replayed stages: the module paths whose outputs are logged, with their keys
+    logged: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -310,9 +334,9 @@ def build_plan(
     # replayed stages: the modules some rank holds as a placeholder, whose
     # outputs the rank that runs them logs (annot.runtime.replay)
     logged = (
-        sorted(set().union(*(absent_paths(model, *held(r)) for r in range(mesh.pp))))
+        logged_modules(model, set().union(*(absent_paths(model, *held(r)) for r in range(mesh.pp))))
         if split is None
-        else []
+        else {}
     )
     keep, through = held(ctx.pp_rank)
     prune(model, keep, shadows=split is None, through=through)
@@ -327,5 +351,5 @@ def build_plan(
         local_keys=local_keys,
         stage_modules=stage_modules,
         checkpoint=checkpoint,
-        logged=tuple(logged),
+        logged=logged,
     )

@@ -27,52 +27,68 @@ from annot.runtime.replay import (
     install_output_log,
     shape_run,
 )
-from annot.runtime.stage_prune import absent_paths, prune
+from annot.runtime.stage_prune import absent_paths, forget_real_weights, logged_modules, prune
 
 
 class Drop(nn.Module):
     """Keeps the rows whose first feature is positive: the output's length is
     read from the data (a boolean mask, ``nonzero`` underneath), which meta
-    cannot compute."""
+    cannot compute; and a value read inside (``.item()``)."""
 
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(4, 4)
 
     def forward(self, h):
-        return self.proj(h[h[:, 0] > 0]), h.shape[0]
+        scale = 2.0 if h.sum().item() > 0 else 0.5  # a value read inside a logged module
+        return self.proj(h[h[:, 0] > 0]) * scale, h.shape[0]
+
+
+class Body(nn.Module):
+    """Blocks in a list; returns a dict with a non-plain value, so a stage that
+    holds none of it runs it on meta and its blocks answer from the log."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.drop = Drop()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        kept, n = self.drop(self.embed(x))
+        h = self.embed(kept)  # a module called twice
+        for block in self.blocks:
+            h = block(h)
+        return {"h": h * n, "note": object()}
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed = nn.Linear(4, 4)
-        self.drop = Drop()
-        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.body = Body()
+        self.head = nn.Linear(4, 2)
+        self.out = nn.Linear(2, 2)
 
     def forward(self, x):
-        kept, n = self.drop(self.embed(x))
-        return self.blocks(kept).sum(0) * n
+        return self.out(self.head(self.body(x)["h"])).sum(0)
 
 
-BOUNDARIES = ("blocks.2",)
-KEEP = ({"embed", "drop", "blocks.0", "blocks.1"}, {"blocks.2"})
-
-
-def _stages():
+def _stages(boundaries, keeps):
     torch.manual_seed(0)
     full = Net()
-    stages, logged = [], set()
-    for keep in KEEP:
-        through = frozenset(BOUNDARIES)
-        logged.update(absent_paths(full, keep, through))
-        stages.append((copy.deepcopy(full), keep, through))
+    absent, copies = set(), []
+    for s, keep in enumerate(keeps):
+        through = frozenset(b for b in (boundaries[s - 1 : s] + boundaries[s : s + 1]) if b)
+        absent.update(absent_paths(full, keep, through))
+        copies.append((copy.deepcopy(full), keep, through))
+    keys = logged_modules(full, absent)
     out = []
-    for s, (model, keep, through) in enumerate(stages):
+    for s, (model, keep, through) in enumerate(copies):
         prune(model, keep, shadows=True, through=through)
-        install_boundaries(model, BOUNDARIES)
-        install_output_log(model, sorted(logged))
-        out.append((model, ReplayStage(model, s, BOUNDARIES)))
+        forget_real_weights(model)  # as the build leaves them: shadows hold meta weights
+        install_boundaries(model, boundaries)
+        install_output_log(model, keys)
+        out.append((model, ReplayStage(model, s, boundaries)))
     return full, out
 
 
@@ -82,33 +98,94 @@ def _wire(sent: dict) -> dict:
     return unflatten(tree, [t.detach().requires_grad_(t.requires_grad) for t in tensors])
 
 
-def _run_both(x, drop_log=False):
-    full, ((m0, st0), (m1, st1)) = _stages()
-    with pytest.raises(StageDone):
-        st0(None, lambda: m0(x))
-    received = _wire(st0.outputs)
-    if drop_log:
-        received["m"] = []
-    return full(x), st1(received, lambda: m1(x)), received
+# Three stages: the body's blocks split 2 | 1 and the heads on the last (which
+# holds no part of the body: it is one placeholder there, run as a meta shadow).
+BOUNDARIES = ("body.blocks.2", "head")
+KEEPS = (
+    {"body.embed", "body.drop", "body.blocks.0", "body.blocks.1"},
+    {"body.blocks.2"},
+    {"head", "out"},
+)
+
+
+def _run_all(x, drop_log=False, boundaries=BOUNDARIES, keeps=KEEPS):
+    full, stages = _stages(boundaries, keeps)
+    received, logs = None, []
+    for model, stage in stages[:-1]:
+        with pytest.raises(StageDone):
+            stage(received, lambda m=model: m(x))
+        received = _wire(stage.outputs)
+        if drop_log:
+            received["m"] = []
+        logs.append(received["m"])
+    model, last = stages[-1]
+    return full(x), last(received, lambda: model(x)), logs
 
 
 def test_a_data_dependent_output_shape_replays_from_the_log():
-    x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
-    ref, out, received = _run_both(x)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    # the modules of stage 0 that stage 1 holds as placeholders, each logged once
-    assert sorted(e[0] for e in received["m"]) == ["blocks.0", "blocks.1", "drop", "embed"]
-    # another batch keeps another number of rows: the log follows it
-    x2 = torch.randn(7, 4, generator=torch.Generator().manual_seed(2))
-    ref2, out2, _ = _run_both(x2)
-    torch.testing.assert_close(out2, ref2, rtol=0, atol=0)
+    for seed, rows in ((1, 9), (2, 7)):  # another batch keeps another number of rows
+        x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed))
+        ref, out, (first, second) = _run_all(x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        keys = [(e[0], e[1]) for e in first]
+        # stage 0's modules, the embedding's two calls counted apart, the value
+        # read inside drop spanned by its entry
+        assert ("body.embed", 0) in keys and ("body.embed", 1) in keys
+        drop = next(e for e in first if e[0] == "body.drop")
+        assert drop[3] - drop[2] == 1
+        # the middle stage forwards stage 0's entries and adds its block's
+        assert second[: len(first)] == first and ("body.blocks.2", 0) in [
+            (e[0], e[1]) for e in second
+        ]
 
 
 def test_without_the_log_the_replay_cannot_compute_the_shape():
     # the mechanism under test: the same replay on meta alone fails
     x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(PipelineError, match=r"stage 1 replays .* an op in 'drop' failed"):
-        _run_both(x, drop_log=True)
+    with pytest.raises(PipelineError, match=r"stage 1 replays .* an op in 'body.drop' failed"):
+        _run_all(x, drop_log=True)
+
+
+def test_a_module_returning_its_own_parameter_is_not_logged():
+    class Pos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(4))
+
+        def forward(self):
+            return self.p
+
+    class PosNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = Pos()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x) + self.pos()).sum()
+
+    torch.manual_seed(0)
+    full = PosNet()
+    boundaries, keeps = ("b",), ({"pos", "a"}, {"b"})
+    copies = [copy.deepcopy(full) for _ in keeps]
+    absent = set()
+    for keep in keeps:
+        absent.update(absent_paths(full, keep, frozenset(boundaries)))
+    keys = logged_modules(full, absent)
+    stages = []
+    for s, (model, keep) in enumerate(zip(copies, keeps)):
+        prune(model, keep, shadows=True, through=frozenset(boundaries))
+        forget_real_weights(model)
+        install_boundaries(model, boundaries)
+        install_output_log(model, keys)
+        stages.append(ReplayStage(model, s, boundaries))
+    x = torch.randn(3, 4)
+    with pytest.raises(StageDone):
+        stages[0](None, lambda: copies[0](x))
+    received = _wire(stages[0].outputs)
+    assert [e[0] for e in received["m"]] == ["a"]  # not pos: its output is module state
+    torch.testing.assert_close(stages[1](received, lambda: copies[1](x)), full(x), rtol=0, atol=0)
 
 
 def test_recipes_cross_the_wire_as_one_string():
@@ -128,4 +205,4 @@ def test_the_shape_probe_runs_ops_meta_cannot_on_zeros():
     with torch.device("meta"):
         net = Net()
     out = shape_run(net, (torch.randn(5, 4),))
-    assert out.is_meta and tuple(out.shape) == (4,)
+    assert out.is_meta and tuple(out.shape) == (2,)

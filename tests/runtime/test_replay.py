@@ -106,3 +106,14 @@ def test_arguments_that_are_not_plain_values_are_not_cached():
 class _Index:
     def __index__(self) -> int:
         return 1
+
+
+def test_equal_plain_values_of_other_types_are_other_keys():
+    # True == 1 == 1.0 as dict keys, but x * 2 is int64 and x * 2.0 float32
+    ops = MetaOps()
+    x = torch.ones(3, dtype=torch.long, device="meta")
+    assert ops(torch.Tensor.__mul__, (x, 2), {}).dtype == torch.int64
+    assert ops(torch.Tensor.__mul__, (x, 2.0), {}).dtype == torch.float32
+    y = torch.ones(3, 4, device="meta")
+    assert ops(torch.Tensor.std, (y, True), {}).shape == ()
+    assert ops(torch.Tensor.std, (y, 1), {}).shape == (3,)
