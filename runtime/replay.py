@@ -311,7 +311,11 @@ class _ShapeMode(TorchFunctionMode):
                 t = args[0]
                 if func is torch.Tensor.tolist:
                     return torch.zeros(t.shape, dtype=t.dtype).tolist()
-                return False if func in (torch.Tensor.__bool__, torch.equal) else 0
+                return (
+                    False
+                    if func in (torch.Tensor.__bool__, torch.Tensor.__contains__, torch.equal)
+                    else 0
+                )
             meta = on_meta(func, args, kwargs)
             try:
                 return func(*meta[0], **meta[1])

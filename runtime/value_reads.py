@@ -25,6 +25,7 @@ DECISIONS = {
     torch.Tensor.__complex__,
     torch.equal,
     torch.is_nonzero,
+    torch.Tensor.__contains__,  # (Python: reads .item() inside, which the replay does not see)
 }
 
 
@@ -38,19 +39,29 @@ _READS = (
     (torch.Tensor, "__complex__"),
     (torch, "equal"),
     (torch, "is_nonzero"),
+    (torch.Tensor, "__contains__"),
 )
 
 
 def log_reads(log: list) -> list:
     """Wrap the value-read methods so their answers are appended to ``log``
-    (cheaper than a mode over every op); returns what :func:`unlog` restores."""
+    (cheaper than a mode over every op); returns what :func:`unlog` restores.
+    A read inside another (``x in t`` calls ``.item()``) is not logged: the
+    replay answers the outer one, as its mode sees it."""
     saved = []
+    inside = [0]
     for owner, name in _READS:
         own = owner.__dict__.get(name)
         orig = getattr(owner, name)
 
         def read(*a, _orig=orig, **k):
-            value = _orig(*a, **k)
+            if inside[0]:
+                return _orig(*a, **k)
+            inside[0] += 1
+            try:
+                value = _orig(*a, **k)
+            finally:
+                inside[0] -= 1
             log.append(value)
             return value
 

@@ -85,6 +85,28 @@ def _hidden_states_loss(model, b):
     return out.loss + 0.1 * sum(h.pow(2).mean() for h in out.hidden_states)
 
 
+def _deberta():
+    """DeBERTa-v2: its encoder reads ``self.rel_embeddings.weight`` directly
+    (the embedding module is never called), after registering the layers."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    cfg = DebertaV2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+        pad_token_id=0,
+    )
+    return DebertaV2ForMaskedLM, (cfg,)
+
+
 def _tokens(g, step):
     import torch
 
@@ -307,6 +329,7 @@ CASES = {
     "qwen2moe_eager": (_qwen2_moe_eager, _tokens, _hf_labels),
     "qwen2moe_aux": (_qwen2_moe_aux, _tokens, _hf_labels),
     "llama_hs": (_llama, _tokens, _hidden_states_loss),
+    "deberta": (_deberta, _tokens, _hf_labels),
     "xsubclass": (_xsubclass, _tokens, _ce_on_output),
 }
 
@@ -488,6 +511,13 @@ def test_outputs_captured_by_hooks_cross_the_stages(tmp_path):
     _run(tmp_path, "qwen2moe_aux", [["model.layers.1.mlp"]])
     (tmp_path / "hs").mkdir()
     _run(tmp_path / "hs", "llama_hs", [["model.layers.2"]])
+
+
+@pytest.mark.slow
+def test_a_weight_read_directly_goes_with_the_stage_that_reads_it(tmp_path):
+    # DeBERTa-v2's encoder reads rel_embeddings.weight in its own forward: the
+    # probe of call order places it on stage 0, where it is read
+    _run(tmp_path, "deberta", [["deberta.encoder.layer.2"], None], pp=2)
 
 
 @pytest.mark.slow

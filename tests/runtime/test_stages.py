@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from annot.runtime.stages import call_order_stage_modules, record_calls, stage_calls
 from tests.test_hf_gpt2 import LLAMA_KW
@@ -41,3 +42,25 @@ def test_a_block_of_another_stage_is_held_whole_by_that_stage():
     cut = call_order_stage_modules(model, ("model.layers.1.mlp",))
     assert [s for s in cut if "model.layers.1.mlp.act_fn" in cut[s]] == [1]
     assert [s for s in cut if "model.layers.1.mlp.down_proj" in cut[s]] == [1]
+
+
+def test_the_call_order_probe_sees_weights_read_directly():
+    class Reader(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.table = nn.Embedding(4, 4)  # registered last, read first, never called
+
+        def forward(self, x):
+            x = x + self.table.weight.sum(0)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with torch.device("meta"):
+        model = Reader()
+    calls = record_calls(model, (torch.zeros(2, 4),))
+    order = [c[0] for c in calls]
+    assert order.index("table") < order.index("layers.0"), order
+    held = call_order_stage_modules(model, ("layers.1",), stage_calls(calls, ("layers.1",)))
+    assert "table" in held[0] and "table" not in held[1]
