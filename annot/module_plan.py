@@ -105,6 +105,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     rank = {p: i for i, p in enumerate(order or [])}
     paths = sorted(named, key=lambda p: (rank.get(p, len(rank)), list(named).index(p)))
     counted: set[int] = set()
+    worked: set[int] = set()  # modules whose work a unit counts already
     out: list[Unit] = []
 
     def block_of(path: str) -> str:
@@ -135,7 +136,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
             if id(p) not in counted:
                 counted.add(id(p))
                 n += p.numel()
-        out.append(Unit(path, n, (path,), _work(m)))
+        out.append(Unit(path, n, (path,), _work(m, worked)))
     # a unit that is a block's first part begins at the block itself
     fixed, begun = [], set()
     for u in out:
@@ -154,10 +155,15 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
 
 
-def _work(module: nn.Module) -> int:
-    """The parameters ``module``'s forward multiplies by (see :attr:`Unit.work`)."""
+def _work(module: nn.Module, worked: set[int]) -> int:
+    """The parameters ``module``'s forward multiplies by (see :attr:`Unit.work`),
+    leaving out the modules in ``worked`` (counted by an enclosing unit), which
+    it then joins."""
     seen: dict[int, int] = {}
     for m in module.modules():
+        if id(m) in worked:
+            continue
+        worked.add(id(m))
         if not isinstance(m, _LOOKUPS):
             for p in m.parameters(recurse=False):
                 seen[id(p)] = p.numel()

@@ -172,3 +172,31 @@ def test_without_a_sample_an_embedding_weighs_nothing_and_a_tied_head_in_full(ti
     # split avoids; the layers share the other three stages
     assert plan.boundaries[0] != "model.layers.0" and plan.boundaries[-1] == "lm_head"
     assert max(plan.stage_costs) == work["lm_head"], plan.stage_costs
+
+
+def test_work_counts_each_module_once_across_nested_units():
+    # a container with its own weight (ViT's embeddings: cls token + a projection)
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls = nn.Parameter(torch.zeros(8))
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x) + self.cls
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = Emb()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+        def forward(self, x):
+            x = self.emb(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    net = Net()
+    plan = plan_module_boundaries(net, 2, sample=torch.zeros(2, 8))
+    assert sum(u.work for u in plan.units) == sum(p.numel() for p in net.parameters())
