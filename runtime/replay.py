@@ -63,7 +63,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from annot.errors import PipelineError
 from annot.runtime.frame_walk import frame_tensors, state_ids
@@ -331,9 +331,7 @@ def _on_zeros(func, args: tuple, kwargs: dict, failed: Exception) -> Any:
     """``func`` run for real with zeros for its meta operands (up to
     :data:`_ZEROS_LIMIT` bytes, else it raises ``failed``, meta's error), its
     tensors moved to meta."""
-    leaves: list = []
-    flat((args, kwargs), leaves)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
     if sum(t.numel() * t.element_size() for t in tensors if t.is_meta) > _ZEROS_LIMIT:
         raise failed
