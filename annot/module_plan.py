@@ -97,7 +97,11 @@ def never_called(m: nn.Module) -> bool:
 
 def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
     """The candidate units of ``model`` in call order (``order`` from
-    :func:`call_order`; default: registration order)."""
+    :func:`call_order`; default: registration order). Without ``order`` a
+    block is one unit: the order its parts are registered in need not be the
+    order its forward calls them (Whisper's decoder layer registers
+    ``self_attn`` before the norm it calls first), and a stage that began
+    at a part by registration would be refused at the first forward."""
     named = dict(model.named_modules(remove_duplicate=False))
     lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
     outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
@@ -122,11 +126,12 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
         in_block = any(path == b or path.startswith(b + ".") for b in blocks)
         if path in blocks:
             has_parts = any(next(c.parameters(), None) is not None for c in m.children())
-            if has_parts:
+            if has_parts and (order is not None or never_called(m)):
                 continue  # its parts are the units; the first one begins at the block
         elif in_block:
-            if parent not in blocks or next(m.parameters(), None) is None:
-                continue  # deeper than a block's parts, or no weights
+            whole = order is None and parent in blocks and not never_called(named[parent])
+            if whole or parent not in blocks or next(m.parameters(), None) is None:
+                continue  # deeper than a block's parts, no weights, or a block taken whole
         elif next(m.parameters(recurse=False), None) is None or path == "":
             continue
         if never_called(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):

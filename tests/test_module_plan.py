@@ -200,3 +200,34 @@ def test_work_counts_each_module_once_across_nested_units():
     net = Net()
     plan = plan_module_boundaries(net, 2, sample=torch.zeros(2, 8))
     assert sum(u.work for u in plan.units) == sum(p.numel() for p in net.parameters())
+
+
+def test_without_a_call_order_blocks_are_whole_units():
+    # the block registers attn before the norm its forward calls first: a stage
+    # that began at a part by registration order would not begin where forward
+    # goes, so without a sample the block is one unit
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.attn(self.norm(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with torch.device("meta"):
+        net = Net()
+    blind = plan_module_boundaries(net, 2)
+    assert [u.path for u in blind.units] == ["blocks.0", "blocks.1", "blocks.2"]
+    probed = plan_module_boundaries(Net(), 2, sample=torch.zeros(2, 8), cost="params")
+    assert "blocks.0.attn" in [u.path for u in probed.units]  # with a call order: the parts
