@@ -73,9 +73,9 @@ class Net(nn.Module):
         return self.out(self.head(self.body(x)["h"])).sum(0)
 
 
-def _stages(boundaries, keeps):
+def _stages(boundaries, keeps, make=None):
     torch.manual_seed(0)
-    full = Net()
+    full = (make or Net)()
     absent, copies = set(), []
     for s, keep in enumerate(keeps):
         through = frozenset(b for b in (boundaries[s - 1 : s] + boundaries[s : s + 1]) if b)
@@ -165,27 +165,13 @@ def test_a_module_returning_its_own_parameter_is_not_logged():
         def forward(self, x):
             return self.b(self.a(x) + self.pos()).sum()
 
-    torch.manual_seed(0)
-    full = PosNet()
-    boundaries, keeps = ("b",), ({"pos", "a"}, {"b"})
-    copies = [copy.deepcopy(full) for _ in keeps]
-    absent = set()
-    for keep in keeps:
-        absent.update(absent_paths(full, keep, frozenset(boundaries)))
-    keys = logged_modules(full, absent)
-    stages = []
-    for s, (model, keep) in enumerate(zip(copies, keeps)):
-        prune(model, keep, shadows=True, through=frozenset(boundaries))
-        forget_real_weights(model)
-        install_boundaries(model, boundaries)
-        install_output_log(model, keys)
-        stages.append(ReplayStage(model, s, boundaries))
+    full, ((m0, st0), (m1, st1)) = _stages(("b",), ({"pos", "a"}, {"b"}), PosNet)
     x = torch.randn(3, 4)
     with pytest.raises(StageDone):
-        stages[0](None, lambda: copies[0](x))
-    received = _wire(stages[0].outputs)
+        st0(None, lambda: m0(x))
+    received = _wire(st0.outputs)
     assert [e[0] for e in received["m"]] == ["a"]  # not pos: its output is module state
-    torch.testing.assert_close(stages[1](received, lambda: copies[1](x)), full(x), rtol=0, atol=0)
+    torch.testing.assert_close(st1(received, lambda: m1(x)), full(x), rtol=0, atol=0)
 
 
 def test_recipes_cross_the_wire_as_one_string():
