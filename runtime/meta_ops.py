@@ -96,17 +96,20 @@ def _unflat(spec: Any, leaves: Any) -> Any:
     return tuple(values) if tag == "t" else list(values)
 
 
-def recipe(out: Any, inputs: dict[int, int]) -> Optional[tuple]:
+def recipe(out: Any, inputs: dict[int, int], state: frozenset = frozenset()) -> Optional[tuple]:
     """How to make ``out`` again for inputs of the same shapes: each tensor in
     it is input ``i`` (``inputs``: id -> position), an earlier output, or a new
     meta tensor of its shape, dtype and strides; None if ``out`` holds other
-    objects."""
+    objects, or module state (a parameter, or a tensor whose id is in
+    ``state``), which a fresh tensor cannot stand for."""
     outs: list = []
     spec = flat(out, outs)
     seen: dict[int, int] = {}
     recipe = []
     for j, x in enumerate(outs):
         if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.nn.Parameter) or id(x) in state:
+                return None
             if id(x) in inputs:
                 recipe.append(("in", inputs[id(x)]))
             elif id(x) in seen:

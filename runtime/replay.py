@@ -39,8 +39,9 @@ call from that record instead of running it on meta. So a module whose output
 shapes depend on its data (a mixture of experts routing tokens with
 ``nonzero``) or whose kernels have no meta version (``_grouped_mm`` in
 float32, a custom kernel) replays like any other; a module whose output is not
-plain data (a cache object) is run on meta, as before. Gradients flow back through the tensors that crossed, as with any
-stage: the receiver's swapped objects are leaves whose ``.grad`` goes back.
+plain data (a cache object) is run on meta, as before. Gradients flow back
+through the tensors that crossed, as with any stage: the receiver's swapped
+objects are leaves whose ``.grad`` goes back.
 
 The price: each stage re-runs the Python of the stages before it (on meta:
 no FLOPs), and tensors that are alive only inside an object (not a local, a
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -119,7 +121,7 @@ class _Run:
         self.mode: Optional[_ReplayMode] = None  # while replaying
         self.patches: list = []  # value reads logged while running for real
         # The output log of the modules other stages hold as placeholders, by
-        # (path, how many calls of it came before in this forward): what the
+        # (key, how many calls of it came before in this forward): what the
         # owner recorded (received) and what goes on (received + this stage's).
         self.logged = {(e[0], e[1]): e for e in received["m"]} if received else {}
         self.log_out: list = list(received["m"]) if received and record else []
@@ -136,14 +138,18 @@ def replaying() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
 
 
+@dataclass(slots=True)
 class _Call:
     """A logged module's call under way (see :func:`install_output_log`)."""
 
-    __slots__ = ("key", "n", "start", "inner", "lists", "sizes", "module", "kind")
-
-    def __init__(self, key, n, start, inner, lists, sizes, module, kind):
-        self.key, self.n, self.start, self.inner = key, n, start, inner
-        self.lists, self.sizes, self.module, self.kind = lists, sizes, module, kind
+    key: str
+    n: int  # calls of it before this one in the forward
+    start: int  # the value-read log's length when it began
+    inner: int  # len(run.entered) when it began
+    lists: list  # the collectors' lists, and their lengths when it began
+    sizes: list
+    module: nn.Module
+    kind: str  # "own", "absent", "shadow"; "answered" once answered from the log
 
 
 def _entry(run: _Run, module: nn.Module) -> Optional[tuple]:
@@ -192,24 +198,13 @@ def shadow_call(absent: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 
 def _recipe(out: Any, ins: dict, state: set) -> Optional[tuple]:
-    """:func:`recipe` of ``out``, or None where it holds module state (a
-    parameter or buffer the module returns: the frame walk leaves state out,
-    so a fresh meta tensor in its place would be one tensor too many) or a
-    tensor without strides."""
+    """:func:`recipe` of ``out`` leaving out module state (the frame walk
+    leaves state out, so a fresh meta tensor in its place would be one tensor
+    too many); None also for a tensor without strides."""
     try:
-        hit = recipe(out, ins)
+        return recipe(out, ins, state)
     except (RuntimeError, NotImplementedError):  # .stride() of a sparse or nested tensor
         return None
-    if hit is None:
-        return None
-    leaves: list = []
-    flat(out, leaves)
-    if any(
-        isinstance(t, torch.Tensor) and (id(t) in state or isinstance(t, nn.Parameter))
-        for t in leaves
-    ):
-        return None
-    return hit
 
 
 def _from_log(run: _Run, entry: tuple, leaves: list) -> Any:
