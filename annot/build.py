@@ -51,7 +51,14 @@ from annot.runtime.grad_buckets import check_bucket_options
 from annot.runtime.replay import call_with
 from annot.runtime.sequence_parallel import apply_sequence_parallel, stage_runs
 from annot.runtime.stages import build_plan, stage_calls
-from annot.stage_choice import choose_boundaries, needs_replay, record_calls, resplit
+from annot.stage_choice import (
+    check_stranded,
+    choose_boundaries,
+    needs_replay,
+    record_calls,
+    resplit,
+    stranded_calls,
+)
 from annot.verify import verify_shard_hints
 
 __all__ = ["parallelize"]
@@ -160,6 +167,7 @@ def parallelize(
     n_stages = mesh.pp * chunks
     # one meta forward when needed, shared by the planner and the stage plan
     calls = functools.cache(functools.partial(record_calls, ref, sample))
+    stranded = functools.cache(functools.partial(stranded_calls, ref, sample))
     if n_stages > 1:
         report.boundaries = choose_boundaries(
             ref,
@@ -173,8 +181,11 @@ def parallelize(
             build=lambda: cls(*args, **kwargs),
             report=report,
             calls=calls,
+            stranded=stranded,
         )
         report.replay = needs_replay(ref, cls, report.boundaries)
+        if report.replay:
+            check_stranded(report.boundaries, stranded())
         log.debug("annot: stage boundaries %s", report.boundaries)
     local, split_plan = _rewrite_and_build(
         cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages

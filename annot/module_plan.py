@@ -5,8 +5,10 @@ a stage, so the candidates are every block of the model's block lists
 (``model.layers.3``) and, inside a block, each of its parts with weights
 (``model.layers.3.mlp``: attention | MLP), plus the modules with weights
 outside the blocks (embeddings, final norm, head), in the order forward calls
-them. Each candidate *unit* runs until the next one begins; its cost is its
-parameter count, or its measured time. :func:`annot.runtime.partition.partition`
+them; with measured costs also the parts of those parts (``self_attn.o_proj``)
+where a split there balances the stages clearly better. Each candidate *unit*
+runs until the next one begins; its cost is its parameter count, or its
+measured time. :func:`annot.runtime.partition.partition`
 then gives the exact min-bottleneck contiguous split::
 
     plan = plan_module_boundaries(model, 4, sample={"input_ids": ids}, cost="time")
@@ -30,9 +32,17 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.errors import HintError, PartitionError
 
-__all__ = ["ModulePlan", "Unit", "call_order", "never_called", "plan_module_boundaries", "units"]
+__all__ = [
+    "ModulePlan",
+    "Unit",
+    "call_order",
+    "coarser",
+    "never_called",
+    "plan_module_boundaries",
+    "units",
+]
 
 _BLOCKS = (nn.ModuleList, nn.Sequential)
 
@@ -50,6 +60,9 @@ class Unit:
     # an embedding's table (looked up) counts zero, a tied weight counts in every
     # unit that multiplies by it (``params`` counts it once, for memory)
     work: int = 0
+    # where its call sits: 0 outside the blocks or at a block, 1 a block's part
+    # (attention | MLP), 2 a part's part (``self_attn.o_proj``)
+    level: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,13 +108,19 @@ def never_called(m: nn.Module) -> bool:
     return isinstance(m, (nn.ModuleList, nn.ModuleDict))
 
 
-def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
+def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -> list[Unit]:
     """The candidate units of ``model`` in call order (``order`` from
     :func:`call_order`; default: registration order). Without ``order`` a
     block is one unit: the order its parts are registered in need not be the
     order its forward calls them (Whisper's decoder layer registers
     ``self_attn`` before the norm it calls first), and a stage that began
-    at a part by registration would be refused at the first forward."""
+    at a part by registration would be refused at the first forward.
+
+    ``depth``: how far inside a block units go. 1: its parts (attention |
+    MLP); 2: also the parts of those parts that forward called in ``order``
+    (``self_attn.o_proj``, ``mlp.down_proj``), where a part holds no weight of
+    its own and calls its parts directly (not through a module list: experts
+    called per routed token are no place for a boundary)."""
     named = dict(model.named_modules(remove_duplicate=False))
     lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
     outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
@@ -120,18 +139,47 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
             parent = parent.rpartition(".")[0]
         return parent
 
+    def level(path: str) -> int:
+        """0 for a block, 1 for its parts, 2 for their parts, ..."""
+        n = 0
+        while path not in blocks:
+            path, n = block_of(path), n + 1
+        return n
+
+    def inside(path: str) -> bool:
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+
+    def weighted(m: nn.Module) -> bool:
+        return next(m.parameters(), None) is not None
+
+    @functools.cache
+    def descends(path: str) -> bool:
+        """Whether the units inside ``path`` are its parts rather than itself."""
+        m = named[path]
+        has_parts = any(weighted(c) for c in m.children())
+        if path in blocks:
+            return has_parts and (order is not None or never_called(m))
+        return (
+            has_parts
+            and order is not None
+            and level(path) < depth
+            and descends(block_of(path))
+            and next(m.parameters(recurse=False), None) is None
+            and not isinstance(m, _BLOCKS)
+            and all(c in rank for c in _children(path, named))
+        )
+
     for path in paths:
         m = named[path]
-        parent = block_of(path)
-        in_block = any(path == b or path.startswith(b + ".") for b in blocks)
-        if path in blocks:
-            has_parts = any(next(c.parameters(), None) is not None for c in m.children())
-            if has_parts and (order is not None or never_called(m)):
-                continue  # its parts are the units; the first one begins at the block
-        elif in_block:
-            whole = order is None and parent in blocks and not never_called(named[parent])
-            if whole or parent not in blocks or next(m.parameters(), None) is None:
-                continue  # deeper than a block's parts, no weights, or a block taken whole
+        in_block = inside(path)
+        if in_block:
+            if descends(path):
+                continue  # its parts are the units; the first one begins at it
+            if path not in blocks:
+                container = block_of(path)
+                deep = container not in blocks and container != path.rpartition(".")[0]
+                if not descends(container) or deep or not weighted(m):
+                    continue  # a block taken whole, reached through a list, or no weights
         elif next(m.parameters(recurse=False), None) is None or path == "":
             continue
         if never_called(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):
@@ -141,20 +189,70 @@ def units(model: nn.Module, order: Optional[list[str]] = None) -> list[Unit]:
             if id(p) not in counted:
                 counted.add(id(p))
                 n += p.numel()
-        out.append(Unit(path, n, (path,), _work(m, worked)))
-    # a unit that is a block's first part begins at the block itself
+        lvl = level(path) if in_block else 0
+        out.append(Unit(path, n, (path,), _work(m, worked), lvl))
+    # a unit that is the first part of a block (or of a part) begins at it
     fixed, begun = [], set()
     for u in out:
-        parent = block_of(u.path)
-        if parent in blocks and parent not in begun and not never_called(named[parent]):
-            u = Unit(parent, u.params, u.owns, u.work)
-        begun.add(parent)
+        path, container = u.path, block_of(u.path)
+        while container not in begun and inside(container):
+            begun.add(container)
+            if never_called(named[container]):
+                break
+            path = container
+            if container in blocks:
+                break
+            container = block_of(container)
+        u = dataclasses.replace(u, path=path, level=level(path) if inside(path) else 0)
         if fixed and fixed[-1].path == u.path:  # one call begins both: one unit
-            last = fixed[-1]
-            fixed[-1] = Unit(u.path, last.params + u.params, last.owns + u.owns, last.work + u.work)
+            fixed[-1] = _joined(fixed[-1], u)
         else:
             fixed.append(u)
     return fixed
+
+
+def coarser(found: list[Unit], level: int) -> list[Unit]:
+    """``found`` with every unit deeper than ``level`` inside its block joined
+    to the unit before it: the units of :func:`units` at ``depth=level``."""
+    return [functools.reduce(_joined, (found[i] for i in g)) for g in _groups(found, level)]
+
+
+def _groups(found: list[Unit], level: int) -> list[list[int]]:
+    """The indices of ``found`` that each unit of ``coarser(found, level)`` joins."""
+    out: list[list[int]] = []
+    for i, u in enumerate(found):
+        if out and u.level > level:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _begin_where_possible(found: list[Unit], stranded: dict[str, str]) -> list[Unit]:
+    """``found`` with each unit whose call would strand a tensor joined to the
+    unit before it."""
+    out: list[Unit] = []
+    for u in found:
+        if out and u.path in stranded:
+            out[-1] = _joined(out[-1], u)
+        else:
+            out.append(u)
+    return out
+
+
+def _joined(a: Unit, b: Unit) -> Unit:
+    return Unit(a.path, a.params + b.params, a.owns + b.owns, a.work + b.work, a.level)
+
+
+def _children(path: str, named: dict) -> list[str]:
+    prefix = f"{path}." if path else ""
+    return [
+        p
+        for p, m in named.items()
+        if p.startswith(prefix)
+        and "." not in p[len(prefix) :]
+        and next(m.parameters(), None) is not None
+    ]
 
 
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
@@ -343,6 +441,7 @@ def plan_module_boundaries(
     fit: bool = False,
     optimizer: str = "adamw",
     tp: int = 1,
+    stranded: Optional[dict[str, str]] = None,
 ) -> ModulePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
@@ -357,11 +456,16 @@ def plan_module_boundaries(
     activations one microbatch saves when a sample is given); ``fit``: the
     fewest stages, at most ``n_stages``, that fit it (RaNNC's memory-fit mode).
     ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or the
-    transformers tp plan splits hold ``1/tp``)."""
-    from annot.planner_costs import segment_costs
-    from annot.runtime.cost import partition_args
-    from annot.runtime.partition import fit as fit_stages
-    from annot.runtime.partition import partition
+    transformers tp plan splits hold ``1/tp``).
+
+    With a measured ``cost`` the split may also begin inside a block part
+    (``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
+    slowest stage at least :data:`DEEPER_GAIN` faster than the best split at
+    the parts: such a boundary carries more tensors than one between parts.
+
+    ``stranded``: the module calls where no stage can begin
+    (:func:`annot.runtime.stranded.stranded`; found on ``sample`` when not
+    given): their units join the one before."""
     from annot.runtime.stages import record_calls
 
     if cost not in ("params", "time", "flops"):
@@ -374,15 +478,86 @@ def plan_module_boundaries(
         raise HintError("plan_module_boundaries: fit=True needs memory= (the budget)")
     if order is None and sample is not None:
         order = call_order(record_calls(model, sample))
-    found = units(model, order)
-    if len(found) < n_stages and not fit:
+    # measured costs also weigh the parts of block parts (a parameter count is
+    # too rough a proxy for that); without an order a block is one unit
+    fine = units(model, order, depth=1 if cost == "params" else 2)
+    if stranded is None and sample is not None:
+        from annot.runtime.stranded import stranded as find_stranded
+
+        stranded = find_stranded(model, sample)
+    fine = _begin_where_possible(fine, stranded or {})
+    if len(fine) < n_stages and not fit:
         raise HintError(
-            f"{type(model).__name__} has {len(found)} places a pipeline stage can begin, fewer "
+            f"{type(model).__name__} has {len(fine)} places a pipeline stage can begin, fewer "
             f"than the {n_stages} stages asked for"
         )
+    measured = _measure(model, fine, sample) if sample is not None else None
+    timed = _times(model, fine, sample, repeats) if cost == "time" else None
+    best = None
+    levels = (1, 2) if len(coarser(fine, 1)) < len(fine) else (1,)
+    for level in levels:  # block parts, then the parts of those parts
+        try:
+            plan = _plan_level(
+                model, fine, level, n_stages, measured, timed, cost, memory, fit, optimizer, tp
+            )
+        except PartitionError:
+            if level == levels[-1]:
+                raise
+            continue  # too few block parts, or they do not fit the memory; their parts may
+        if best is None or _deeper_pays(best, plan):
+            best = plan
+    return best
+
+
+# A boundary inside a block part carries every tensor alive in that part's
+# forward (the frame walk of annot.runtime.replay), more than one between
+# parts: it is taken only where it makes the slowest stage this much faster.
+DEEPER_GAIN = 0.03
+
+
+def _deeper_pays(shallow: ModulePlan, deep: ModulePlan) -> bool:
+    if len(deep.stage_costs) != len(shallow.stage_costs):  # fit=True: fewer stages fit
+        return len(deep.stage_costs) < len(shallow.stage_costs)
+    return max(deep.stage_costs) < (1 - DEEPER_GAIN) * max(shallow.stage_costs)
+
+
+def _plan_level(
+    model: nn.Module,
+    fine: list[Unit],
+    level: int,
+    n_stages: int,
+    measured: Optional[list[Any]],
+    timed: Optional[list[float]],
+    cost: str,
+    memory: Optional[int],
+    fit: bool,
+    optimizer: str,
+    tp: int,
+) -> ModulePlan:
+    """The balanced split over ``coarser(fine, level)``, its figures the sums of
+    the fine units' measurements."""
+    from types import SimpleNamespace
+
+    from annot.planner_costs import segment_costs
+    from annot.runtime.cost import partition_args
+    from annot.runtime.partition import fit as fit_stages
+    from annot.runtime.partition import partition
+
+    groups = _groups(fine, level)
+    found = coarser(fine, level)
     modules = dict(model.named_modules(remove_duplicate=False))
     owned = [[modules[p] for p in u.owns] for u in found]
-    measured = _measure(model, found, sample) if sample is not None else None
+    if measured is not None:
+        measured = [
+            SimpleNamespace(
+                flops=sum(measured[i].flops for i in g),
+                forward_flops=0,
+                activations=sum(measured[i].activations for i in g),
+                time=0.0,
+                output_bytes=0,
+            )
+            for g in groups
+        ]
     figures = segment_costs(
         model,
         [u.path for u in found],
@@ -402,11 +577,10 @@ def plan_module_boundaries(
                 sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
             ]
             share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
-        base = (
-            [float(u.work) for u in found]
-            if cost == "params"
-            else _times(model, found, sample, repeats)
-        )
+        if timed is None:
+            base = [float(u.work) for u in found]
+        else:
+            base = [sum(timed[i] for i in g) for g in groups]
         costs = [b * f for b, f in zip(base, share)]
     args = {**partition_args(figures), "costs": costs}
     if fit:

@@ -15,7 +15,14 @@ import torch.nn as nn
 from annot.build_report import BuildReport
 from annot.errors import HintError
 
-__all__ = ["choose_boundaries", "needs_replay", "record_calls", "resplit"]
+__all__ = [
+    "check_stranded",
+    "choose_boundaries",
+    "needs_replay",
+    "record_calls",
+    "resplit",
+    "stranded_calls",
+]
 
 log = logging.getLogger("annot")
 
@@ -26,28 +33,61 @@ def record_calls(ref: nn.Module, sample: Any) -> Optional[list]:
     order: which modules each replayed stage calls, and the planner's call
     order. None when there is no sample or the meta forward fails: modules
     then go by registration order."""
-    from annot.hf import sample_inputs
     from annot.runtime.stages import record_calls as record
+
+    return _probe(record, ref, sample)
+
+
+def stranded_calls(ref: nn.Module, sample: Any) -> dict[str, str]:
+    """The module calls where a stage cannot begin, from one meta forward on
+    ``sample`` as for :func:`record_calls` (:func:`annot.runtime.stranded.stranded`);
+    empty without a probe."""
+    from annot.runtime.stranded import stranded
+
+    return _probe(stranded, ref, sample) or {}
+
+
+def _probe(fn, ref: nn.Module, sample: Any) -> Any:
+    from annot.hf import sample_inputs
 
     probe = sample if sample is not None else sample_inputs(ref)
     if probe is None:
         return None
     try:
-        return record(ref, probe)
-    except Exception as exc:  # noqa: BLE001 - the order is a refinement, not required
+        return fn(ref, probe)
+    except Exception as exc:  # noqa: BLE001 - a refinement, not required
         log.debug("annot: the meta probe of %s failed (%s)", type(ref).__name__, exc)
         return None
 
 
+def check_stranded(boundaries: tuple[str, ...], stranded: dict[str, str]) -> None:
+    """Refuse a boundary cut at run time whose call would leave a tensor behind
+    (:func:`stranded_calls`), before any rank runs a step."""
+    for b in boundaries:
+        if b in stranded:
+            parent = b.rpartition(".")[0]
+            raise HintError(
+                f"pipeline boundary {b!r}: a stage cannot begin at that call: {stranded[b]}, "
+                "so the next stage could not receive it. Begin the stage at "
+                + (f"{parent!r}, the module whose forward makes the call, " if parent else "")
+                + "or at another module call"
+            )
+
+
 def _module_boundaries(
-    ref: nn.Module, n_stages: int, calls: Optional[list], report: Optional[BuildReport]
+    ref: nn.Module,
+    n_stages: int,
+    calls: Optional[list],
+    report: Optional[BuildReport],
+    stranded: dict[str, str],
 ) -> list[str]:
     """annot.module_plan's balanced split of a model without ``@stage``:
-    parameter counts over every block and block part, in call order."""
+    parameter counts over every block and block part, in call order, at the
+    calls where a stage can begin."""
     from annot.module_plan import call_order, plan_module_boundaries
 
     order = call_order(calls) if calls is not None else None
-    plan = plan_module_boundaries(ref, n_stages, order=order)
+    plan = plan_module_boundaries(ref, n_stages, order=order, stranded=stranded)
     log.debug("annot: planned stages\n%s", plan.table())
     if report is not None:
         report.plan_table = plan.table()
@@ -117,6 +157,7 @@ def choose_boundaries(
     build=None,
     report: Optional[BuildReport] = None,
     calls=lambda: None,
+    stranded=dict,
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
@@ -148,7 +189,7 @@ def choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(ref, n_stages, calls(), report))
+        return tuple(_module_boundaries(ref, n_stages, calls(), report, stranded()))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

@@ -231,3 +231,88 @@ def test_without_a_call_order_blocks_are_whole_units():
     assert [u.path for u in blind.units] == ["blocks.0", "blocks.1", "blocks.2"]
     probed = plan_module_boundaries(Net(), 2, sample=torch.zeros(2, 8), cost="params")
     assert "blocks.0.attn" in [u.path for u in probed.units]  # with a call order: the parts
+
+
+# ---- splits inside a block part -----------------------------------------------------------
+
+
+class _Chain(nn.Module):
+    """A block part whose own parts are called one after another."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.fc3(self.fc2(self.fc1(x)))
+
+
+class _Experts(nn.Module):
+    """Experts in a module list: called per routed token in real models, so
+    no boundary goes among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 2)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        pick = self.router(x).softmax(-1)
+        return sum(e(x) * pick[..., i : i + 1] for i, e in enumerate(self.experts))
+
+
+class _Block(nn.Module):
+    def __init__(self, experts: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mlp = _Chain()
+        self.moe = _Experts() if experts else None
+
+    def forward(self, x):
+        x = x + self.mlp(self.norm(x))
+        return x + self.moe(x) if self.moe is not None else x
+
+
+class _Net(nn.Module):
+    def __init__(self, n: int = 3, experts: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(experts) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_units_inside_a_part_are_its_parts_in_call_order_never_through_a_list():
+    from annot.module_plan import call_order, coarser, units
+    from annot.runtime.stages import record_calls
+
+    net, x = _Net(2, experts=True), torch.randn(4, 16)
+    order = call_order(record_calls(net, x))
+    fine = units(net, order, depth=2)
+    level = {u.path: u.level for u in fine}
+    # fc1 begins its part, the part begins... after the norm, which begins the block
+    assert level["blocks.0"] == 0 and level["blocks.0.mlp"] == 1
+    assert level["blocks.0.mlp.fc2"] == level["blocks.0.mlp.fc3"] == 2
+    assert "blocks.0.mlp.fc1" not in level
+    # the experts are reached through a list: their part stays whole
+    assert level["blocks.0.moe"] == 1 and not any(".moe." in p for p in level)
+    assert [(u.path, u.params, u.work) for u in coarser(fine, 1)] == [
+        (u.path, u.params, u.work) for u in units(net, order, depth=1)
+    ]
+    assert sum(u.params for u in fine) == sum(p.numel() for p in net.parameters())
+
+
+def test_a_measured_split_begins_inside_a_part_only_where_it_pays():
+    x = torch.randn(4, 16)
+    # three blocks of three equal linears on two stages: at the parts, 6 | 3;
+    # inside a part, 4 | 5
+    plan = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="flops")
+    assert plan.boundaries == ["blocks.1.mlp.fc2"], plan.table()
+    assert plan.imbalance == pytest.approx(10 / 9)
+    # two blocks balance at a block: no boundary inside a part
+    assert plan_module_boundaries(_Net(2), 2, sample=(x,), cost="flops").boundaries == ["blocks.1"]
+    # parameter counts are too rough a proxy to go inside the parts
+    coarse = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="params")
+    assert all(u.level < 2 for u in coarse.units) and coarse.imbalance > 1.3

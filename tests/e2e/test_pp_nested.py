@@ -431,9 +431,28 @@ def _run(tmp_path, case, splits, world=2, **kw):
 
 
 def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
-    # inside a block (attention | MLP), between blocks, and at the head
-    res = _run(tmp_path, "llama", [["model.layers.1.mlp"], ["model.layers.2"], ["lm_head"]])
+    # inside a block (attention | MLP), inside a part (the MLP's last linear,
+    # whose input is a temporary), between blocks, and at the head
+    splits = [["model.layers.1.mlp"], ["model.layers.1.mlp.down_proj"], ["model.layers.2"]]
+    res = _run(tmp_path, "llama", [*splits, ["lm_head"]])
     assert res[0][0][0] == [("model.embed_tokens.weight", "lm_head.weight")]
+
+
+@pytest.mark.slow  # 3 ranks
+def test_measured_plans_split_inside_block_parts(tmp_path):
+    # annot.module_plan with measured costs goes inside a block part where the
+    # parts cannot balance the stages: here at pp=3, inside attention and MLP
+    import torch
+
+    from annot.module_plan import plan_module_boundaries
+
+    cls, args = _llama()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = plan_module_boundaries(cls(*args), 3, sample={"input_ids": ids}, cost="flops")
+    deep = {u.path for u in plan.units if u.level == 2}
+    assert deep & set(plan.boundaries), plan.table()
+    _run(tmp_path, "llama", [plan.boundaries], world=3)
 
 
 def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
@@ -669,17 +688,35 @@ def _refusal(cache: str) -> list[str]:
     from tests.nested_models import TimmStyleViT, XStyleWrapper
 
     out = []
-    for cls, split in ((TimmStyleViT, "blocks.9"), (XStyleWrapper, "net.layers.2")):
+    cases = [
+        (TimmStyleViT, (), "blocks.9"),
+        (XStyleWrapper, (), "net.layers.2"),
+        (*_llama(), "model.layers.1.mlp.up_proj"),
+    ]
+    for cls, args, split in cases:
         try:
-            annot.parallelize(cls, mesh=annot.Mesh(pp=2), seed=0, split=[split])
+            annot.parallelize(cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=[split])
             out.append("no error")
         except HintError as e:
             out.append(str(e))
     return out
 
 
-def test_boundary_naming_no_module_or_a_module_list_is_refused(tmp_path):
-    msg, listed = run_ranks(_refusal, 2, str(tmp_path), timeout=120)[0]
+def test_boundary_naming_no_module_or_a_module_list_or_stranding_a_tensor_is_refused(tmp_path):
+    msg, listed, stranding = run_ranks(_refusal, 2, str(tmp_path), timeout=120)[0]
+    # LlamaMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)); the left operand is
+    # a temporary on Python's stack while up_proj runs
+    assert stranding.startswith(
+        "pipeline boundary 'model.layers.1.mlp.up_proj': a stage cannot begin at that call: "
+        "the result of silu made at activations.py:"
+    ), stranding
+    assert stranding.endswith(
+        "and no local variable holds it when the call begins (a temporary of the expression "
+        "that makes the call, or a tensor kept on a module), so the next stage could not "
+        "receive it. Begin the stage at 'model.layers.1.mlp', the module whose forward makes "
+        "the call, or at another module call"
+    ), stranding
+    assert "is used after that call, at modeling_llama.py:" in stranding, stranding
     assert listed == (
         "pipeline boundary 'net.layers.2' names an nn.ModuleList, which is never called "
         "(forward calls its elements), so no stage could begin there; name the element whose "

@@ -1,0 +1,80 @@
+"""Where a pipeline boundary would strand a tensor (annot.runtime.stranded): a
+tensor made before a module's call and used after it that no local holds."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from annot.runtime.stranded import stranded
+
+
+class Gated(nn.Module):
+    """``c(a(x) * b(x))``: while ``b`` runs, ``a(x)`` waits on Python's stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(x)) * self.b(x))
+
+
+class Kept(nn.Module):
+    """A tensor kept on a module by one call and used by a later one."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        self.scale = self.first(x).sigmoid()
+        h = self.second(x)
+        return self.third(h) * self.scale
+
+
+class ShapeOnly(nn.Module):
+    """A tensor kept on a module whose shape alone is read after a later call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.like = self.a(x).sigmoid()
+        return self.b(x).view(self.like.shape).expand(self.like.size())
+
+
+def test_a_call_inside_an_expression_strands_the_operand_before_it():
+    found = stranded(Gated(), torch.randn(2, 8))
+    assert set(found) == {"b"}, found
+    assert found["b"].startswith("the result of relu made at test_stranded.py:"), found["b"]
+    assert "is used after that call, at test_stranded.py:" in found["b"]
+
+
+def test_a_tensor_kept_on_a_module_is_stranded_until_its_last_use():
+    found = stranded(Kept(), torch.randn(2, 8))
+    assert set(found) == {"second", "third"}, found
+    assert "the result of sigmoid" in found["second"]
+
+
+def test_reading_a_shape_is_not_a_use():
+    assert stranded(ShapeOnly(), torch.randn(2, 8)) == {}
+
+
+def test_hf_llama_strands_only_up_proj_among_its_calls():
+    # a model we did not write: LlamaMLP's down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    found = stranded(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
+    assert set(found) == {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"}, found
