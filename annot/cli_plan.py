@@ -191,10 +191,12 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
     from annot.hf import sample_inputs
     from annot.module_plan import call_order, plan_module_boundaries
     from annot.runtime.stages import record_calls
+    from annot.stage_choice import stranded_calls
 
     cost = args.cost or ("time" if sample is not None else "params")
     probe = sample if sample is not None else sample_inputs(model)
     order = call_order(record_calls(model, probe)) if probe is not None else None
+    stranded = stranded_calls(model, probe) if probe is not None else None
     plan = plan_module_boundaries(
         model,
         args.pp,
@@ -205,6 +207,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
         fit=args.fit,
         optimizer=args.optimizer,
         tp=args.tp,
+        stranded=stranded,
     )
     if args.json:
         import json
