@@ -11,6 +11,7 @@ one to one. Module state (:func:`state_ids`) is left out.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -21,55 +22,84 @@ from annot.errors import PipelineError
 __all__ = ["frame_tensors", "state_ids"]
 
 
-def frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor], list[str]]:
+# Values that hold no tensor, told apart by exact type before anything else
+# (most of what the frames of a transformers forward hold: flags, None,
+# config strings, bound methods).
+_LEAVES = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        str,
+        bytes,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        types.FunctionType,
+        types.MethodType,
+        types.BuiltinFunctionType,
+    }
+)
+
+
+def _qualname(code) -> str:
+    return getattr(code, "co_qualname", code.co_name)  # (co_qualname: Python 3.11+)
+
+
+def frame_tensors(start, stop_code, skip: set[int], *, named: bool = False):
     """Every tensor held by the locals of the frames from ``start`` outwards up
     to (not including) the frame running ``stop_code``: innermost frame first,
     locals in definition order, containers depth first, each object once.
-    Module state (ids in ``skip``) and modules are left out."""
+    Module state (ids in ``skip``) and modules are left out. With ``named``,
+    ``(tensors, names)``: each tensor's frame, variable and place in its
+    containers, for messages."""
     out: list[torch.Tensor] = []
     names: list[str] = []
     seen: set[int] = set()
 
     # Not pytree: each object once by identity, dataclass fields, a depth limit, named paths.
-    def visit(value: Any, where: str, depth: int) -> None:
-        if depth > 8:
+    def visit(value: Any, where: Any, depth: int) -> None:
+        if type(value) in _LEAVES or depth > 8:
             return
         if isinstance(value, torch.Tensor):
             if id(value) in seen or id(value) in skip or isinstance(value, nn.Parameter):
                 return
             seen.add(id(value))
             out.append(value)
-            names.append(where)
-            return
-        if isinstance(value, (nn.Module, str, bytes, int, float, bool, type(None))):
+            if named:
+                names.append(where())
             return
         if id(value) in seen:
             return
         if isinstance(value, dict):
             seen.add(id(value))
             for k, v in list(value.items()):
-                visit(v, f"{where}[{k!r}]", depth + 1)
+                visit(v, named and (lambda w=where, k=k: f"{w()}[{k!r}]"), depth + 1)
         elif isinstance(value, (list, tuple)):
             seen.add(id(value))
             for k, v in enumerate(value):
-                visit(v, f"{where}[{k}]", depth + 1)
+                visit(v, named and (lambda w=where, k=k: f"{w()}[{k}]"), depth + 1)
+        elif isinstance(value, nn.Module):
+            return
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             seen.add(id(value))
             for f in dataclasses.fields(value):
-                visit(getattr(value, f.name, None), f"{where}.{f.name}", depth + 1)
+                v = getattr(value, f.name, None)
+                visit(v, named and (lambda w=where, n=f.name: f"{w()}.{n}"), depth + 1)
 
     frame = start
     while frame is not None and frame.f_code is not stop_code:
-        where = f"{frame.f_code.co_qualname if hasattr(frame.f_code, 'co_qualname') else frame.f_code.co_name}"
+        code = frame.f_code
         for name, value in list(frame.f_locals.items()):
-            visit(value, f"{where}: {name}", 0)
+            visit(value, named and (lambda c=code, n=name: f"{_qualname(c)}: {n}"), 0)
         frame = frame.f_back
     if frame is None:
         raise PipelineError(
             "a pipeline boundary was reached outside the model call of the step (is the "
             "model called from another thread?)"
         )
-    return out, names
+    return (out, names) if named else out
 
 
 def state_ids(root: nn.Module) -> set[int]:

@@ -519,7 +519,7 @@ def _enter(run: _Run, frame) -> None:
     """Boundary ``run.index``: stop replaying, swap the received tensors in."""
     run.replaying = False
     run.mode.__exit__(None, None, None)  # (the checks below read shapes without it)
-    mine, names = frame_tensors(frame, run.top_code, run.stage.state_ids)
+    mine = frame_tensors(frame, run.top_code, run.stage.state_ids)
     got = run.received["t"]
     path = run.stage.boundaries[run.index - 1]
     if len(got) != len(mine):
@@ -536,6 +536,7 @@ def _enter(run: _Run, frame) -> None:
         if r is None:
             continue
         if t.shape != r.shape or t.dtype != r.dtype:
+            _, names = frame_tensors(frame, run.top_code, run.stage.state_ids, named=True)
             raise PipelineError(
                 f"pipeline stage {run.index}, boundary {path!r}: {names[j]} is "
                 f"{t.dtype}{list(t.shape)} here but {r.dtype}{list(r.shape)} on the previous "
@@ -568,7 +569,7 @@ def _swap(meta: torch.Tensor, real: torch.Tensor) -> None:
 
 def _leave(run: _Run, frame) -> None:
     """Boundary ``run.index + 1``: the live tensors are this stage's outputs."""
-    tensors, _ = frame_tensors(frame, run.top_code, run.stage.state_ids)
+    tensors = frame_tensors(frame, run.top_code, run.stage.state_ids)
     run.outputs = {
         "t": [None if t.is_meta else t for t in tensors],
         "d": run.decisions_out,

@@ -115,7 +115,7 @@ def stranded(root: nn.Module, sample: Any) -> dict[str, str]:
         if id(module) in called or id(module) not in first:
             return
         called.add(id(module))
-        walked, _ = frame_tensors(sys._getframe(1), run.__code__, skip)
+        walked = frame_tensors(sys._getframe(1), run.__code__, skip)
         calls.append((mode.seq, first[id(module)], {id(t) for t in walked}))
 
     handles = [m.register_forward_pre_hook(pre_hook) for m in root.modules()]

@@ -192,3 +192,18 @@ def test_the_shape_probe_runs_ops_meta_cannot_on_zeros():
         net = Net()
     out = shape_run(net, (torch.randn(5, 4),))
     assert out.is_meta and tuple(out.shape) == (2,)
+
+
+def test_a_tensor_of_another_shape_at_the_boundary_is_refused_naming_its_variable():
+    # the previous stage's tensors pair up with this rank's frames one to one;
+    # a shape that differs means the two took different paths
+    x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
+    _, stages = _stages(BOUNDARIES, KEEPS)
+    (m0, s0), (m1, s1) = stages[:2]
+    with pytest.raises(StageDone):
+        s0(None, lambda: m0(x))
+    received = _wire(s0.outputs)
+    received["t"] = [t[:1] if t is not None else t for t in received["t"]]
+    named = r"boundary 'body.blocks.2': \S+: args\[0\] is torch.float32\[\d+, 4\] here but "
+    with pytest.raises(PipelineError, match=named + r"torch.float32\[1, 4\] on the previous"):
+        s1(received, lambda: m1(x))
