@@ -74,6 +74,7 @@ from annot.runtime.schedules import (
     I,
     W,
     get_schedule,
+    stage_rank,
 )
 from annot.runtime.schedules import forward_only as _strip_backward
 from annot.runtime.split_backward import backward_input, backward_weight, release
@@ -228,7 +229,7 @@ class PipelineExecutor(PipelineMessages):
     # -- actions --------------------------------------------------------------
 
     def owner(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp)
 
     def _do(self, st: StepState, a: Action) -> None:
         kind, s, i = a

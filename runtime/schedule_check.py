@@ -32,6 +32,7 @@ from annot.runtime.schedules import (
     Schedule,
     W,
     check_sizes,
+    stage_rank,
 )
 
 __all__ = ["Slot", "Timeline", "simulate", "validate", "peak_in_flight"]
@@ -160,14 +161,17 @@ def validate(
     def where(rank: int, a: Action) -> str:
         return f"rank {rank}: {a}"
 
+    def owner(s: int) -> int:
+        return stage_rank(s, pp)
+
     split = {(a.stage, a.microbatch) for acts in schedule for a in acts if a.kind in (I, W)}
     expected: set[Action] = set()
     for s in range(n):
         for m in range(microbatches):
             expected.add(Action(F, s, m))
-            if s > 0 and (s - 1) % pp != s % pp:
+            if s > 0 and owner(s - 1) != owner(s):
                 expected.add(Action(RECV_F, s, m))
-            if s < last and (s + 1) % pp != s % pp:
+            if s < last and owner(s + 1) != owner(s):
                 expected.add(Action(SEND_F, s, m))
             if forward_only:
                 continue
@@ -175,9 +179,9 @@ def validate(
                 expected |= {Action(I, s, m), Action(W, s, m)}
             else:
                 expected.add(Action(B, s, m))
-            if s < last and (s + 1) % pp != s % pp:
+            if s < last and owner(s + 1) != owner(s):
                 expected.add(Action(RECV_B, s, m))
-            if s > 0 and (s - 1) % pp != s % pp:
+            if s > 0 and owner(s - 1) != owner(s):
                 expected.add(Action(SEND_B, s, m))
     seen: set[Action] = set()
     for rank, acts in enumerate(schedule):
@@ -189,9 +193,9 @@ def validate(
                     f"{where(rank, a)} is out of range: stages are 0..{last}, "
                     f"microbatches 0..{microbatches - 1}"
                 )
-            if a.stage % pp != rank:
+            if owner(a.stage) != rank:
                 raise PipelineError(
-                    f"{where(rank, a)}: stage {a.stage} belongs to rank {a.stage % pp} "
+                    f"{where(rank, a)}: stage {a.stage} belongs to rank {owner(a.stage)} "
                     f"(rank r holds stages r, r+pp, ...)"
                 )
             if a in seen:
@@ -202,7 +206,7 @@ def validate(
             done = seen
             s, m = a.stage, a.microbatch
             if a.kind == F and s > 0:
-                need = Action(RECV_F, s, m) if (s - 1) % pp != rank else Action(F, s - 1, m)
+                need = Action(RECV_F, s, m) if owner(s - 1) != rank else Action(F, s - 1, m)
                 if need not in done:
                     raise PipelineError(f"{where(rank, a)} runs before its inputs ({need})")
             elif a.kind in (B, I):
@@ -210,7 +214,7 @@ def validate(
                     raise PipelineError(f"{where(rank, a)} runs before its forward {s}F{m}")
                 if s < last:
                     need = Action(RECV_B, s, m)
-                    if (s + 1) % pp == rank:
+                    if owner(s + 1) == rank:
                         need = Action(I if (s + 1, m) in split else B, s + 1, m)
                     if need not in done:
                         raise PipelineError(

@@ -62,6 +62,7 @@ __all__ = [
     "schedule_name",
     "forward_only",
     "check_sizes",
+    "stage_rank",
 ]
 
 F = "F"
@@ -121,6 +122,13 @@ class Action(NamedTuple):
 # -- building schedules ------------------------------------------------------
 
 
+def stage_rank(stage: int, pp: int) -> int:
+    """The pipeline rank that holds virtual ``stage``: ``stage % pp`` (Megatron's
+    interleaving). The one place the mapping lives: the executor, the checks
+    and the stage placement all ask here."""
+    return stage % pp
+
+
 def check_sizes(pp: int, microbatches: int, chunks: int = 1) -> None:
     for name, v in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -133,7 +141,7 @@ def _with_comms(order: list[list[tuple[str, int, int]]], pp: int, num_stages: in
     produced it (sends are async, so posting early never blocks)."""
 
     def owner(s: int) -> int:
-        return s % pp
+        return stage_rank(s, pp)
 
     out: Schedule = []
     for rank, computes in enumerate(order):

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from annot.errors import PipelineError
+from annot.runtime.schedules import stage_rank
 from annot.runtime.stage_prune import absent_paths, covered, logged_modules, prune
 
 __all__ = []
@@ -221,7 +222,7 @@ class PipelinePlan:
         return self.split is None
 
     def owner(self, stage: int) -> int:
-        return stage % self.pp
+        return stage_rank(stage, self.pp)
 
     @property
     def local_stage_ids(self) -> list[int]:
@@ -304,14 +305,14 @@ def build_plan(
                 if covered(nm.rpartition(".")[0], keep) or covered(nm, keep)
             }
         )
-        owners = sorted({h % mesh.pp for h in holders})
+        owners = sorted({stage_rank(h, mesh.pp) for h in holders})
         if len(owners) > 1:
             ties.append(Tie(tuple(names), tuple(holders)))
     # Process groups for ties, created by every rank in the same order.
     if dist.is_initialized() and ties:
         dp_, _, tp_ = mesh.coords(ctx.rank)
         for tie in ties:
-            owners = sorted({h % mesh.pp for h in tie.stages})
+            owners = sorted({stage_rank(h, mesh.pp) for h in tie.stages})
             for d in range(mesh.dp):
                 for t in range(mesh.tp):
                     ranks = [mesh.rank_of(d, o, t) for o in owners]
