@@ -64,17 +64,10 @@ def test_reading_a_shape_is_not_a_use():
 
 def test_hf_llama_strands_only_up_proj_among_its_calls():
     # a model we did not write: LlamaMLP's down_proj(act_fn(gate_proj(x)) * up_proj(x))
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.e2e.test_pp_nested import _llama
 
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cls, args = _llama()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = cls(*args)
     found = stranded(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
-    assert set(found) == {"model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"}, found
+    assert set(found) == {f"model.layers.{i}.mlp.up_proj" for i in range(4)}, found
