@@ -167,7 +167,7 @@ def parallelize(
     n_stages = mesh.pp * chunks
     # one meta forward when needed, shared by the planner and the stage plan
     calls = functools.cache(functools.partial(record_calls, ref, sample))
-    stranded = functools.cache(functools.partial(stranded_calls, ref, sample))
+    find_stranded = functools.cache(functools.partial(stranded_calls, ref, sample))
     if n_stages > 1:
         report.boundaries = choose_boundaries(
             ref,
@@ -181,11 +181,11 @@ def parallelize(
             build=lambda: cls(*args, **kwargs),
             report=report,
             calls=calls,
-            stranded=stranded,
+            find_stranded=find_stranded,
         )
         report.replay = needs_replay(ref, cls, report.boundaries)
         if report.replay:
-            check_stranded(report.boundaries, stranded())
+            check_stranded(ref, report.boundaries, find_stranded())
         log.debug("annot: stage boundaries %s", report.boundaries)
     local, split_plan = _rewrite_and_build(
         cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages

@@ -197,8 +197,8 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
         path, container = u.path, block_of(u.path)
         while container not in begun and inside(container):
             begun.add(container)
-            if never_called(named[container]):
-                break
+            if never_called(named[container]) or (order is not None and container not in rank):
+                break  # no call of it begins anything
             path = container
             if container in blocks:
                 break
@@ -405,18 +405,34 @@ def _measure(model: nn.Module, found: list[Unit], sample: Any) -> list[Any]:
         for h in handles:
             h.remove()
     model.zero_grad(set_to_none=True)
-    counts = counter.get_flop_counts()
-    root = type(model).__name__
     return [
-        SimpleNamespace(
-            flops=sum(sum(counts.get(f"{root}.{p}", {}).values()) for p in u.owns),
-            forward_flops=0,
-            activations=a,
-            time=0.0,
-            output_bytes=0,
-        )
-        for u, a in zip(found, saved)
+        SimpleNamespace(flops=f, forward_flops=0, activations=a, time=0.0, output_bytes=0)
+        for f, a in zip(_unit_flops(model, found, counter.get_flop_counts()), saved)
     ]
+
+
+def _unit_flops(model: nn.Module, found: list[Unit], counts: dict) -> list[int]:
+    """Each unit's FLOPs from ``FlopCounterMode``'s per-module counts: its
+    modules' counts. Units inside a block part (``self_attn.q_proj``) leave out
+    what the part computes in its own forward (attention's matmuls): the
+    part's count less its units' goes to its first unit, so the units of a
+    part add up to the part."""
+    root = type(model).__name__
+
+    def count(paths) -> int:
+        return sum(sum(counts.get(f"{root}.{p}", {}).values()) for p in paths)
+
+    flops = [count(u.owns) for u in found]
+    if any(u.level > 1 for u in found):
+        named = dict(model.named_modules(remove_duplicate=False))
+        for g in _groups(found, 1):
+            parts = {p.rpartition(".")[0] for i in g[1:] for p in found[i].owns}
+            whole = count(p for p in parts if p in named)
+            rest = whole - sum(
+                count([p]) for i in g for p in found[i].owns if p.rpartition(".")[0] in parts
+            )
+            flops[g[0]] = max(0, flops[g[0]] + rest)  # (its counts in backward overlap)
+    return flops
 
 
 def _tp_sharded(model: nn.Module, tp: int) -> set[int]:
@@ -460,7 +476,7 @@ def plan_module_boundaries(
 
     With a measured ``cost`` the split may also begin inside a block part
     (``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
-    slowest stage at least :data:`DEEPER_GAIN` faster than the best split at
+    slowest stage more than :data:`DEEPER_GAIN` faster than the best split at
     the parts: such a boundary carries more tensors than one between parts.
 
     ``stranded``: the module calls where no stage can begin
@@ -482,9 +498,9 @@ def plan_module_boundaries(
     # too rough a proxy for that); without an order a block is one unit
     fine = units(model, order, depth=1 if cost == "params" else 2)
     if stranded is None and sample is not None:
-        from annot.runtime.stranded import stranded as find_stranded
+        from annot.stage_choice import stranded_calls
 
-        stranded = find_stranded(model, sample)
+        stranded = stranded_calls(model, sample)
     fine = _begin_where_possible(fine, stranded or {})
     if len(fine) < n_stages and not fit:
         raise HintError(
@@ -501,7 +517,7 @@ def plan_module_boundaries(
                 model, fine, level, n_stages, measured, timed, cost, memory, fit, optimizer, tp
             )
         except PartitionError:
-            if level == levels[-1]:
+            if best is None and level == levels[-1]:
                 raise
             continue  # too few block parts, or they do not fit the memory; their parts may
         if best is None or _deeper_pays(best, plan):
@@ -511,7 +527,8 @@ def plan_module_boundaries(
 
 # A boundary inside a block part carries every tensor alive in that part's
 # forward (the frame walk of annot.runtime.replay), more than one between
-# parts: it is taken only where it makes the slowest stage this much faster.
+# parts: it is taken only where it makes the slowest stage more than this
+# much faster.
 DEEPER_GAIN = 0.03
 
 

@@ -60,18 +60,25 @@ def _probe(fn, ref: nn.Module, sample: Any) -> Any:
         return None
 
 
-def check_stranded(boundaries: tuple[str, ...], stranded: dict[str, str]) -> None:
+def check_stranded(ref: nn.Module, boundaries: tuple[str, ...], stranded: dict[str, str]) -> None:
     """Refuse a boundary cut at run time whose call would leave a tensor behind
-    (:func:`stranded_calls`), before any rank runs a step."""
+    (:func:`stranded_calls`), before any rank runs a step, naming an enclosing
+    module where the stage can begin instead."""
+    from annot.module_plan import never_called
+
+    names = dict(ref.named_modules())
     for b in boundaries:
-        if b in stranded:
-            parent = b.rpartition(".")[0]
-            raise HintError(
-                f"pipeline boundary {b!r}: a stage cannot begin at that call: {stranded[b]}, "
-                "so the next stage could not receive it. Begin the stage at "
-                + (f"{parent!r}, the module whose forward makes the call, " if parent else "")
-                + "or at another module call"
-            )
+        if b not in stranded:
+            continue
+        up = b.rpartition(".")[0]
+        while up and (up in stranded or up not in names or never_called(names[up])):
+            up = up.rpartition(".")[0]
+        instead = f"begin the stage at {up!r}, which encloses it, or " if up else ""
+        raise HintError(
+            f"pipeline boundary {b!r}: a stage cannot begin at that call: {stranded[b]}, so "
+            f"the next stage could not receive it. To fix: {instead}begin it at another "
+            "module call, or assign that value to a local variable before the call"
+        )
 
 
 def _module_boundaries(
@@ -157,7 +164,7 @@ def choose_boundaries(
     build=None,
     report: Optional[BuildReport] = None,
     calls=lambda: None,
-    stranded=dict,
+    find_stranded=dict,
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
@@ -189,7 +196,7 @@ def choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(ref, n_stages, calls(), report, stranded()))
+        return tuple(_module_boundaries(ref, n_stages, calls(), report, find_stranded()))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

@@ -11,6 +11,8 @@ one to one. Module state (:func:`state_ids`) is left out.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 from typing import Any
 
@@ -19,7 +21,25 @@ import torch.nn as nn
 
 from annot.errors import PipelineError
 
-__all__ = ["frame_tensors", "state_ids"]
+__all__ = ["LIBRARY_DIRS", "frame_tensors", "model_line", "named_frame_tensors", "state_ids"]
+
+
+# Frames in these folders are not the model's code: torch, annot.runtime, annot.
+LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(sys.modules["annot"].__file__)) + os.sep,
+)
+
+
+def model_line(frame) -> str:
+    """``file:line`` of the innermost frame from ``frame`` outwards that is the
+    model's code (not in :data:`LIBRARY_DIRS`)."""
+    while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 # Values that hold no tensor, told apart by exact type before anything else
@@ -47,13 +67,21 @@ def _qualname(code) -> str:
     return getattr(code, "co_qualname", code.co_name)  # (co_qualname: Python 3.11+)
 
 
-def frame_tensors(start, stop_code, skip: set[int], *, named: bool = False):
+def frame_tensors(start, stop_code, skip: set[int]) -> list[torch.Tensor]:
     """Every tensor held by the locals of the frames from ``start`` outwards up
     to (not including) the frame running ``stop_code``: innermost frame first,
     locals in definition order, containers depth first, each object once.
-    Module state (ids in ``skip``) and modules are left out. With ``named``,
-    ``(tensors, names)``: each tensor's frame, variable and place in its
-    containers, for messages."""
+    Module state (ids in ``skip``) and modules are left out."""
+    return _walk(start, stop_code, skip, named=False)
+
+
+def named_frame_tensors(start, stop_code, skip: set[int]) -> tuple[list[torch.Tensor], list[str]]:
+    """:func:`frame_tensors` with each tensor's frame, variable and place in its
+    containers (``LlamaModel.forward: position_embeddings[0]``), for messages."""
+    return _walk(start, stop_code, skip, named=True)
+
+
+def _walk(start, stop_code, skip: set[int], *, named: bool):
     out: list[torch.Tensor] = []
     names: list[str] = []
     seen: set[int] = set()

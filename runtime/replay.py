@@ -68,7 +68,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from annot.errors import PipelineError
-from annot.runtime.frame_walk import frame_tensors, state_ids
+from annot.runtime.frame_walk import frame_tensors, named_frame_tensors, state_ids
 from annot.runtime.meta_ops import (
     MetaOps,
     flat,
@@ -536,7 +536,7 @@ def _enter(run: _Run, frame) -> None:
         if r is None:
             continue
         if t.shape != r.shape or t.dtype != r.dtype:
-            _, names = frame_tensors(frame, run.top_code, run.stage.state_ids, named=True)
+            _, names = named_frame_tensors(frame, run.top_code, run.stage.state_ids)
             raise PipelineError(
                 f"pipeline stage {run.index}, boundary {path!r}: {names[j]} is "
                 f"{t.dtype}{list(t.shape)} here but {r.dtype}{list(r.shape)} on the previous "

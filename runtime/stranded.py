@@ -7,19 +7,21 @@ call and used after it that no local holds cannot cross: most often a
 temporary of the expression that makes the call, as in LlamaMLP's
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, where the left operand waits
 on Python's stack while ``up_proj`` runs; or a tensor kept on a module.
+Tensors made from the step's inputs and factories alone (positions, masks)
+do not count: every rank's replay makes those for real.
 
-:func:`stranded` finds them in one meta forward: every op's outputs are
-numbered as they are made and every op records the tensors it uses; at each
-module's first call the frame walk is taken. A call is a place a stage may
-begin when every tensor made before it and used after it is in its walk.
-Reading a tensor's metadata (its shape, dtype) does not count as a use: the
-replay has it on meta.
+:func:`stranded` finds them in one meta forward: the tensors that ops make
+from the model's weights (or from such tensors) are numbered as they are
+made, and every op records which of them it uses; at each module's first
+call the frame walk is taken. A call is a place a stage may begin when every
+such tensor made before it and used after it is in its walk. Reading a
+tensor's shape or dtype does not count as a use: the replay has those on
+meta (not its device).
 """
 
 from __future__ import annotations
 
 import bisect
-import os
 import sys
 from typing import Any
 
@@ -28,21 +30,14 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from annot.runtime.frame_walk import frame_tensors, state_ids
+from annot.runtime.frame_walk import frame_tensors, model_line, state_ids
 
 __all__ = ["stranded"]
 
+# reads a meta tensor answers as the real one would
 _METADATA = frozenset(
-    "shape dtype device ndim layout requires_grad is_cuda is_meta is_sparse is_quantized "
-    "size dim numel nelement stride is_contiguous is_floating_point is_complex "
-    "element_size get_device names __len__".split()
-)
-_TORCH_DIR = os.path.dirname(torch.__file__)
-# annot's own frames (hooks, modes) are not the model's code either
-_OURS = (
-    _TORCH_DIR,
-    os.path.dirname(__file__),
-    os.path.dirname(os.path.dirname(__file__)) + "/annot/",
+    "shape dtype ndim layout size dim numel nelement stride is_contiguous "
+    "is_floating_point is_complex element_size names __len__".split()
 )
 
 
@@ -53,20 +48,14 @@ def _name(func) -> str:
     return name
 
 
-def _where() -> str:
-    """file:line of the innermost frame outside torch and annot: the model's code."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_OURS):
-        f = f.f_back
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
-
-
 class _Lifetimes(TorchFunctionMode):
-    """Numbers every op; per tensor an op makes: when, by which op and where,
-    and its last use (op number, where)."""
+    """Numbers every op; per tensor an op makes from the model's state (``state``:
+    the ids of its parameters and buffers) or from such tensors: when, by which
+    op and where, and its last use (op number, where)."""
 
-    def __init__(self):
+    def __init__(self, state: set[int]):
         super().__init__()
+        self.state = state
         self.seq = 0
         self.born: dict[int, tuple[int, str, str]] = {}
         self.last: dict[int, tuple[int, str]] = {}
@@ -76,19 +65,20 @@ class _Lifetimes(TorchFunctionMode):
         kwargs = kwargs or {}
         self.seq += 1
         name = _name(func)
-        if name not in _METADATA:
-            where = None
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and id(t) in self.born:
-                    where = where or _where()
-                    self.last[id(t)] = (self.seq, where)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        derived = [t for t in inputs if id(t) in self.born]
+        if derived and name not in _METADATA:
+            where = model_line(sys._getframe(1))
+            for t in derived:
+                self.last[id(t)] = (self.seq, where)
         out = func(*args, **kwargs)
-        where = None
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t) not in self.born:
-                where = where or _where()
-                self.born[id(t)] = (self.seq, name, where)
-                self.keep.append(t)
+        if derived or any(id(t) in self.state for t in inputs):
+            where = None
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and id(t) not in self.born:
+                    where = where or model_line(sys._getframe(1))
+                    self.born[id(t)] = (self.seq, name, where)
+                    self.keep.append(t)
         return out
 
 
@@ -103,7 +93,7 @@ def stranded(root: nn.Module, sample: Any) -> dict[str, str]:
     for path, m in root.named_modules():
         first.setdefault(id(m), path)
     skip = state_ids(root)
-    mode = _Lifetimes()
+    mode = _Lifetimes(skip)
     calls: list[tuple[int, str, set[int]]] = []  # (op number, path, walked ids)
     called: set[int] = set()
 
@@ -118,7 +108,8 @@ def stranded(root: nn.Module, sample: Any) -> dict[str, str]:
         walked = frame_tensors(sys._getframe(1), run.__code__, skip)
         calls.append((mode.seq, first[id(module)], {id(t) for t in walked}))
 
-    handles = [m.register_forward_pre_hook(pre_hook) for m in root.modules()]
+    # first, as the replay's boundary hooks are: what other pre-hooks make comes after
+    handles = [m.register_forward_pre_hook(pre_hook, prepend=True) for m in root.modules()]
     try:
         shape_run(run, sample)
     finally:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from annot.errors import HintError
+from annot.runtime.frame_walk import LIBRARY_DIRS
 
 __all__ = [
     "Call",
@@ -64,12 +65,6 @@ ATEN = (torch.dropout, torch.feature_dropout)
 ALPHA = (F.alpha_dropout, F.feature_alpha_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
 SDPA = F.scaled_dot_product_attention
 
-# Frames in these folders are not the model's code: torch, annot.runtime, annot.
-_NOT_MODEL = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(sys.modules["annot"].__file__)) + os.sep,
-)
 
 Site = tuple[str, str, int]  # (module path, file, line)
 
@@ -86,7 +81,7 @@ def _site(names: Mapping[int, str]) -> Site:
     line: Optional[tuple[str, int]] = None
     while frame is not None:
         file = frame.f_code.co_filename
-        if line is None and not file.startswith(_NOT_MODEL):
+        if line is None and not file.startswith(LIBRARY_DIRS):
             line = (file, frame.f_lineno)
         if frame.f_code.co_varnames[:1] == ("self",):
             path = names.get(id(frame.f_locals.get("self")))

@@ -316,3 +316,67 @@ def test_a_measured_split_begins_inside_a_part_only_where_it_pays():
     # parameter counts are too rough a proxy to go inside the parts
     coarse = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="params")
     assert all(u.level < 2 for u in coarse.units) and coarse.imbalance > 1.3
+
+
+class _Gated(_Chain):
+    """``fc3(relu(fc1(x)) * fc2(x))``: no stage can begin at fc2's call (fc1's
+    output is a temporary then)."""
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc1(x)) * self.fc2(x))
+
+
+def test_a_measured_split_never_begins_at_a_call_that_strands_a_tensor():
+    from annot.runtime.stranded import stranded
+
+    net, x = _Net(3), torch.randn(4, 16)
+    for block in net.blocks:
+        block.mlp.__class__ = _Gated
+    assert "blocks.1.mlp.fc2" in stranded(net, x)
+    plan = plan_module_boundaries(net, 2, sample=(x,), cost="flops")
+    assert plan.boundaries == ["blocks.1.mlp.fc3"], plan.table()  # 5 | 4, not 4 | 5 at fc2
+
+
+class _SelfMatmul(nn.Module):
+    """A part whose forward multiplies by itself besides its linears (attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.q(x)
+        return self.o((q @ q.transpose(-1, -2)).softmax(-1) @ x)
+
+
+def test_flops_of_a_part_include_what_it_computes_itself():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = _SelfMatmul()
+
+        def forward(self, x):
+            return x + self.attn(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    net, x = Net(), torch.randn(3, 8, 16)
+    plan = plan_module_boundaries(net, 2, sample=(x,), cost="flops")
+    with FlopCounterMode(display=False) as counter:
+        net(x).sum().backward()
+    part = sum(counter.get_flop_counts()["Net.blocks.1.attn"].values())
+    # two blocks balance at a block; each block's unit (its part, measured as
+    # the part's units q | o and added up) holds the part's own two matmuls
+    assert [u.path for u in plan.units] == ["blocks.0", "blocks.1"]
+    linears = sum(sum(counter.get_flop_counts()[f"Net.blocks.1.attn.{n}"].values()) for n in "qo")
+    assert plan.costs[1] == part > linears

@@ -713,8 +713,9 @@ def test_boundary_naming_no_module_or_a_module_list_or_stranding_a_tensor_is_ref
     assert stranding.endswith(
         "and no local variable holds it when the call begins (a temporary of the expression "
         "that makes the call, or a tensor kept on a module), so the next stage could not "
-        "receive it. Begin the stage at 'model.layers.1.mlp', the module whose forward makes "
-        "the call, or at another module call"
+        "receive it. To fix: begin the stage at 'model.layers.1.mlp', which encloses it, or "
+        "begin it at another module call, or assign that value to a local variable before the "
+        "call"
     ), stranding
     assert "is used after that call, at modeling_llama.py:" in stranding, stranding
     assert listed == (

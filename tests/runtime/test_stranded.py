@@ -3,6 +3,7 @@ tensor made before a module's call and used after it that no local holds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -71,3 +72,52 @@ def test_hf_llama_strands_only_up_proj_among_its_calls():
         model = cls(*args)
     found = stranded(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
     assert set(found) == {f"model.layers.{i}.mlp.up_proj" for i in range(4)}, found
+
+
+def test_check_stranded_names_an_enclosing_module_or_the_variable_fix():
+    from annot.errors import HintError
+    from annot.stage_choice import check_stranded
+
+    x = torch.randn(2, 8)
+    kept = Kept()
+    with pytest.raises(HintError) as top:  # a child of the root: nothing encloses it
+        check_stranded(kept, ("second",), stranded(kept, x))
+    assert "begin the stage at" not in str(top.value)
+    assert str(top.value).endswith(
+        "To fix: begin it at another module call, or assign that value to a local variable "
+        "before the call"
+    ), str(top.value)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gated = Gated()
+
+        def forward(self, x):
+            return self.gated(x)
+
+    outer = Outer()
+    with pytest.raises(HintError, match=r"To fix: begin the stage at 'gated', which encloses it"):
+        check_stranded(outer, ("gated.b",), stranded(outer, x))
+    check_stranded(outer, ("gated.c",), stranded(outer, x))  # a safe call passes
+
+
+def test_the_named_walk_collects_the_same_tensors():
+    import sys
+
+    from annot.runtime.frame_walk import frame_tensors, named_frame_tensors
+
+    def inner(a, pair, box):
+        here = sys._getframe()
+        return frame_tensors(here, outer.__code__, set()), named_frame_tensors(
+            here, outer.__code__, set()
+        )
+
+    def outer():
+        t = torch.ones(2)
+        return inner(t, (torch.zeros(1), t), {"k": [torch.ones(3)]})
+
+    plain, (named, names) = outer()
+    assert [id(t) for t in plain] == [id(t) for t in named] and len(plain) == 3
+    tails = [n.rpartition("inner: ")[2] for n in names]
+    assert tails == ["a", "pair[0]", "box['k'][0]"], names
