@@ -140,10 +140,12 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
         return parent
 
     def level(path: str) -> int:
-        """0 for a block, 1 for its parts, 2 for their parts, ..."""
+        """0 for a block, 1 for its parts, 2 for their parts, ... (a part that
+        forward never calls, only its parts, is no level of its own)."""
         n = 0
         while path not in blocks:
-            path, n = block_of(path), n + 1
+            n += order is None or path in rank
+            path = block_of(path)
         return n
 
     def inside(path: str) -> bool:
@@ -162,7 +164,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
         return (
             has_parts
             and order is not None
-            and level(path) < depth
+            and (level(path) < depth or path not in rank)  # (a part never called itself)
             and descends(block_of(path))
             and next(m.parameters(recurse=False), None) is None
             and not isinstance(m, _BLOCKS)

@@ -380,3 +380,39 @@ def test_flops_of_a_part_include_what_it_computes_itself():
     assert [u.path for u in plan.units] == ["blocks.0", "blocks.1"]
     linears = sum(sum(counter.get_flop_counts()[f"Net.blocks.1.attn.{n}"].values()) for n in "qo")
     assert plan.costs[1] == part > linears
+
+
+def test_a_part_forward_never_calls_is_no_unit_its_called_parts_are():
+    # the block calls self.p.a and self.p.b directly: a stage can begin at
+    # either call, never at p (no call of p happens)
+    from annot.module_plan import call_order, units
+    from annot.runtime.stages import record_calls
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.p = nn.LayerNorm(8), Part()
+
+        def forward(self, x):
+            return self.p.b(self.p.a(self.norm(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    net, x = Net(), torch.randn(2, 8)
+    order = call_order(record_calls(net, x))
+    for depth in (1, 2):
+        found = [(u.path, u.level) for u in units(net, order, depth)]
+        assert found[:3] == [("blocks.0", 0), ("blocks.0.p.a", 1), ("blocks.0.p.b", 1)], found
