@@ -2,6 +2,7 @@
 
     python benchmarks/pp.py            # a few minutes on 2 CPU cores
     python benchmarks/pp.py --bubbles  # only (d), about a minute
+    python benchmarks/pp_llama.py      # only (e)
 
 (a) step time, annot vs torch.distributed.pipelining (PipelineStage + ScheduleGPipe /
     Schedule1F1B) on the same model, split and microbatches, pp=2 (goal <= 0.9);
@@ -13,7 +14,11 @@
     interleaved with 2 virtual stages per rank, ZB-H1) on fixed-cost stages whose
     backward is half input-gradient (I) and half weight-gradient (W) work; theory is
     the schedule's own simulated step (annot.runtime.schedule_check.simulate) on
-    the same costs; and ZB-H1's step against 1F1B's.
+    the same costs; and ZB-H1's step against 1F1B's;
+(e) a real model: HF Llama (8 layers, unmodified) at pp=2 and pp=4, annot's automatic
+    split vs a uniform one vs torch.distributed.pipelining staged by hand
+    (benchmarks/pp_llama.py, which also runs alone): step ratios and measured
+    max/mean stage time.
 
 Each system's steps are interleaved with the other's (annot, torch, annot, ...); the
 median is reported.
@@ -203,6 +208,11 @@ def main() -> None:
         fy = f"{y:10.3f}" if name.startswith("(b)") else f"{y * 1000:8.2f}ms"
         print(f"{name:58} {fx} {fy} {r:7.3f}  {goal}")
     print_bubbles(bubbles())
+    # (e) the real-model rows: benchmarks/pp_llama.py
+    from benchmarks import pp_llama
+
+    print("\n(e) ", end="")
+    pp_llama.main()
 
 
 def print_bubbles(rows: list[tuple], pp: int = 2, microbatches: int = 8) -> None:
