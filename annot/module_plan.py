@@ -168,7 +168,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
             and descends(block_of(path))
             and next(m.parameters(recurse=False), None) is None
             and not isinstance(m, _BLOCKS)
-            and all(c in rank for c in _children(path, named))
+            and all(f"{path}.{n}" in rank for n, c in m.named_children() if weighted(c))
         )
 
     for path in paths:
@@ -244,17 +244,6 @@ def _begin_where_possible(found: list[Unit], stranded: dict[str, str]) -> list[U
 
 def _joined(a: Unit, b: Unit) -> Unit:
     return Unit(a.path, a.params + b.params, a.owns + b.owns, a.work + b.work, a.level)
-
-
-def _children(path: str, named: dict) -> list[str]:
-    prefix = f"{path}." if path else ""
-    return [
-        p
-        for p, m in named.items()
-        if p.startswith(prefix)
-        and "." not in p[len(prefix) :]
-        and next(m.parameters(), None) is not None
-    ]
 
 
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
@@ -372,8 +361,6 @@ def _measure(model: nn.Module, found: list[Unit], sample: Any) -> list[Any]:
     and the bytes its forward saves for backward (``saved_tensors_hooks``,
     each storage once, parameters left out), as
     :class:`annot.runtime.cost_segments.SegmentCost`'s measured fields."""
-    from types import SimpleNamespace
-
     from torch.utils.flop_counter import FlopCounterMode
 
     from annot.runtime.replay import call_with
@@ -408,9 +395,18 @@ def _measure(model: nn.Module, found: list[Unit], sample: Any) -> list[Any]:
             h.remove()
     model.zero_grad(set_to_none=True)
     return [
-        SimpleNamespace(flops=f, forward_flops=0, activations=a, time=0.0, output_bytes=0)
-        for f, a in zip(_unit_flops(model, found, counter.get_flop_counts()), saved)
+        _measured(f, a) for f, a in zip(_unit_flops(model, found, counter.get_flop_counts()), saved)
     ]
+
+
+def _measured(flops: int, activations: int) -> Any:
+    """A unit's measurements as :class:`annot.runtime.cost_segments.SegmentCost`'s
+    measured fields."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        flops=flops, forward_flops=0, activations=activations, time=0.0, output_bytes=0
+    )
 
 
 def _unit_flops(model: nn.Module, found: list[Unit], counts: dict) -> list[int]:
@@ -426,10 +422,9 @@ def _unit_flops(model: nn.Module, found: list[Unit], counts: dict) -> list[int]:
 
     flops = [count(u.owns) for u in found]
     if any(u.level > 1 for u in found):
-        named = dict(model.named_modules(remove_duplicate=False))
         for g in _groups(found, 1):
             parts = {p.rpartition(".")[0] for i in g[1:] for p in found[i].owns}
-            whole = count(p for p in parts if p in named)
+            whole = count(parts)
             rest = whole - sum(
                 count([p]) for i in g for p in found[i].owns if p.rpartition(".")[0] in parts
             )
@@ -555,8 +550,6 @@ def _plan_level(
 ) -> ModulePlan:
     """The balanced split over ``coarser(fine, level)``, its figures the sums of
     the fine units' measurements."""
-    from types import SimpleNamespace
-
     from annot.planner_costs import segment_costs
     from annot.runtime.cost import partition_args
     from annot.runtime.partition import fit as fit_stages
@@ -568,13 +561,7 @@ def _plan_level(
     owned = [[modules[p] for p in u.owns] for u in found]
     if measured is not None:
         measured = [
-            SimpleNamespace(
-                flops=sum(measured[i].flops for i in g),
-                forward_flops=0,
-                activations=sum(measured[i].activations for i in g),
-                time=0.0,
-                output_bytes=0,
-            )
+            _measured(sum(measured[i].flops for i in g), sum(measured[i].activations for i in g))
             for g in groups
         ]
     figures = segment_costs(
