@@ -40,6 +40,8 @@ class StepState:
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}
         self.handles: list[Any] = []  # annot.runtime.p2p.Handle
+        self.due: dict[int, int] = {}  # peer -> messages still to come from it this step
+        self.posted: dict[int, Any] = {}  # peer -> its next message's annot.runtime.p2p.PostedRecv
 
 
 class ModelCall:

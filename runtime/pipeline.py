@@ -209,9 +209,14 @@ class PipelineExecutor(PipelineMessages):
             # each stage's last backward work of the step, in this rank's order
             last = {a.stage: a for a in actions if a.kind in (B, I, W)}
             st.grad_buckets, st.final_backward = grad_buckets, set(last.values())
-        for action in actions:
+        if self.pp > 1:
+            self.count_receives(st, actions)
+        for k, action in enumerate(actions):
             if action in st.final_backward:
                 st.grad_buckets.arm(self.weights(action.stage))
+            after = actions[k + 1] if k + 1 < len(actions) else None
+            if after is not None and after.kind in (RECV_F, RECV_B):
+                self.post_ahead(st, after)
             self._do(st, action)
         self.wait_sends(st)
         self._check_empty(st)

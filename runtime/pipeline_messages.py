@@ -1,11 +1,12 @@
 """The pipeline executor's p2p (:class:`annot.runtime.pipeline.PipelineExecutor`
 inherits it): every message carries its key ``(direction, stage,
-microbatch)``, a message that arrives before its RECV is kept for it, sends
-are async and waited at the end of the step, and the last stage's step
-outputs go to every rank of the pipeline. The executor sets the attributes
-used here (``peers``, ``group``, ``device``, ``timeout_s``, ``rank``,
-``pp``, ``pp_rank``, ``num_stages``, ``tracer``, ``last_rank_outputs``) and
-``owner``.
+microbatch)``, a message that arrives before its RECV is kept for it, the
+receive of a RECV's message is posted one action early (so the peer's send
+writes at once), sends are async and waited at the end of the step, and the
+last stage's step outputs go to every rank of the pipeline. The executor sets
+the attributes used here (``peers``, ``group``, ``device``, ``timeout_s``,
+``rank``, ``pp``, ``pp_rank``, ``num_stages``, ``tracer``,
+``last_rank_outputs``) and ``owner``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from annot.errors import PipelineError
 from annot.runtime.model_call import StepState
-from annot.runtime.p2p import recv_pytree, send_pytree
-from annot.runtime.schedules import RECV_F, Action, B, F
+from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
+from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F
 from annot.runtime.trees import map_tensors
 
 __all__ = ["PipelineMessages"]
@@ -92,6 +93,7 @@ class PipelineMessages:
         key = a.message
         box = st.inbox.setdefault(src, {})
         while key not in box:
+            posted = st.posted.pop(src, None)
             tag, payload = recv_pytree(
                 src,
                 group=self.group,
@@ -102,7 +104,9 @@ class PipelineMessages:
                 microbatch=a.microbatch,
                 peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
                 tagged=True,
+                posted=posted,
             )
+            st.due[src] -= 1
             if tag is None or not 0 <= tag[0] < len(_DIRECTIONS):
                 raise PipelineError(
                     f"rank {self.rank} expected a pipeline message for {a} from rank {src} but "
@@ -114,6 +118,32 @@ class PipelineMessages:
                 raise PipelineError(f"rank {self.rank} received {got} from rank {src} twice")
             box[got] = payload
         return box.pop(key)
+
+    def count_receives(self, st: StepState, actions: list) -> None:
+        """How many messages each peer sends this rank in the step (so that
+        :meth:`post_ahead` never posts a receive no message will match)."""
+        for a in actions:
+            if a.kind in (RECV_F, RECV_B):
+                peer = self._source(a)
+                st.due[peer] = st.due.get(peer, 0) + 1
+
+    def post_ahead(self, st: StepState, a: Action) -> None:
+        """Post the receive of RECV ``a``'s peer's next message now, one action
+        early (:func:`annot.runtime.p2p.post_recv`): the peer's send then
+        writes at once instead of waiting for a reply from this rank."""
+        peer = self._source(a)
+        if peer not in st.posted and st.due.get(peer, 0) > 0:
+            st.posted[peer] = post_recv(
+                peer,
+                group=self.group,
+                what="activations" if a.kind == RECV_F else "gradients",
+                timeout_s=self.timeout_s,
+                stage=a.stage,
+                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+            )
+
+    def _source(self, a: Action) -> int:
+        return self.peers[self.owner(a.stage - 1 if a.kind == RECV_F else a.stage + 1)]
 
     def wait_sends(self, st: StepState) -> None:
         if not st.handles:

@@ -22,6 +22,7 @@ from annot.runtime.p2p import (
     MAGIC,
     PREAMBLE,
     VERSION,
+    post_recv,
     recv_pytree,
     reset_channels,
     send_pytree,
@@ -297,8 +298,14 @@ def _p2p_session(examples: list) -> Any:
     loss.backward()  # autograd's saved h must not see a version bump
     send_pytree([t.grad for t in tensors_requiring_grad(inp)], 0, what="grads", **kw).wait()
     steady = []
-    for _ in STEADY:
-        tag, obj = recv_pytree(0, tagged=True, **kw)
+    for i in range(len(STEADY)):  # every other one into a receive posted ahead
+        posted = post_recv(0, what="steady", timeout_s=TIMEOUT_S) if i % 2 else None
+        if posted is not None:
+            try:  # posted for rank 0: refused before any wait
+                recv_pytree(1, posted=posted, **kw)
+            except PipelineError as err:
+                steady.append(str(err))
+        tag, obj = recv_pytree(0, tagged=True, posted=posted, **kw)
         steady.append((tag, tuple(obj["x"].shape), obj["x"].unique().tolist()))
     reset_channels()
     errors = []
@@ -338,7 +345,12 @@ def test_p2p_between_two_gloo_ranks():
     assert shapes == [(1, 3), (2, 3), (3, 3), (4, 3)]
     assert flags == [True, True, False]  # h, aux[0] (non-leaves that need grad); arange
     torch.testing.assert_close(w_grad, _reference_grad())
-    assert steady == [((1, 7, i), (n, 3), [float(i)]) for i, n in enumerate(STEADY)]
+    refused = "recv_pytree from rank 1 was given a receive posted for rank 0"
+    assert steady == [
+        x
+        for i, n in enumerate(STEADY)
+        for x in ([refused] if i % 2 else []) + [((1, 7, i), (n, 3), [float(i)])]
+    ]
     expected = [
         "bad preamble: expected magic 0x616e6e6f74503250, received 0x3039",
         f"protocol version mismatch: expected {VERSION}, received 99",
