@@ -39,10 +39,12 @@ Wire format: one message is one to three sends on the pair, in this order:
    starting at a multiple of 16 bytes, all dtypes in one buffer (so one send
    per message, not one per tensor or per dtype); absent when there are none.
 
-A receiver that knows a message will come may post the receive of its first
-part ahead (:func:`post_recv`, then ``recv_pytree(..., posted=)``): both ends
-know its size from the channel's previous transfer, and gloo's send then
-writes at once instead of waiting for the receiver to ask.
+Under gloo, a receiver that knows a message will come may post the receive of
+its first part ahead (:func:`post_recv`, then ``recv_pytree(..., posted=)``):
+both ends know its size from the channel's previous transfer, and gloo's send
+then writes at once instead of waiting for the receiver to ask. Not under
+NCCL, which runs a pair's sends and receives in order on one stream: a
+receive posted before this rank's own send to the peer can deadlock.
 
 The receiver checks the preamble (magic, version, size bounds) and the header
 (dtypes, shapes, that they add up to the payload size) before it posts the next
@@ -298,8 +300,8 @@ def send_pytree(
 
 
 class PostedRecv:
-    """The first part of the channel's next message, posted ahead by
-    :func:`post_recv`; hand it to :func:`recv_pytree` (``posted=``)."""
+    """The receive of the channel's next message's first part, posted ahead
+    by :func:`post_recv`; hand it to :func:`recv_pytree` (``posted=``)."""
 
     __slots__ = ("buf", "group", "src", "work")
 
@@ -314,22 +316,24 @@ def post_recv(
     what: str = "",
     timeout_s: Optional[float] = None,
     stage: Optional[int] = None,
+    microbatch: Optional[int] = None,
     peer_stage: Optional[int] = None,
 ) -> PostedRecv:
     """Post the receive of the next message's first part from ``src`` now,
     before it is needed; :func:`recv_pytree` (``posted=``) completes it.
+    gloo only (see the module docstring).
 
     gloo moves a message only into a posted receive: a send that finds none
     announces itself, and its bytes leave when the receiver's reply reaches
-    the sender's network thread (about 150 us on 2 busy CPU cores), while a
-    send that finds one writes at once. Post one per channel at a time, once
-    the channel's previous message was received whole, and only when a
-    message will come: gloo cannot take a posted receive back. The labels
-    are :func:`recv_pytree`'s, for fault messages."""
+    the sender's network thread, while a send that finds one writes at once.
+    Post one per channel at a time, once the channel's previous message was
+    received whole, and only when a message will come: gloo cannot take a
+    posted receive back. The labels are :func:`recv_pytree`'s, for fault
+    messages."""
     comm, _ = _comm(group)
     buf = torch.empty(_channel("recv", src, group).first, dtype=torch.uint8, device=comm)
-    guard_kwargs = dict(op=_op("post recv", what), stage=stage, peer=src, peer_stage=peer_stage)
-    with faults.guard(timeout_s=timeout_s, **guard_kwargs):
+    labels = dict(stage=stage, microbatch=microbatch, peer=src, peer_stage=peer_stage)
+    with faults.guard(_op("post recv", what), timeout_s=timeout_s, **labels):
         work = dist.irecv(buf, src=src, group=group)
     return PostedRecv(src, group, buf, work)
 
@@ -378,18 +382,25 @@ def recv_pytree(
             " receives between them in the same order (from one thread)."
         )
 
+    if posted is not None and (posted.src != src or posted.group is not group):
+        raise PipelineError(
+            f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
+            + (" in another group" if posted.group is not group else "")
+        )
     ch = _channel("recv", src, group)
     if posted is None:
         size = ch.first
         first = receive(size)
     else:
-        if posted.src != src or posted.group is not group:
+        if posted.buf.numel() != ch.first or posted.work is None:
             raise PipelineError(
-                f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
+                f"recv_pytree from rank {src} was given a receive posted for another message"
+                " of the channel (post_recv once per message, after the previous one)"
             )
-        size, first = posted.buf.numel(), posted.buf
+        size, first, work = ch.first, posted.buf, posted.work
+        posted.work = None  # consumed
         with faults.guard(timeout_s=timeout_s, **guard_kwargs) as timeout:
-            wait_work(posted.work, timeout, backend=backend)
+            wait_work(work, timeout, backend=backend)
     words = PREAMBLE.unpack(first[: PREAMBLE.size].cpu().numpy().tobytes())
     magic, version, hlen, plen, has_tag = words[:5]
     if magic != MAGIC:

@@ -59,7 +59,7 @@ from annot.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
 from annot.runtime.p2p_codec import tensors_requiring_grad
-from annot.runtime.pipeline_messages import PipelineMessages
+from annot.runtime.pipeline_messages import PipelineMessages, posts_early
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
@@ -153,6 +153,7 @@ class PipelineExecutor(PipelineMessages):
         self.peers = ctx.axis_ranks("pp") if ctx is not None else [0]
         self.group = ctx.pp_group if ctx is not None and self.pp > 1 else None
         self.device = ctx.device if ctx is not None else None
+        self.post_early = self.pp > 1 and posts_early(self.group)
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
@@ -209,13 +210,13 @@ class PipelineExecutor(PipelineMessages):
             # each stage's last backward work of the step, in this rank's order
             last = {a.stage: a for a in actions if a.kind in (B, I, W)}
             st.grad_buckets, st.final_backward = grad_buckets, set(last.values())
-        if self.pp > 1:
+        if self.post_early:
             self.count_receives(st, actions)
         for k, action in enumerate(actions):
             if action in st.final_backward:
                 st.grad_buckets.arm(self.weights(action.stage))
             after = actions[k + 1] if k + 1 < len(actions) else None
-            if after is not None and after.kind in (RECV_F, RECV_B):
+            if self.post_early and after is not None and after.kind in (RECV_F, RECV_B):
                 self.post_ahead(st, after)
             self._do(st, action)
         self.wait_sends(st)
@@ -383,6 +384,7 @@ class PipelineExecutor(PipelineMessages):
             "losses": list(st.losses),
             "weight gradients": list(st.weight_work),
             "messages": [k for box in st.inbox.values() for k in box],
+            "posted receives": list(st.posted),
         }
         left = {k: v for k, v in left.items() if v}
         if left:

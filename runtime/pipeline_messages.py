@@ -1,8 +1,8 @@
 """The pipeline executor's p2p (:class:`annot.runtime.pipeline.PipelineExecutor`
 inherits it): every message carries its key ``(direction, stage,
 microbatch)``, a message that arrives before its RECV is kept for it, the
-receive of a RECV's message is posted one action early (so the peer's send
-writes at once), sends are async and waited at the end of the step, and the
+receive of a RECV's message is posted one action early under gloo (so the
+peer's send writes at once; :func:`posts_early`), sends are async and waited at the end of the step, and the
 last stage's step outputs go to every rank of the pipeline. The executor sets
 the attributes used here (``peers``, ``group``, ``device``, ``timeout_s``,
 ``rank``, ``pp``, ``pp_rank``, ``num_stages``, ``tracer``,
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from annot.errors import PipelineError
 from annot.runtime.model_call import StepState
@@ -21,9 +22,18 @@ from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F
 from annot.runtime.trees import map_tensors
 
-__all__ = ["PipelineMessages"]
+__all__ = ["PipelineMessages", "posts_early"]
 
 _DIRECTIONS = (F, B)  # a message tag's first int
+
+
+def posts_early(group: Any) -> bool:
+    """Whether RECVs are posted one action early on ``group``: under gloo only.
+    gloo queues each send until its receive is posted, so posting early only
+    lets the send leave sooner. NCCL runs a pair's sends and receives in order
+    on one stream, where a receive posted before this rank's own send to the
+    peer would wait for a message that send unblocks: a deadlock."""
+    return "gloo" in str(dist.get_backend(group)).lower()
 
 
 class PipelineMessages:
@@ -102,7 +112,7 @@ class PipelineMessages:
                 timeout_s=self.timeout_s,
                 stage=a.stage,
                 microbatch=a.microbatch,
-                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+                peer_stage=_peer_stage(a),
                 tagged=True,
                 posted=posted,
             )
@@ -139,11 +149,12 @@ class PipelineMessages:
                 what="activations" if a.kind == RECV_F else "gradients",
                 timeout_s=self.timeout_s,
                 stage=a.stage,
-                peer_stage=a.stage - 1 if a.kind == RECV_F else a.stage + 1,
+                microbatch=a.microbatch,
+                peer_stage=_peer_stage(a),
             )
 
     def _source(self, a: Action) -> int:
-        return self.peers[self.owner(a.stage - 1 if a.kind == RECV_F else a.stage + 1)]
+        return self.peers[self.owner(_peer_stage(a))]
 
     def wait_sends(self, st: StepState) -> None:
         if not st.handles:
@@ -152,3 +163,8 @@ class PipelineMessages:
             for handle in st.handles:
                 handle.wait()
         st.handles.clear()
+
+
+def _peer_stage(a: Action) -> int:
+    """The stage whose message RECV ``a`` receives."""
+    return a.stage - 1 if a.kind == RECV_F else a.stage + 1
