@@ -39,31 +39,23 @@ sys.path.insert(0, str(ROOT))
 REPEATS = int(os.environ.get("BENCH_STEPS", "10"))
 
 
-def _rank(kind: str, schedule: str, microbatches: int, cache: str):
-    os.environ["ANNOT_CACHE_DIR"] = cache
+def pipelines(cls, kw: dict, schedule: str, microbatches: int, *, trace: bool = False):
+    """On this rank, the same model split into ``pp`` equal runs of blocks (the
+    world size) twice: annot's (``model``, its jit step) and
+    torch.distributed.pipelining's (this rank's stage module, its schedule,
+    GPipe for "gpipe", else 1F1B)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     import annot
-    from benchmarks.pp_models import MLPStack, SleepStack
 
-    torch.set_num_threads(1)
-    pp = dist.get_world_size()
-    rank = dist.get_rank()
-    if kind == "mlp":
-        cls, kw, batch, width = MLPStack, {"width": 256, "depth": 8}, 32, 256
-    elif kind == "tiny":
-        cls, kw, batch, width = MLPStack, {"width": 8, "depth": 4}, microbatches, 8
-    else:
-        cls, kw, batch, width = SleepStack, {"depth": pp}, microbatches, 4
-    depth = kw["depth"]
-    cut = depth // pp
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    cut = kw["depth"] // pp
     split = [f"blocks.{cut * s}" for s in range(1, pp)]
-
     model = annot.parallelize(cls, mesh=annot.Mesh(pp=pp), seed=0, split=split, **kw)
 
-    @annot.jit(model, microbatches=microbatches, schedule=schedule)
+    @annot.jit(model, microbatches=microbatches, schedule=schedule, trace=trace)
     def annot_step(x, y):
         _, loss = model(x, y)
         model.backward(loss)
@@ -83,6 +75,26 @@ def _rank(kind: str, schedule: str, microbatches: int, cache: str):
         n_microbatches=microbatches,
         loss_fn=lambda out, tgt: torch.nn.functional.mse_loss(out, tgt),
     )
+    return model, annot_step, submod, sched
+
+
+def _rank(kind: str, schedule: str, microbatches: int, cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.pp_models import MLPStack, SleepStack
+
+    torch.set_num_threads(1)
+    pp = dist.get_world_size()
+    rank = dist.get_rank()
+    if kind == "mlp":
+        cls, kw, batch, width = MLPStack, {"width": 256, "depth": 8}, 32, 256
+    elif kind == "tiny":
+        cls, kw, batch, width = MLPStack, {"width": 8, "depth": 4}, microbatches, 8
+    else:
+        cls, kw, batch, width = SleepStack, {"depth": pp}, microbatches, 4
+    model, annot_step, submod, sched = pipelines(cls, kw, schedule, microbatches)
 
     def torch_step(x, y):
         if rank == 0:

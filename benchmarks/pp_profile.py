@@ -65,10 +65,9 @@ def _rank(kind: str, schedule: str, cache: str):
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as torch_schedules
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    import annot
+    from benchmarks.pp import pipelines
     from benchmarks.pp_models import MLPStack
 
     torch.set_num_threads(1)
@@ -77,27 +76,7 @@ def _rank(kind: str, schedule: str, cache: str):
         kw, microbatches, batch = {"width": 8, "depth": 4}, 16, 16
     else:
         kw, microbatches, batch = {"width": 256, "depth": 8}, 8, 32
-    cut = kw["depth"] // 2
-    model = annot.parallelize(
-        MLPStack, mesh=annot.Mesh(pp=2), seed=0, split=[f"blocks.{cut}"], **kw
-    )
-
-    @annot.jit(model, microbatches=microbatches, schedule=schedule, trace=True)
-    def annot_step(x, y):
-        _, loss = model(x, y)
-        model.backward(loss)
-        return loss
-
-    torch.manual_seed(0)
-    full = MLPStack(**kw)
-    blocks = list(full.blocks[rank * cut : (rank + 1) * cut])
-    if rank == 1:
-        blocks.append(full.head)
-    submod = torch.nn.Sequential(*blocks)
-    stage = PipelineStage(submod, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
-    sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
-        stage, n_microbatches=microbatches, loss_fn=torch.nn.functional.mse_loss
-    )
+    model, annot_step, submod, sched = pipelines(MLPStack, kw, schedule, microbatches, trace=True)
     theirs: dict[str, float] = defaultdict(float)
     _timed(_PipelineStageBase, "forward_one_chunk", "forward", theirs)
     _timed(_PipelineStageBase, "backward_one_chunk", "backward", theirs)

@@ -105,16 +105,7 @@ class PipelineMessages:
         while key not in box:
             posted = st.posted.pop(src, None)
             tag, payload = recv_pytree(
-                src,
-                group=self.group,
-                device=self.device,
-                what="activations" if a.kind == RECV_F else "gradients",
-                timeout_s=self.timeout_s,
-                stage=a.stage,
-                microbatch=a.microbatch,
-                peer_stage=_peer_stage(a),
-                tagged=True,
-                posted=posted,
+                src, device=self.device, tagged=True, posted=posted, **self._labels(a)
             )
             st.due[src] -= 1
             if tag is None or not 0 <= tag[0] < len(_DIRECTIONS):
@@ -143,15 +134,18 @@ class PipelineMessages:
         writes at once instead of waiting for a reply from this rank."""
         peer = self._source(a)
         if peer not in st.posted and st.due.get(peer, 0) > 0:
-            st.posted[peer] = post_recv(
-                peer,
-                group=self.group,
-                what="activations" if a.kind == RECV_F else "gradients",
-                timeout_s=self.timeout_s,
-                stage=a.stage,
-                microbatch=a.microbatch,
-                peer_stage=_peer_stage(a),
-            )
+            st.posted[peer] = post_recv(peer, **self._labels(a))
+
+    def _labels(self, a: Action) -> dict[str, Any]:
+        """The group, timeout and fault-message labels of RECV ``a``'s message."""
+        return dict(
+            group=self.group,
+            what="activations" if a.kind == RECV_F else "gradients",
+            timeout_s=self.timeout_s,
+            stage=a.stage,
+            microbatch=a.microbatch,
+            peer_stage=_peer_stage(a),
+        )
 
     def _source(self, a: Action) -> int:
         return self.peers[self.owner(_peer_stage(a))]
