@@ -212,10 +212,9 @@ class PipelineExecutor(PipelineMessages):
             st.grad_buckets, st.final_backward = grad_buckets, set(last.values())
         if self.post_early:
             self.count_receives(st, actions)
-        for k, action in enumerate(actions):
+        for action, after in zip(actions, actions[1:] + [None]):
             if action in st.final_backward:
                 st.grad_buckets.arm(self.weights(action.stage))
-            after = actions[k + 1] if k + 1 < len(actions) else None
             if self.post_early and after is not None and after.kind in (RECV_F, RECV_B):
                 self.post_ahead(st, after)
             self._do(st, action)
@@ -258,10 +257,10 @@ class PipelineExecutor(PipelineMessages):
                 elif kind == SEND_B:
                     self.send(st, a, st.in_grads.pop((s, i)))
                 elif kind == RECV_F:
-                    st.inputs[(s, i)] = x = self.recv(st, a, self.owner(s - 1))
+                    st.inputs[(s, i)] = x = self.recv(st, a)
                     keep_grads(x)
                 elif kind == RECV_B:
-                    st.out_grads[(s, i)] = self.recv(st, a, self.owner(s + 1))
+                    st.out_grads[(s, i)] = self.recv(st, a)
             except RankFailure:
                 raise  # another rank failed first; the store already says who
             except Exception as exc:

@@ -2,11 +2,11 @@
 inherits it): every message carries its key ``(direction, stage,
 microbatch)``, a message that arrives before its RECV is kept for it, the
 receive of a RECV's message is posted one action early under gloo (so the
-peer's send writes at once; :func:`posts_early`), sends are async and waited at the end of the step, and the
-last stage's step outputs go to every rank of the pipeline. The executor sets
-the attributes used here (``peers``, ``group``, ``device``, ``timeout_s``,
-``rank``, ``pp``, ``pp_rank``, ``num_stages``, ``tracer``,
-``last_rank_outputs``) and ``owner``.
+peer's send writes at once; :func:`posts_early`), sends are async and waited
+at the end of the step, and the last stage's step outputs go to every rank of
+the pipeline. The executor sets the attributes used here (``peers``,
+``group``, ``device``, ``timeout_s``, ``rank``, ``pp``, ``pp_rank``,
+``num_stages``, ``tracer``, ``last_rank_outputs``) and ``owner``.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ class PipelineMessages:
         )
         st.handles.append(handle)
 
-    def recv(self, st: StepState, a: Action, src_pp_rank: int) -> Any:
+    def recv(self, st: StepState, a: Action) -> Any:
         """The payload of message ``a.message`` from its sender; messages from
         the same peer that arrive first are kept for their own RECV."""
-        src = self.peers[src_pp_rank]
+        src = self._source(a)
         key = a.message
         box = st.inbox.setdefault(src, {})
         while key not in box:
