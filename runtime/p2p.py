@@ -75,7 +75,7 @@ from annot.errors import PipelineError
 from annot.runtime import faults
 from annot.runtime.comm_wait import wait_work
 from annot.runtime.fault_store import report_failure
-from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, unflatten
+from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, simple_signature, unflatten
 
 __all__ = ["Handle", "PostedRecv", "post_recv", "recv_pytree", "send_pytree"]
 
@@ -187,6 +187,42 @@ def _op(verb: str, what: str) -> str:
     return f"{verb} {what}" if what else verb
 
 
+# Encoded headers of the simple messages (p2p_codec.simple_signature): steady
+# shapes skip flatten, json and the layout.
+_ENCODED: dict[tuple, tuple[bytes, list, int]] = {}
+_MAX_ENCODED = 64
+
+
+def _encode(obj: Any, what: str, where: str) -> tuple[bytes, list, list, int]:
+    """``obj``'s header bytes, its tensors, their payload offsets and the
+    payload size."""
+    simple = simple_signature(obj)
+    if simple is not None and simple[0] in _ENCODED:
+        raw, offsets, total = _ENCODED[simple[0]]
+        return raw, simple[1], offsets, total
+    try:
+        tree, tensors = flatten(obj)
+    except PipelineError as err:
+        raise PipelineError(f"{err}{where}") from None
+    metas = [
+        [str(t.dtype).removeprefix("torch."), list(t.shape), bool(t.requires_grad)] for t in tensors
+    ]
+    # No label in the header: F and B on one channel may then reuse each other's.
+    header = {"v": VERSION, "tree": tree, "tensors": metas}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise PipelineError(
+            f"the header of {what or 'this message'} is {len(raw)} bytes, over the"
+            f" {MAX_HEADER_BYTES}-byte limit{where}: send fewer, larger tensors or plain values"
+        )
+    offsets, total = _layout(metas)
+    if simple is not None:
+        if len(_ENCODED) >= _MAX_ENCODED:
+            _ENCODED.clear()
+        _ENCODED[simple[0]] = raw, offsets, total
+    return raw, tensors, offsets, total
+
+
 class Handle:
     """An asynchronous send: keeps its buffers alive until :meth:`wait`. A lone
     contiguous tensor is sent from its own memory: do not modify it in place
@@ -243,23 +279,8 @@ def send_pytree(
         isinstance(tag, tuple) and len(tag) == 3 and all(type(v) is int for v in tag)
     ):
         raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
-    try:
-        tree, tensors = flatten(obj)
-    except PipelineError as err:
-        raise PipelineError(f"{err}{where}") from None
+    raw, tensors, offsets, total = _encode(obj, what, where)
     comm, backend = _comm(group)
-    metas = [
-        [str(t.dtype).removeprefix("torch."), list(t.shape), bool(t.requires_grad)] for t in tensors
-    ]
-    # No label in the header: F and B on one channel may then reuse each other's.
-    header = {"v": VERSION, "tree": tree, "tensors": metas}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    if len(raw) > MAX_HEADER_BYTES:
-        raise PipelineError(
-            f"the header of {what or 'this message'} is {len(raw)} bytes, over the"
-            f" {MAX_HEADER_BYTES}-byte limit{where}: send fewer, larger tensors or plain values"
-        )
-    offsets, total = _layout(metas)
     payload = _pack(tensors, offsets, total, comm)
     # The first message: the preamble, the header when it is new and fits, and
     # the payload too when that also fits (steady shapes: one message a

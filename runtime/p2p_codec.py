@@ -20,7 +20,14 @@ import torch
 
 from annot.errors import PipelineError
 
-__all__ = ["DTYPES", "Malformed", "flatten", "tensors_requiring_grad", "unflatten"]
+__all__ = [
+    "DTYPES",
+    "Malformed",
+    "flatten",
+    "simple_signature",
+    "tensors_requiring_grad",
+    "unflatten",
+]
 
 _DTYPE_NAMES = (
     "float64 float32 float16 bfloat16 complex128 complex64 complex32 bool"
@@ -163,6 +170,65 @@ def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
     finally:
         active.discard(id(x))
     raise _unsupported(x, path)
+
+
+_SENDABLE_DTYPES = frozenset(DTYPES.values())
+
+
+def _tensor_key(x: Any) -> Optional[tuple]:
+    """``(dtype, shape, requires_grad)`` of a tensor :func:`flatten` takes as
+    is, else None."""
+    if (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.layout == torch.strided
+        and x.dtype in _SENDABLE_DTYPES
+        and not x.is_meta
+    ):
+        return x.dtype, tuple(x.shape), x.requires_grad
+    return None
+
+
+def simple_signature(obj: Any) -> Optional[tuple[tuple, list[torch.Tensor]]]:
+    """For the common messages of a pipeline (tensors and None in tuples,
+    lists and dicts with str keys, nested a few levels): a key that
+    determines :func:`flatten`'s structure and each tensor's dtype, shape and
+    requires_grad, with the tensors in :func:`flatten`'s order. None for
+    anything else (use :func:`flatten`).
+
+    The key compares by exact type (``type(obj)``, str keys, None), never by
+    value equality, where ``True == 1 == 1.0`` would merge different
+    structures: two objects with equal keys flatten to equal structures."""
+    tensors: list[torch.Tensor] = []
+    key = _simple_key(obj, tensors, 0)
+    return None if key is None else (key, tensors)
+
+
+_MAX_SIMPLE_DEPTH = 4
+
+
+def _simple_key(x: Any, tensors: list, depth: int) -> Optional[tuple]:
+    if x is None:
+        return ()
+    key = _tensor_key(x)
+    if key is not None:
+        tensors.append(x)
+        return key
+    kind = type(x)
+    if kind in (tuple, list):
+        values, names = x, None
+    elif kind is dict and all(type(k) is str for k in x):
+        values, names = x.values(), tuple(x)
+    else:
+        return None
+    if depth == _MAX_SIMPLE_DEPTH:
+        return None
+    keys = []
+    for v in values:
+        k = _simple_key(v, tensors, depth + 1)
+        if k is None:
+            return None
+        keys.append(k)
+    return kind, names, tuple(keys)
 
 
 class Malformed(Exception):

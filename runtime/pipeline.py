@@ -59,7 +59,7 @@ from annot.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
 from annot.runtime.p2p_codec import tensors_requiring_grad
-from annot.runtime.pipeline_messages import PipelineMessages, posts_early
+from annot.runtime.pipeline_messages import PipelineMessages, posts_early, shareable
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
@@ -158,6 +158,7 @@ class PipelineExecutor(PipelineMessages):
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
         self.last_rank_outputs: Optional[list[Any]] = None
+        self.shared_outputs: Optional[list[Any]] = None  # every rank's copy of them
 
     # -- public ---------------------------------------------------------------
 
@@ -224,6 +225,12 @@ class PipelineExecutor(PipelineMessages):
         self.last_rank_outputs = (
             [st.results[i] for i in range(microbatches)] if holds_last else None
         )
+        # A training step's B messages brought every rank the results.
+        self.shared_outputs = (
+            None
+            if forward_only or self.pp == 1
+            else [st.shared_results[i] for i in range(microbatches)]
+        )
         return self.last_rank_outputs
 
     def trace_events(self) -> list[dict[str, Any]]:
@@ -255,12 +262,12 @@ class PipelineExecutor(PipelineMessages):
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
                     self.send(st, a, out)
                 elif kind == SEND_B:
-                    self.send(st, a, st.in_grads.pop((s, i)))
+                    self.send(st, a, (st.in_grads.pop((s, i)), st.shared_results[i]))
                 elif kind == RECV_F:
                     st.inputs[(s, i)] = x = self.recv(st, a)
                     keep_grads(x)
                 elif kind == RECV_B:
-                    st.out_grads[(s, i)] = self.recv(st, a)
+                    st.out_grads[(s, i)], st.shared_results[i] = self.recv(st, a)
             except RankFailure:
                 raise  # another rank failed first; the store already says who
             except Exception as exc:
@@ -299,6 +306,8 @@ class PipelineExecutor(PipelineMessages):
             )
         if call.is_last:
             st.results[i] = result
+            if self.pp > 1 and not st.forward_only:
+                st.shared_results[i] = shareable(result, i)
             if not st.forward_only and i not in st.losses:
                 raise PipelineError(
                     f"the step body did not call model.backward(loss) for microbatch {i}; a "

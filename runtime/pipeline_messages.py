@@ -4,14 +4,17 @@ microbatch)``, a message that arrives before its RECV is kept for it, the
 receive of a RECV's message is posted one action early under gloo (so the
 peer's send writes at once; :func:`posts_early`), sends are async and waited
 at the end of the step, and the last stage's step outputs go to every rank of
-the pipeline. The executor sets the attributes used here (``peers``,
-``group``, ``device``, ``timeout_s``, ``rank``, ``pp``, ``pp_rank``,
-``num_stages``, ``tracer``, ``last_rank_outputs``) and ``owner``.
+the pipeline: in a training step with the B messages (a gradient message is
+``(gradients, the microbatch's result)``, so no rank waits for a message of
+its own at the end of the step), else in one message from the last rank. The
+executor sets the attributes used here (``peers``, ``group``, ``device``,
+``timeout_s``, ``rank``, ``pp``, ``pp_rank``, ``num_stages``, ``tracer``,
+``last_rank_outputs``, ``shared_outputs``) and ``owner``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,10 +22,11 @@ import torch.distributed as dist
 from annot.errors import PipelineError
 from annot.runtime.model_call import StepState
 from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
+from annot.runtime.p2p_codec import flatten, simple_signature
 from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F
 from annot.runtime.trees import map_tensors
 
-__all__ = ["PipelineMessages", "posts_early"]
+__all__ = ["PipelineMessages", "posts_early", "shareable"]
 
 _DIRECTIONS = (F, B)  # a message tag's first int
 
@@ -40,14 +44,19 @@ class PipelineMessages:
     """The p2p half of :class:`~annot.runtime.pipeline.PipelineExecutor` (see
     the module docstring)."""
 
-    def broadcast_outputs(self, outputs: Optional[list[Any]] = None) -> list[Any]:
-        """The last stage's step outputs (``outputs`` there, else the last
-        :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s), tensors
-        detached, on every rank of the pipeline."""
+    def broadcast_outputs(self) -> list[Any]:
+        """The last :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s
+        outputs (the step body's results on the last stage), tensors detached,
+        on every rank of the pipeline. After a training step this sends
+        nothing: each microbatch's result came with its B messages
+        (:func:`shareable`); after an evaluation step (``forward_only``) the
+        last rank sends them in one message."""
+        if self.shared_outputs is not None:
+            return self.shared_outputs
         last = self.num_stages - 1
         holds_last = self.owner(last) == self.pp_rank
+        outputs = self.last_rank_outputs
         if holds_last:
-            outputs = self.last_rank_outputs if outputs is None else outputs
             if outputs is None:
                 raise PipelineError("broadcast_outputs() before any run(): nothing to send")
             outputs = map_tensors(torch.Tensor.detach, outputs)
@@ -157,6 +166,23 @@ class PipelineMessages:
             for handle in st.handles:
                 handle.wait()
         st.handles.clear()
+
+
+def shareable(result: Any, microbatch: int) -> Any:
+    """The step body's ``result`` for ``microbatch`` on the last stage,
+    detached, as it travels to every rank with the B messages (checked here,
+    so that a value that cannot cross is named before it is sent)."""
+    shared = map_tensors(torch.Tensor.detach, result)
+    if simple_signature(shared) is None:
+        try:
+            flatten(shared, root="result")
+        except PipelineError as err:
+            raise PipelineError(
+                f"the step body's return value of microbatch {microbatch}: {err} It goes to"
+                " every pipeline rank (the step returns it on each): return tensors and plain"
+                " values, e.g. `return loss`."
+            ) from None
+    return shared
 
 
 def _peer_stage(a: Action) -> int:

@@ -27,7 +27,7 @@ from annot.runtime.p2p import (
     reset_channels,
     send_pytree,
 )
-from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
+from annot.runtime.p2p_codec import flatten, simple_signature, tensors_requiring_grad, unflatten
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0
@@ -153,6 +153,53 @@ def test_flatten_unflatten_round_trip(tree):
     structure, ts = flatten(tree)
     json.dumps(structure)  # the structure is plain JSON
     assert same(tree, unflatten(json.loads(json.dumps(structure)), ts, device="cpu"))
+
+
+def _small_tensor(spec):
+    dtype, n, requires_grad = spec
+    return torch.zeros(n, dtype=dtype, requires_grad=requires_grad)
+
+
+# Few choices, so two draws often have the same structure, dtypes and shapes.
+small_tensors = st.tuples(
+    st.sampled_from([torch.float32, torch.int64]), st.sampled_from([1, 2]), st.booleans()
+).map(lambda s: _small_tensor(s) if s[0] is torch.float32 else _small_tensor((*s[:2], False)))
+simple_trees = st.recursive(
+    small_tensors | st.none(),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=2),
+        st.lists(inner, max_size=2).map(tuple),
+        st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2),
+    ),
+    max_leaves=4,
+)
+
+
+def _encoded(obj) -> tuple:
+    structure, ts = flatten(obj)
+    return json.dumps(structure), [(t.dtype, t.shape, t.requires_grad) for t in ts]
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None)
+@given(simple_trees, simple_trees)
+def test_simple_signature_equal_iff_encoding_equal(a, b):
+    """send_pytree reuses the header of an equal signature: equal signatures
+    must mean equal headers, and the tensors are flatten's, in its order."""
+    (key_a, ts_a), (key_b, _) = simple_signature(a), simple_signature(b)
+    assert (key_a == key_b) == (_encoded(a) == _encoded(b))
+    assert [id(t) for t in ts_a] == [id(t) for t in flatten(a)[1]]
+
+
+def test_simple_signature_never_merges_by_value_equality():
+    t = torch.ones(1)
+    assert simple_signature([t])[0] != simple_signature((t,))[0]
+    assert simple_signature([t, None])[0] != simple_signature([None, t])[0]
+    # plain leaves (where True == 1 == 1.0) and other containers take flatten's path
+    assert simple_signature(([t], None))[0] != simple_signature(([t, None],))[0]
+    for obj in ([t, 1], (t, [True]), {1: t}, {True: t}, Pair(t, t), Out(t), [[[[[t]]]]]):
+        assert simple_signature(obj) is None
+    assert simple_signature(torch.ones(1).to_sparse()) is None
+    assert simple_signature(torch.ones(1, device="meta")) is None
 
 
 def test_unsupported_leaf_names_its_path():

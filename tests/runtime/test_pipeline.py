@@ -256,13 +256,13 @@ def test_parity_pp4_and_non_adjacent_peers():
     _check_ranks(2, PEER_CASES, [r[1] for r in per_rank], tp=2)
 
 
-def _fault_rank(schedule):
+def _fault_rank(schedule, bad_return=False):
     from annot.mesh import Mesh
     from annot.runtime.mesh import init
 
     ctx = init(Mesh(pp=2))
     stages = _local_stages(_model(), 2, ctx.pp_rank, 1)
-    if ctx.pp_rank == 1:
+    if ctx.pp_rank == 1 and not bad_return:
         inner, calls = stages[0].fn, []
 
         def failing(h, mask, n, y):
@@ -280,7 +280,7 @@ def _fault_rank(schedule):
     def body(i, call):
         out, loss = call(x[i : i + 1], y[i : i + 1])
         call.backward(loss)
-        return loss
+        return {"loss": loss, "seen": {i}} if bad_return and i == 1 else loss
 
     try:
         ex.run(3, body)
@@ -298,6 +298,18 @@ def test_failing_stage_names_rank_stage_and_microbatch():
     assert (kind, rank, stage) == ("RankFailure", 1, 1), first
     assert "rank 1 (stage 1) failed during forward of microbatch 1" in message
     assert "ValueError: boom in the last stage" in message
+
+
+def test_unsendable_step_result_is_named_before_it_is_sent():
+    """The body's results go to every rank with the B messages: one that
+    cannot cross is refused on the last rank, naming the microbatch and the
+    value, and the first rank names the last as the rank that failed."""
+    first, last = run_ranks(_fault_rank, 2, "1f1b", True, timeout=120)
+    assert last[0] == "PipelineError", last
+    assert "return value of microbatch 1: cannot send result['seen'] of type set" in last[3]
+    assert "return tensors and plain values" in last[3]
+    kind, rank, stage, message = first
+    assert (kind, rank, stage) == ("RankFailure", 1, 1), first
 
 
 # -- one process (pp = 1): the executor's local paths --------------------------
