@@ -98,6 +98,9 @@ def _run_case(ex, model, pp, pp_rank, chunks, sizes, seq, weighted=False, forwar
     scale = [n / sum(sizes) for n in sizes] if weighted else None
     ex.run(len(sizes), body, loss_scale=scale, forward_only=forward_only)
     outs = ex.broadcast_outputs()
+    for v in outs if not forward_only else ():
+        # own storage: a result must not hold the buffer of a gradient message
+        assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), v
     if forward_only:  # evaluation builds no autograd graph
         assert all(v.grad_fn is None and not v.requires_grad for v in outs), outs
     losses = [float(v) for v in outs]
