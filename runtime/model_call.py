@@ -37,9 +37,6 @@ class StepState:
         self.grad_buckets: Any = None  # annot.runtime.grad_buckets.GradBuckets, if overlapping
         self.final_backward: set[Any] = set()  # each stage's last B/I/W: arm its buckets
         self.results: dict[int, Any] = {}
-        # microbatch -> the last stage's result, detached: the step's last B
-        # messages take them to every rank (PipelineMessages.with_results)
-        self.shared_results: dict[int, Any] = {}
         self.forwarded: set[tuple[int, int]] = set()
         self.inbox: dict[int, dict[tuple, Any]] = {}
         self.handles: list[Any] = []  # annot.runtime.p2p.Handle

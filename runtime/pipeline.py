@@ -20,8 +20,7 @@ does what each says:
 ``I(s, i)``  zero-bubble schedules: B's input half (the gradients ``SEND_B``
              sends); ``W(s, i)`` later adds the weights' gradients
              (:mod:`annot.runtime.split_backward`)
-``SEND_B``   send the input gradients to the rank of stage ``s - 1`` (the
-             step's last also carries every microbatch's result)
+``SEND_B``   send the input gradients to the rank of stage ``s - 1``
 ``RECV_B``   receive the gradients of the outputs
 ===========  ==============================================================
 
@@ -31,10 +30,7 @@ require grad cross the backward: other values (ints, masks, targets) cross
 forward only, and a tensor that got no gradient is sent back as ``None``.
 
 Gradients cross as a list in :func:`annot.runtime.p2p_codec.tensors_requiring_grad`
-order, the same on both sides of a boundary (:mod:`annot.runtime.stage_values`);
-the step's last gradient message of each boundary (microbatch ``M - 1``) is
-``(gradients, [result of each microbatch])``, so every rank ends a training
-step with the results (:meth:`~annot.runtime.pipeline_messages.PipelineMessages.with_results`).
+order, the same on both sides of a boundary (:mod:`annot.runtime.stage_values`).
 
 Sends are async and waited at the end of the step (the executor's p2p:
 :class:`annot.runtime.pipeline_messages.PipelineMessages`); every p2p wait
@@ -162,7 +158,6 @@ class PipelineExecutor(PipelineMessages):
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
         self.last_rank_outputs: Optional[list[Any]] = None
-        self.shared_outputs: Optional[list[Any]] = None  # every rank's copy of them
 
     # -- public ---------------------------------------------------------------
 
@@ -210,7 +205,7 @@ class PipelineExecutor(PipelineMessages):
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
         st = StepState(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
-        self.last_rank_outputs = self.shared_outputs = None  # this step's, once it ends
+        self.last_rank_outputs = None  # this step's, once it ends
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
         if grad_buckets is not None and not forward_only:
             # each stage's last backward work of the step, in this rank's order
@@ -229,12 +224,6 @@ class PipelineExecutor(PipelineMessages):
         holds_last = self.owner(self.num_stages - 1) == self.pp_rank
         self.last_rank_outputs = (
             [st.results[i] for i in range(microbatches)] if holds_last else None
-        )
-        # A training step's B messages brought every rank the results.
-        self.shared_outputs = (
-            None
-            if forward_only or self.pp == 1
-            else [st.shared_results[i] for i in range(microbatches)]
         )
         return self.last_rank_outputs
 
@@ -267,12 +256,12 @@ class PipelineExecutor(PipelineMessages):
                     out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
                     self.send(st, a, out)
                 elif kind == SEND_B:
-                    self.send(st, a, self.with_results(st, i, st.in_grads.pop((s, i))))
+                    self.send(st, a, st.in_grads.pop((s, i)))
                 elif kind == RECV_F:
                     st.inputs[(s, i)] = x = self.recv(st, a)
                     keep_grads(x)
                 elif kind == RECV_B:
-                    st.out_grads[(s, i)] = self.without_results(st, i, self.recv(st, a))
+                    st.out_grads[(s, i)] = self.recv(st, a)
             except RankFailure:
                 raise  # another rank failed first; the store already says who
             except Exception as exc:
@@ -316,8 +305,8 @@ class PipelineExecutor(PipelineMessages):
                     f"the step body did not call model.backward(loss) for microbatch {i}; a "
                     "training step must (for evaluation, run with forward_only=True)"
                 )
-            if self.pp > 1 and not st.forward_only:
-                st.shared_results[i] = shareable(result, i)
+            if self.pp > 1:
+                shareable(result, i)  # refused here, naming the microbatch, not at the step's end
 
     def forward_stage(self, st: StepState, s: int, i: int, first_args: Any = None) -> Any:
         stage = self.stages[s]

@@ -4,13 +4,9 @@ microbatch)``, a message that arrives before its RECV is kept for it, the
 receive of a RECV's message is posted one action early under gloo (so the
 peer's send writes at once; :func:`posts_early`), sends are async and waited
 at the end of the step, and the last stage's step outputs go to every rank of
-the pipeline: in a training step with the last B message of each boundary
-(``(gradients, results)``, :meth:`PipelineMessages.with_results`, so no rank
-waits for a message of its own at the end of the step), else in one message
-from the last rank. The
-executor sets the attributes used here (``peers``, ``group``, ``device``,
-``timeout_s``, ``rank``, ``pp``, ``pp_rank``, ``num_stages``, ``tracer``,
-``last_rank_outputs``, ``shared_outputs``) and ``owner``.
+the pipeline. The executor sets the attributes used here (``peers``,
+``group``, ``device``, ``timeout_s``, ``rank``, ``pp``, ``pp_rank``,
+``num_stages``, ``tracer``, ``last_rank_outputs``) and ``owner``.
 """
 
 from __future__ import annotations
@@ -47,13 +43,9 @@ class PipelineMessages:
 
     def broadcast_outputs(self) -> list[Any]:
         """The last :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s
-        outputs (the step body's results on the last stage), tensors detached,
-        on every rank of the pipeline. After a training step this sends
-        nothing: the results came with the step's last B message
-        (:meth:`with_results`); after an evaluation step (``forward_only``) the
-        last rank sends them in one message."""
-        if self.shared_outputs is not None:
-            return self.shared_outputs
+        outputs (the step body's results on the last stage, checked by
+        :func:`shareable` as they were made), tensors detached, on every rank
+        of the pipeline."""
         last = self.num_stages - 1
         holds_last = self.owner(last) == self.pp_rank
         outputs = self.last_rank_outputs
@@ -130,43 +122,6 @@ class PipelineMessages:
             box[got] = payload
         return box.pop(key)
 
-    def with_results(self, st: StepState, i: int, grads: list) -> Any:
-        """The payload of microbatch ``i``'s gradient message: the gradients;
-        for the step's last microbatch, ``(gradients, results)`` with every
-        microbatch's result (all known by then: each stage runs its
-        backwards in microbatch order, after the last stage's forwards)."""
-        last = st.microbatches - 1
-        if i != last:
-            return grads
-        missing = [j for j in range(st.microbatches) if j not in st.shared_results]
-        if missing:
-            raise PipelineError(
-                f"rank {self.rank}: the results of microbatches {missing} are not here when"
-                f" the gradients of microbatch {last} leave; the schedule and the executor"
-                " disagree (please report this with the schedule name)"
-            )
-        return grads, [st.shared_results[j] for j in range(st.microbatches)]
-
-    def without_results(self, st: StepState, i: int, payload: Any) -> list:
-        """The gradients of a message :meth:`with_results` made; the results it
-        carries are kept (copied: they must not hold the message's buffer)."""
-        if i != st.microbatches - 1:
-            return payload
-        if not (
-            type(payload) is tuple
-            and len(payload) == 2
-            and type(payload[1]) is list
-            and len(payload[1]) == st.microbatches
-        ):
-            raise PipelineError(
-                f"rank {self.rank}: the last gradient message of the step (microbatch {i})"
-                f" should carry {st.microbatches} results, got {type(payload).__name__}"
-            )
-        grads, results = payload
-        for j, result in enumerate(results):
-            st.shared_results.setdefault(j, map_tensors(torch.Tensor.clone, result))
-        return grads
-
     def count_receives(self, st: StepState, actions: list) -> None:
         """How many messages each peer sends this rank in the step (so that
         :meth:`post_ahead` never posts a receive no message will match)."""
@@ -208,9 +163,9 @@ class PipelineMessages:
 
 def shareable(result: Any, microbatch: int) -> Any:
     """The step body's ``result`` for ``microbatch`` on the last stage,
-    detached, as it travels to every rank with the step's last B messages
-    (checked here, so that a value that cannot cross is named where it is
-    made)."""
+    detached, checked to cross to every rank (:meth:`PipelineMessages.broadcast_outputs`)
+    where it is made, so that a value that cannot is named with its
+    microbatch instead of failing the step's last message."""
     shared = map_tensors(torch.Tensor.detach, result)
     if simple_signature(shared) is None:
         try:

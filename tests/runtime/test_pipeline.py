@@ -98,9 +98,6 @@ def _run_case(ex, model, pp, pp_rank, chunks, sizes, seq, weighted=False, forwar
     scale = [n / sum(sizes) for n in sizes] if weighted else None
     ex.run(len(sizes), body, loss_scale=scale, forward_only=forward_only)
     outs = ex.broadcast_outputs()
-    for v in outs if not forward_only else ():
-        # own storage: a result must not hold the buffer of a gradient message
-        assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), v
     if forward_only:  # evaluation builds no autograd graph
         assert all(v.grad_fn is None and not v.requires_grad for v in outs), outs
     losses = [float(v) for v in outs]
@@ -304,9 +301,10 @@ def test_failing_stage_names_rank_stage_and_microbatch():
 
 
 def test_unsendable_step_result_is_named_before_it_is_sent():
-    """The body's results go to every rank with the B messages: one that
-    cannot cross is refused on the last rank, naming the microbatch and the
-    value, and the first rank names the last as the rank that failed."""
+    """The body's results go to every rank at the end of the step: one that
+    cannot cross is refused on the last rank where it is made, naming the
+    microbatch and the value, and the first rank names the last as the rank
+    that failed (not a timeout at the step's end)."""
     first, last = run_ranks(_fault_rank, 2, "1f1b", True, timeout=120)
     assert last[0] == "PipelineError", last
     assert "return value of microbatch 1: cannot send result['seen'] of type set" in last[3]
