@@ -59,7 +59,7 @@ from annot.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
 from annot.runtime.p2p_codec import tensors_requiring_grad
-from annot.runtime.pipeline_messages import PipelineMessages, posts_early, shareable
+from annot.runtime.pipeline_messages import PipelineMessages, check_shareable, posts_early
 from annot.runtime.replay import ReplayStage, StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
@@ -306,7 +306,9 @@ class PipelineExecutor(PipelineMessages):
                     "training step must (for evaluation, run with forward_only=True)"
                 )
             if self.pp > 1:
-                shareable(result, i)  # refused here, naming the microbatch, not at the step's end
+                check_shareable(
+                    result, i
+                )  # refused here, naming the microbatch, not at the step's end
 
     def forward_stage(self, st: StepState, s: int, i: int, first_args: Any = None) -> Any:
         stage = self.stages[s]

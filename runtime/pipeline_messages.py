@@ -23,7 +23,7 @@ from annot.runtime.p2p_codec import flatten, simple_signature
 from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F
 from annot.runtime.trees import map_tensors
 
-__all__ = ["PipelineMessages", "posts_early", "shareable"]
+__all__ = ["PipelineMessages", "check_shareable", "posts_early"]
 
 _DIRECTIONS = (F, B)  # a message tag's first int
 
@@ -44,7 +44,7 @@ class PipelineMessages:
     def broadcast_outputs(self) -> list[Any]:
         """The last :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s
         outputs (the step body's results on the last stage, checked by
-        :func:`shareable` as they were made), tensors detached, on every rank
+        :func:`check_shareable` as they were made), tensors detached, on every rank
         of the pipeline."""
         last = self.num_stages - 1
         holds_last = self.owner(last) == self.pp_rank
@@ -161,22 +161,21 @@ class PipelineMessages:
         st.handles.clear()
 
 
-def shareable(result: Any, microbatch: int) -> Any:
-    """The step body's ``result`` for ``microbatch`` on the last stage,
-    detached, checked to cross to every rank (:meth:`PipelineMessages.broadcast_outputs`)
-    where it is made, so that a value that cannot is named with its
-    microbatch instead of failing the step's last message."""
-    shared = map_tensors(torch.Tensor.detach, result)
-    if simple_signature(shared) is None:
-        try:
-            flatten(shared, root="result")
-        except PipelineError as err:
-            raise PipelineError(
-                f"the step body's return value of microbatch {microbatch}: {err} It goes to"
-                " every pipeline rank (the step returns it on each): return tensors and plain"
-                " values, e.g. `return loss`."
-            ) from None
-    return shared
+def check_shareable(result: Any, microbatch: int) -> None:
+    """Refuse the step body's ``result`` for ``microbatch`` on the last stage
+    where it is made if it cannot cross to every rank
+    (:meth:`PipelineMessages.broadcast_outputs`), naming the microbatch,
+    instead of failing the step's last message."""
+    if simple_signature(result) is not None:
+        return
+    try:
+        flatten(result, root="result")
+    except PipelineError as err:
+        raise PipelineError(
+            f"the step body's return value of microbatch {microbatch}: {err} It goes to"
+            " every pipeline rank (the step returns it on each): return tensors and plain"
+            " values, e.g. `return loss`."
+        ) from None
 
 
 def _peer_stage(a: Action) -> int:
