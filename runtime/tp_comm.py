@@ -24,7 +24,16 @@ function                    forward                      backward
 ==========================  ===========================  ==========================
 
 With no active context, or a tp degree of 1, each is the identity and does no
-communication. A column-parallel then row-parallel block therefore costs one
+communication.
+
+Overlap (Megatron's, in backward): ``copy_to_tp`` and ``gather_sequence``
+enter column-parallel layers, and their backward reduces the sum of those
+layers' input gradients (:class:`InputGradReduction`). The layers hand their
+input gradients to it (:mod:`annot.runtime.column_matmul`) instead of
+returning them to autograd; the last one to run starts the all-reduce
+(reduce-scatter) with ``async_op=True`` and computes its weight gradient
+while it runs; the entry's backward waits. The values are the same as one
+reduction of the summed gradient; only the order changes. A column-parallel then row-parallel block therefore costs one
 all-reduce forward (``reduce_from_tp`` after the row layer) and one backward
 (``copy_to_tp`` before the column layer).
 
@@ -44,6 +53,8 @@ in forward and backward, so tests use it directly::
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -59,6 +70,9 @@ __all__ = [
     "scatter_to_tp",
     "gather_sequence",
     "reduce_scatter_seq",
+    "InputGradReduction",
+    "start_all_reduce",
+    "start_reduce_scatter",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old
@@ -135,12 +149,20 @@ def reduce_scatter_full(
     inverts. A meta tensor only shapes the result."""
     if size == 1:
         return x
+    return _finished(start_reduce_scatter(x, dim, size, group)).contiguous()
+
+
+def start_reduce_scatter(
+    x: torch.Tensor, dim: int, size: int, group: Optional[object]
+) -> tuple[Optional[object], torch.Tensor]:
+    """Start :func:`reduce_scatter_full`'s collective: ``(work, out)``, ``out``
+    valid once ``work.wait()`` returned (``work`` None: a meta tensor, no
+    collective)."""
     dim = dim % x.dim()
     rows = x.movedim(dim, 0).contiguous()  # the collective splits the flat dim-0 form
     out = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
-    if not x.is_meta:
-        _reduce_scatter_single(out, rows, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = None if x.is_meta else _reduce_scatter_single(out, rows, group=group, async_op=True)
+    return work, out.movedim(0, dim)
 
 
 def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -151,6 +173,71 @@ def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) 
     return x
 
 
+def start_all_reduce(
+    x: torch.Tensor, group: Optional[object]
+) -> tuple[Optional[object], torch.Tensor]:
+    """Start an in-place all-reduce of ``x``: ``(work, x)``, as
+    :func:`start_reduce_scatter`."""
+    return (None if x.is_meta else dist.all_reduce(x, group=group, async_op=True)), x
+
+
+def _finished(started: tuple[Optional[object], torch.Tensor]) -> torch.Tensor:
+    work, out = started
+    if work is not None:
+        work.wait()
+    return out
+
+
+class InputGradReduction:
+    """The reduction of a column-parallel entry's input gradient over tp,
+    started early so that it overlaps a weight gradient's GEMM.
+
+    ``start(t)`` starts the collective on ``t`` (:func:`start_all_reduce`,
+    :func:`start_reduce_scatter`). The column layers that read the entry's
+    output count themselves in forward (:meth:`read`) and hand their input
+    gradients to :meth:`arrive` in backward; the last of them starts the
+    collective on the sum. The entry's backward calls :meth:`finish` with
+    whatever autograd still brought it (another op that read its output)
+    and gets the reduced total: it waits for the started collective, and
+    reduces what did not make it into that one (a layer whose output got no
+    gradient, another reader) with a second collective of its own. Exact:
+    the reduction is linear, and every rank runs the same graph."""
+
+    __slots__ = ("start", "readers", "arrived", "partial", "started")
+
+    def __init__(self, start: Callable[[torch.Tensor], tuple[Optional[object], torch.Tensor]]):
+        self.start = start
+        self.readers = 0
+        self.arrived = 0
+        self.partial: Optional[torch.Tensor] = None  # owned: summed in place
+        self.started: Optional[tuple[Optional[object], torch.Tensor]] = None
+
+    def read(self) -> None:
+        self.readers += 1
+
+    def arrive(self, grad: torch.Tensor) -> None:
+        """Add a reader's input gradient (a tensor it made: summed in place);
+        the last reader's arrival starts the collective."""
+        self.arrived += 1
+        self.partial = grad if self.partial is None else self.partial.add_(grad)
+        if self.arrived == self.readers:
+            self.started, self.partial = self.start(self.partial), None
+
+    def finish(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The reduced input gradient (None if none came), the state reset
+        for the next backward through the same graph."""
+        started, partial = self.started, self.partial
+        self.started = self.partial = None
+        self.arrived = 0
+        result = None if started is None else _finished(started)
+        if grad is not None:
+            partial = grad if partial is None else partial.add_(grad)
+        if partial is not None:
+            rest = _finished(self.start(partial))
+            result = rest if result is None else result + rest
+        return None if result is None else result.contiguous()
+
+
 # --------------------------------------------------------------------------- #
 # Autograd functions. ``group``/``size``/``rank`` are passed in explicitly so a
 # layer reads the context once per forward.
@@ -158,19 +245,21 @@ def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) 
 
 
 class CopyToTP(torch.autograd.Function):
-    """Forward identity, backward all-reduce (sum of the ranks' input grads)."""
+    """Forward identity, backward all-reduce (sum of the ranks' input grads),
+    started early by the column layers reading it (:class:`InputGradReduction`)."""
 
     @staticmethod
     def forward(ctx, x, group, inplace):
-        ctx.group = group
+        ctx.set_materialize_grads(False)
         ctx.inplace = inplace
+        ctx.reduction = InputGradReduction(functools.partial(start_all_reduce, group=group))
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        if not ctx.inplace:
+        if grad is not None and not ctx.inplace:
             grad = grad.clone()  # autograd may hand the same tensor to another branch
-        return all_reduce_(grad, ctx.group), None, None
+        return ctx.reduction.finish(grad), None, None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -216,16 +305,20 @@ class ScatterToTP(torch.autograd.Function):
 class GatherSequence(torch.autograd.Function):
     """Forward all-gather along ``dim``, backward reduce-scatter: enter a
     column-parallel layer from sequence shards (each rank's gradient for the
-    whole sequence is partial over the ranks' columns)."""
+    whole sequence is partial over the ranks' columns), started early by the
+    column layers reading it (:class:`InputGradReduction`)."""
 
     @staticmethod
     def forward(ctx, x, group, size, dim):
-        ctx.args = (dim, size, group)
+        ctx.set_materialize_grads(False)
+        ctx.reduction = InputGradReduction(
+            functools.partial(start_reduce_scatter, dim=dim, size=size, group=group)
+        )
         return gather_full(x, dim, 1, size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_full(grad, *ctx.args), None, None, None
+        return ctx.reduction.finish(grad), None, None, None
 
 
 class ReduceScatterSequence(torch.autograd.Function):

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
+from annot.runtime.column_matmul import column_matmul, conv1d
 from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import (
     CopyToTP,
@@ -107,11 +108,13 @@ def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
     mesh_for(name, tp)
 
 
-def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Megatron's column block: replicated input (gradient all-reduced in
-    backward), this rank's slice of the output, gathered when asked."""
+    backward, overlapped with the weight gradient: ``column_matmul``), this
+    rank's slice of the output, gathered when asked. ``transposed``: the
+    weight is stored ``(in, out)`` (HF ``Conv1D``)."""
     if layer.tp == 1:
-        return matmul(x, layer.weight, layer.bias)
+        return (conv1d if transposed else F.linear)(x, layer.weight, layer.bias)
     ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.sequence_gathered:
@@ -122,7 +125,7 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
         x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True)
-    y = matmul(x, layer.weight, layer.bias)
+    y = column_matmul(x, layer.weight, layer.bias, transposed)
     if layer.gather:
         y = GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
     return y
@@ -248,7 +251,7 @@ class ColumnParallelLinear(nn.Module):
         return layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _column_forward(self, x, F.linear)
+        return _column_forward(self, x, transposed=False)
 
     def extra_repr(self) -> str:
         parts = [
@@ -328,15 +331,6 @@ class RowParallelLinear(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
-def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``transformers.pytorch_utils.Conv1D.forward``: ``x @ weight (+ bias)``,
-    weight ``(in, out)``, over the last dim of ``x``."""
-    size_out = x.size()[:-1] + (weight.size(1),)
-    x2 = x.reshape(-1, x.size(-1))
-    y = torch.mm(x2, weight) if bias is None else torch.addmm(bias, x2, weight)
-    return y.view(size_out)
-
-
 class ColumnParallelConv1D(nn.Module):
     """HF ``Conv1D(nf, nx)`` split on its output features ``nf``: weight
     ``(nx, nf/tp)``, bias ``(nf/tp)``.
@@ -372,7 +366,7 @@ class ColumnParallelConv1D(nn.Module):
         return {"weight": (1, self.chunks), "bias": (0, self.chunks)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _column_forward(self, x, _conv1d)
+        return _column_forward(self, x, transposed=True)
 
     def extra_repr(self) -> str:
         parts = [f"nf={self.nf}", f"nx={self.nx}"]
@@ -414,7 +408,7 @@ class RowParallelConv1D(nn.Module):
         return {"weight": (0, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _row_forward(self, x, _conv1d)
+        return _row_forward(self, x, conv1d)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"

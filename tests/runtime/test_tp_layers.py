@@ -27,6 +27,7 @@ from annot.runtime.tp_comm import (
     split_local,
 )
 from annot.runtime.tp_layers import (
+    ColumnParallelConv1D,
     ColumnParallelEmbedding,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -323,6 +324,128 @@ def _shared_input(tp):
 
 def test_column_layers_reading_one_input_reduce_its_gradient_once_tp2():
     assert run_ranks(_shared_input, 2, 2, timeout=240) == [True, True]
+
+
+class _Conv1D(nn.Module):
+    """HF ``Conv1D``'s layout (weight ``(in, out)``), the reference of
+    ``ColumnParallelConv1D``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def _entry_reductions(out):
+    """The column entries' input-gradient reductions in ``out``'s graph."""
+    seen, todo, found = set(), [out.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "reduction"):
+            found.append(node.reduction)
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _overlap(tp):
+    """The last column layer reading an entry starts the entry's reduction
+    before its weight gradient is computed (Megatron's overlap), for the
+    all-reduce and for sequence parallelism's reduce-scatter; the gradients
+    equal the reference's, each weight's hooks fire once; under
+    torch.autograd.grad they are returned, not accumulated; under autocast
+    they are bf16's."""
+    from annot.runtime.state_dict import full_grads, load_full_state_dict
+
+    ctx = _setup(Mesh(tp=tp))
+    with use(ctx):
+        ref = _Gated(_Conv1D(8 * tp, 8), nn.Linear(8, 8 * tp), nn.Linear(8 * tp, 8, bias=False))
+        par = _Gated(
+            ColumnParallelConv1D(8 * tp, 8, tp=tp),
+            ColumnParallelLinear(8, 8 * tp, tp=tp),
+            RowParallelLinear(8 * tp, 8, bias=False, tp=tp),
+        )
+        load_full_state_dict(par, ref.state_dict())
+        x = torch.randn(2, 2 * tp, 8)
+        for seq in (False, True):
+            for layer in (par.gate, par.up, par.down):
+                layer.sequence_dim = 1 if seq else None
+            for model in (par, ref):
+                model.zero_grad(set_to_none=True)
+            seen, entry = {}, []
+
+            def record(name, seen=seen, entry=entry):
+                def hook(p):
+                    seen.setdefault(name, []).append(entry[0].started is not None)
+
+                return hook
+
+            handles = [
+                p.register_post_accumulate_grad_hook(record(n)) for n, p in par.named_parameters()
+            ]
+            xr = x.clone().requires_grad_(True)
+            xt = (split_local(x, 1, 1, tp, ctx.tp_rank) if seq else x).clone().requires_grad_()
+            y = par(xt)
+            entry[:] = _entry_reductions(y)
+            (reduction,) = entry
+            assert reduction.readers == 2, "gate and up read one entry"
+            y.pow(2).sum().backward()
+            for h in handles:
+                h.remove()
+            ref(xr).pow(2).sum().backward()
+            assert all(len(v) == 1 for v in seen.values()), seen
+            started = {name for name, (s,) in seen.items() if s}
+            # gate was called first: its backward runs last and starts the reduction.
+            assert started == {"gate.weight", "gate.bias"}, (seq, seen)
+            want = split_local(xr.grad, 1, 1, tp, ctx.tp_rank) if seq else xr.grad
+            _close(xt.grad, want, f"input grad (seq={seq})")
+            grads = full_grads(par)
+            for name, p in ref.named_parameters():
+                _close(grads[name], p.grad, f"grad {name} (seq={seq})")
+            assert reduction.started is None and reduction.arrived == 0, "reset"
+        for layer in (par.gate, par.up, par.down):
+            layer.sequence_dim = None
+
+        # torch.autograd.grad: the gradients are returned, nothing accumulates.
+        for model in (par, ref):
+            model.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        ref(xr).pow(2).sum().backward()
+        xt = x.clone().requires_grad_(True)
+        gw, gx = torch.autograd.grad(par(xt).pow(2).sum(), [par.up.weight, xt])
+        _close(gx, xr.grad, "autograd.grad input grad")
+        _close(gw, split_local(ref.up.weight.grad, 0, 1, tp, ctx.tp_rank), "autograd.grad weight")
+        assert all(p.grad is None for p in par.parameters()), "autograd.grad accumulated"
+
+        # Autocast: bf16 matmuls, float32 gradients, close to the reference's.
+        for model in (par, ref):
+            model.zero_grad(set_to_none=True)
+        outs = []
+        for model in (par, ref):
+            xb = x.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(xb)
+            out.float().pow(2).sum().backward()
+            outs.append((out, xb.grad))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert par.up(x.clone().requires_grad_()).dtype == torch.bfloat16
+        bf16 = {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(outs[0][0], outs[1][0], **bf16)
+        torch.testing.assert_close(outs[0][1], outs[1][1], **bf16)
+        grads = full_grads(par)
+        for name, p in ref.named_parameters():
+            assert grads[name].dtype == torch.float32, name
+            torch.testing.assert_close(grads[name], p.grad, **bf16, msg=f"bf16 grad {name}")
+    return True
+
+
+def test_column_weight_gradients_overlap_the_input_all_reduce_tp2():
+    assert run_ranks(_overlap, 2, 2, timeout=240) == [True, True]
 
 
 def _mlp_and_embedding(tp):
