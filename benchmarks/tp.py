@@ -14,6 +14,10 @@
     model in one process
 (g) the same with sequence parallelism: annot's sequence_parallel=True vs DTensor's
     SequenceParallel / PrepareModuleInput plan (torchtitan's), step time
+(h) HF Llama at tp=2: annot with Megatron's backward overlap (the weight gradient of
+    the last column layer reading an input computed while that input's gradient is
+    all-reduced; annot's default) vs annot without it (overlap_backward=False on every
+    column layer: autograd's order), step time
 
 Each timing is the median of interleaved repeats (annot, peer, annot, peer, ...).
 """
@@ -262,6 +266,47 @@ def _llama_rank(cache: str, sp: bool) -> tuple[float, float]:
     return ta, tb
 
 
+def _overlap_rank(cache: str) -> tuple[float, float]:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    import annot
+    from annot.runtime.tp_layers import ColumnParallelLinear
+
+    tp = dist.get_world_size()
+    cfg = _llama_config()
+    models = [
+        annot.parallelize(LlamaForCausalLM, cfg, mesh=annot.Mesh(tp=tp), seed=0) for _ in range(2)
+    ]
+    for m in models[1].modules():
+        if isinstance(m, ColumnParallelLinear):
+            m.overlap_backward = False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+
+    def step_of(m):
+        opt = torch.optim.AdamW(m.parameters())
+
+        def step():
+            m.backward(m(x, labels=x, use_cache=False).loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return time_pair(step_of(models[0]), step_of(models[1]))
+
+
+def bench_overlap() -> tuple[float, float]:
+    from annot.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as cache:
+        res = run_ranks(_overlap_rank, 2, cache, timeout=600)
+    return max(r[0] for r in res), max(r[1] for r in res)
+
+
 def _llama_alone() -> float:
     """The plain model's step in one process of its own: twice that rate is
     the ideal at tp=2."""
@@ -363,6 +408,8 @@ def main() -> None:
     )
     a, b = bench_llama(sp=True)
     rows.append(("(g) HF Llama tp=2 + SP: annot / DTensor, step", a, b, a / b, "(lower is better)"))
+    a, b = bench_overlap()
+    rows.append(("(h) HF Llama tp=2: backward overlap on / off", a, b, a / b, "(lower is better)"))
     print(f"{'measurement':52} {'annot':>10} {'peer':>10} {'ratio':>7}  goal")
     for name, x, y, r, goal in rows:
         print(f"{name:52} {x * 1000:9.2f}ms {y * 1000:9.2f}ms {r:7.3f}  {goal}")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from annot.runtime.tp_comm import InputGradReduction
 
-__all__ = ["column_matmul", "conv1d"]
+__all__ = ["column_matmul", "hf_conv1d", "matmul"]
 
 
 def column_matmul(
@@ -46,12 +46,19 @@ def column_matmul(
     to the entry's reduction and the weight gradient overlaps it."""
     reduction = getattr(x.grad_fn, "reduction", None)
     if not isinstance(reduction, InputGradReduction) or not torch.is_grad_enabled():
-        return (conv1d if transposed else F.linear)(x, weight, bias)
+        return matmul(x, weight, bias, transposed)
     reduction.read()
-    return ColumnMatmul.apply(x, weight, bias, transposed, x.grad_fn)
+    return ColumnMatmul.apply(x, weight, bias, transposed)
 
 
-def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool
+) -> torch.Tensor:
+    """``F.linear`` (``transposed``: :func:`hf_conv1d`)."""
+    return hf_conv1d(x, weight, bias) if transposed else F.linear(x, weight, bias)
+
+
+def hf_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``transformers.pytorch_utils.Conv1D.forward``: ``x @ weight (+ bias)``,
     weight ``(in, out)``, over the last dim of ``x``."""
     size_out = x.size()[:-1] + (weight.size(1),)
@@ -61,10 +68,19 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
 
 
 def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast computes ``F.linear`` in on ``x``'s device, or None."""
     kind = x.device.type
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return None
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t`` as autocast would hand it to ``F.linear``: floating point other
+    than float64 in ``dtype``, anything else as it is."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
 def _will_run(node) -> bool:
@@ -73,27 +89,29 @@ def _will_run(node) -> bool:
     wanted all the same)."""
     try:
         return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # autograd.grad(..., inputs=[leaf]) asks for it
-        return True
+    except RuntimeError as err:
+        if "autograd.grad" not in str(err):
+            raise
+        return True  # autograd.grad(..., inputs=[leaf]) asks for it
 
 
 class ColumnMatmul(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` (``conv1d`` if ``transposed``) whose
-    backward hands its input gradient to ``entry``'s reduction, then
-    computes the weight and bias gradients."""
+    """``matmul(x, weight, bias, transposed)`` whose backward hands its input
+    gradient to the reduction of ``x``'s entry (``x.grad_fn``), then computes
+    the weight and bias gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, transposed, entry):
+    def forward(ctx, x, weight, bias, transposed):
         dtype = _autocast_dtype(x)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        if dtype is not None:
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            y = (conv1d if transposed else F.linear)(x, weight, bias)
+        if dtype is None:
+            y = matmul(x, weight, bias, transposed)
+        else:
+            x, weight, bias = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                y = matmul(x, weight, bias, transposed)
         ctx.save_for_backward(x, weight)
         ctx.transposed = transposed
-        ctx.entry = entry
         ctx.has_bias = bias is not None
         return y
 
@@ -104,10 +122,11 @@ class ColumnMatmul(torch.autograd.Function):
         grad = grad.to(x.dtype)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0] and _will_run(ctx.entry):
+        entry = ctx.next_functions[0][0]
+        if ctx.needs_input_grad[0] and _will_run(entry):
             grad_x = (grad @ (weight.t() if ctx.transposed else weight)).to(x_dtype)
             if not torch.is_grad_enabled():  # (a double backward needs it in the graph)
-                ctx.entry.reduction.arrive(grad_x)  # the last reader starts the collective
+                entry.reduction.arrive(grad_x)  # the last reader starts the collective
                 grad_x = None
         # Computed while the collective runs, where this layer started it.
         if ctx.needs_input_grad[1] and _will_run(ctx.next_functions[1][0]):
@@ -115,4 +134,4 @@ class ColumnMatmul(torch.autograd.Function):
             grad_w = (x2.t().mm(g2) if ctx.transposed else g2.t().mm(x2)).to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2] and _will_run(ctx.next_functions[2][0]):
             grad_b = g2.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None

@@ -24,18 +24,21 @@ function                    forward                      backward
 ==========================  ===========================  ==========================
 
 With no active context, or a tp degree of 1, each is the identity and does no
-communication.
-
-Overlap (Megatron's, in backward): ``copy_to_tp`` and ``gather_sequence``
-enter column-parallel layers, and their backward reduces the sum of those
-layers' input gradients (:class:`InputGradReduction`). The layers hand their
-input gradients to it (:mod:`annot.runtime.column_matmul`) instead of
-returning them to autograd; the last one to run starts the all-reduce
-(reduce-scatter) with ``async_op=True`` and computes its weight gradient
-while it runs; the entry's backward waits. The values are the same as one
-reduction of the summed gradient; only the order changes. A column-parallel then row-parallel block therefore costs one
+communication. A column-parallel then row-parallel block therefore costs one
 all-reduce forward (``reduce_from_tp`` after the row layer) and one backward
 (``copy_to_tp`` before the column layer).
+
+Overlap (Megatron's, in backward): the entries the column layers make for
+themselves (``CopyToTP`` and ``GatherSequence`` with ``handoff``) reduce the
+sum of those layers' input gradients through an :class:`InputGradReduction`.
+The layers hand their input gradients to it
+(:mod:`annot.runtime.column_matmul`) instead of returning them to autograd;
+the last one to run starts the all-reduce (reduce-scatter) with
+``async_op=True`` and computes its weight gradient while it runs; the
+entry's backward waits. The values are those of one reduction of the
+summed gradient; only the order changes. Only an entry no other code sees
+hands off: a hook or ``autograd.grad`` on its output would miss the part
+handed to the reduction.
 
 The public functions never modify their argument. The parallel layers use the
 in-place variants (``inplace=True``) on tensors they just produced, which saves
@@ -245,21 +248,27 @@ class InputGradReduction:
 
 
 class CopyToTP(torch.autograd.Function):
-    """Forward identity, backward all-reduce (sum of the ranks' input grads),
-    started early by the column layers reading it (:class:`InputGradReduction`)."""
+    """Forward identity, backward all-reduce (sum of the ranks' input grads).
+    With ``handoff`` (an entry only column layers see: ``tp_layers``' shared
+    entry) the layers reading it start that all-reduce early
+    (:class:`InputGradReduction`)."""
 
     @staticmethod
-    def forward(ctx, x, group, inplace):
+    def forward(ctx, x, group, inplace, handoff):
         ctx.set_materialize_grads(False)
+        ctx.group = group
         ctx.inplace = inplace
-        ctx.reduction = InputGradReduction(functools.partial(start_all_reduce, group=group))
+        start = functools.partial(start_all_reduce, group=group)
+        ctx.reduction = InputGradReduction(start) if handoff else None
         return x
 
     @staticmethod
     def backward(ctx, grad):
         if grad is not None and not ctx.inplace:
             grad = grad.clone()  # autograd may hand the same tensor to another branch
-        return ctx.reduction.finish(grad), None, None
+        if ctx.reduction is not None:
+            return ctx.reduction.finish(grad), None, None, None
+        return None if grad is None else all_reduce_(grad, ctx.group), None, None, None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -305,20 +314,29 @@ class ScatterToTP(torch.autograd.Function):
 class GatherSequence(torch.autograd.Function):
     """Forward all-gather along ``dim``, backward reduce-scatter: enter a
     column-parallel layer from sequence shards (each rank's gradient for the
-    whole sequence is partial over the ranks' columns), started early by the
-    column layers reading it (:class:`InputGradReduction`)."""
+    whole sequence is partial over the ranks' columns). With ``handoff`` the
+    column layers reading it start the reduce-scatter early
+    (:class:`InputGradReduction`)."""
 
     @staticmethod
-    def forward(ctx, x, group, size, dim):
+    def forward(ctx, x, group, size, dim, handoff):
         ctx.set_materialize_grads(False)
-        ctx.reduction = InputGradReduction(
-            functools.partial(start_reduce_scatter, dim=dim, size=size, group=group)
-        )
+        ctx.args = (dim, size, group)
+        start = functools.partial(start_reduce_scatter, dim=dim, size=size, group=group)
+        ctx.reduction = InputGradReduction(start) if handoff else None
         return gather_full(x, dim, 1, size, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.reduction.finish(grad), None, None, None
+        if ctx.reduction is not None:
+            return ctx.reduction.finish(grad), None, None, None, None
+        return (
+            None if grad is None else reduce_scatter_full(grad, *ctx.args),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class ReduceScatterSequence(torch.autograd.Function):
@@ -346,7 +364,7 @@ def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     group, size, _ = tp_env()
     if size == 1 or not x.requires_grad:
         return x
-    return CopyToTP.apply(x, group, False)
+    return CopyToTP.apply(x, group, False, False)
 
 
 def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
@@ -397,7 +415,7 @@ def gather_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     group, size, _ = tp_env()
     if size == 1:
         return x
-    return GatherSequence.apply(x, group, size, dim)
+    return GatherSequence.apply(x, group, size, dim, False)
 
 
 def reduce_scatter_seq(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
-from annot.runtime.column_matmul import column_matmul, conv1d
+from annot.runtime.column_matmul import column_matmul, hf_conv1d, matmul
 from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import (
     CopyToTP,
@@ -110,22 +110,27 @@ def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
 
 def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Megatron's column block: replicated input (gradient all-reduced in
-    backward, overlapped with the weight gradient: ``column_matmul``), this
-    rank's slice of the output, gathered when asked. ``transposed``: the
-    weight is stored ``(in, out)`` (HF ``Conv1D``)."""
+    backward, overlapped with the weight gradient: ``column_matmul``; a layer
+    whose ``overlap_backward`` is False leaves autograd's order), this rank's
+    slice of the output, gathered when asked. ``transposed``: the weight is
+    stored ``(in, out)`` (HF ``Conv1D``)."""
     if layer.tp == 1:
-        return (conv1d if transposed else F.linear)(x, layer.weight, layer.bias)
+        return matmul(x, layer.weight, layer.bias, transposed)
     ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
         dim = layer.sequence_dim
-        x = _shared_entry(x, ("gather", id(group), dim), GatherSequence, group, layer.tp, dim)
+        key = ("gather", id(group), dim)
+        x = _shared_entry(x, key, GatherSequence, group, layer.tp, dim, True)
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
-        x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True)
-    y = column_matmul(x, layer.weight, layer.bias, transposed)
+        x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True, True)
+    if layer.overlap_backward:
+        y = column_matmul(x, layer.weight, layer.bias, transposed)
+    else:
+        y = matmul(x, layer.weight, layer.bias, transposed)
     if layer.gather:
         y = GatherFromTP.apply(y, group, layer.tp, ctx.tp_rank, -1, layer.chunks)
     return y
@@ -212,6 +217,7 @@ class ColumnParallelLinear(nn.Module):
 
     sequence_dim: Optional[int] = None  # set by sequence parallelism
     sequence_gathered = False  # input gathered by the enclosing region
+    overlap_backward = True  # False: the weight gradient before the input's reduction
 
     def __init__(
         self,
@@ -345,6 +351,7 @@ class ColumnParallelConv1D(nn.Module):
 
     sequence_dim: Optional[int] = None  # set by sequence parallelism
     sequence_gathered = False  # input gathered by the enclosing region
+    overlap_backward = True  # False: the weight gradient before the input's reduction
 
     def __init__(
         self, nf: int, nx: int, *, chunks: int = 1, gather: bool = False, tp: int = 1
@@ -408,7 +415,7 @@ class RowParallelConv1D(nn.Module):
         return {"weight": (0, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _row_forward(self, x, conv1d)
+        return _row_forward(self, x, hf_conv1d)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"
