@@ -142,6 +142,7 @@ def _gpt_cases(pp, cases, cache, mesh_kw=None, hypothesis_examples=0):
     return len(done)
 
 
+@pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_pp2_schedules(tmp_path):
     cases = [
         ("gpipe", 1, 1),

@@ -455,6 +455,7 @@ def test_measured_plans_split_inside_block_parts(tmp_path):
     _run(tmp_path, "llama", [plan.boundaries])
 
 
+@pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
     # no split=: annot.module_plan balances blocks and block parts in call order
     res = _run(tmp_path, "llama", [None], pp=2)
@@ -523,6 +524,7 @@ def test_mixture_of_experts_replays_from_the_owners_log(tmp_path):
     _run(tmp_path, "qwen2moe", [["model.layers.1.mlp"]])
 
 
+@pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_outputs_captured_by_hooks_cross_the_stages(tmp_path):
     # transformers' output capture (forward hooks append each layer's output):
     # the load-balancing loss over every layer's router logits, and a loss on
@@ -552,6 +554,7 @@ def test_data_dependent_control_flow_before_the_boundary(tmp_path):
     _run(tmp_path, "branchy", [["encoder.layers.2"], ["encoder.layers.0"], ["head"]])
 
 
+@pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_loss_in_the_step_body_three_styles(tmp_path):
     # F.cross_entropy(model(x).logits, y); model(..., labels=).loss; a dataclass field
     _run(tmp_path, "llama-labels", [["model.layers.2"]])

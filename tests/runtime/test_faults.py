@@ -259,6 +259,7 @@ def test_rank_that_raises_is_named_by_all():
     assert wall < TIMEOUT_S + 45
 
 
+@pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_rank_that_hangs_is_named_by_all():
     failures, wall = _run_chain("hang")
     for r in (0, 1):
