@@ -211,8 +211,7 @@ class PipelineExecutor(PipelineMessages):
             # each stage's last backward work of the step, in this rank's order
             last = {a.stage: a for a in actions if a.kind in (B, I, W)}
             st.grad_buckets, st.final_backward = grad_buckets, set(last.values())
-        if self.post_early:
-            self.count_receives(st, actions)
+        self.count_receives(st, actions)  # every backend: recv counts them down
         for action, after in zip(actions, actions[1:] + [None]):
             if action in st.final_backward:
                 st.grad_buckets.arm(self.weights(action.stage))

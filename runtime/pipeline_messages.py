@@ -124,7 +124,8 @@ class PipelineMessages:
 
     def count_receives(self, st: StepState, actions: list) -> None:
         """How many messages each peer sends this rank in the step (so that
-        :meth:`post_ahead` never posts a receive no message will match)."""
+        :meth:`post_ahead` never posts a receive no message will match);
+        :meth:`recv` counts them down, posted ahead or not."""
         for a in actions:
             if a.kind in (RECV_F, RECV_B):
                 peer = self._source(a)

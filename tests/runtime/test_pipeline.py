@@ -171,7 +171,7 @@ def _executors(pp, pp_rank, ctx, trace=False):
     return ex
 
 
-def _parity_rank(pp, cases, tp=1):
+def _parity_rank(pp, cases, tp=1, post_early=True):
     from annot.mesh import Mesh
     from annot.runtime.mesh import init, use
 
@@ -179,6 +179,8 @@ def _parity_rank(pp, cases, tp=1):
     out = []
     with use(ctx):
         executors = _executors(pp, ctx.pp_rank, ctx, trace=True)
+        for _, ex in executors.values():
+            ex.post_early &= post_early
         for case in cases:
             model, ex = executors[(case["schedule"], case["chunks"])]
             losses, grads = _run(ex, model, pp, ctx.pp_rank, case)
@@ -227,6 +229,14 @@ def test_parity_pp2_every_schedule():
     assert {"0F0", "0SEND_F0", "0RECV_B0", "0B0", "2F0", "wait sends"} <= set(names0)
     assert {"1RECV_F0", "1F0", "1B0", "1SEND_B0", "3B0"} <= set(names1)
     assert {"0I0", "0W0", "1I0", "1W0"} <= set(names0) | set(names1)
+
+
+def test_parity_pp2_receives_in_order_as_under_nccl():
+    """Without receives posted ahead (gloo only; NCCL receives each message
+    when its RECV comes): the same parity, one case per schedule kind."""
+    cases = [CASES[1], CASES[4], CASES[9], CASES[11]]
+    per_rank = run_ranks(_parity_rank, 2, 2, cases, 1, False, timeout=240)
+    _check_ranks(2, cases, per_rank)
 
 
 SLOW_CASES = [
