@@ -128,6 +128,20 @@ def bench_tp2() -> tuple[float, float]:
     return max(r[0] for r in res), max(r[1] for r in res)
 
 
+def _hf_step(model, x):
+    """A training step of an annot-built transformers LM on ``x`` (its own labels)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        model.backward(model(x, labels=x, use_cache=False).loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _dropout_rank(cache: str) -> tuple[float, float]:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
@@ -155,17 +169,7 @@ def _dropout_rank(cache: str) -> tuple[float, float]:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
 
-    def step_of(model):
-        opt = torch.optim.AdamW(model.parameters())
-
-        def step():
-            model.backward(model(x, labels=x, use_cache=False).loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    return time_pair(step_of(exact), step_of(local))
+    return time_pair(_hf_step(exact, x), _hf_step(local, x))
 
 
 def bench_dropout() -> tuple[float, float]:
@@ -286,17 +290,7 @@ def _overlap_rank(cache: str) -> tuple[float, float]:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
 
-    def step_of(m):
-        opt = torch.optim.AdamW(m.parameters())
-
-        def step():
-            m.backward(m(x, labels=x, use_cache=False).loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    return time_pair(step_of(models[0]), step_of(models[1]))
+    return time_pair(_hf_step(models[0], x), _hf_step(models[1], x))
 
 
 def bench_overlap() -> tuple[float, float]:
