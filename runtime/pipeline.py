@@ -105,6 +105,10 @@ class PipelineExecutor(PipelineMessages):
     :class:`annot.runtime.mesh.ParallelContext` (None: one process, ``pp == 1``).
     ``output_arity`` is how many values the model returns, so that
     ``a, b = model(...)`` unpacks on ranks without the last stage.
+    ``post_receives`` posts each RECV's receive one action early under gloo
+    (:func:`~annot.runtime.pipeline_messages.posts_early`); off by default:
+    on 2 shared CPU cores it made a tiny model's step 1.2-1.5x slower
+    (``benchmarks/pp.py`` (c)), the peer's loop thread woken on a busy core.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class PipelineExecutor(PipelineMessages):
         trace: bool = False,
         output_arity: Optional[int] = None,
         forward_context: Callable[[], Any] = contextlib.nullcontext,
+        post_receives: bool = False,
     ):
         if ctx is None:
             from annot.runtime.mesh import current
@@ -153,7 +158,7 @@ class PipelineExecutor(PipelineMessages):
         self.peers = ctx.axis_ranks("pp") if ctx is not None else [0]
         self.group = ctx.pp_group if ctx is not None and self.pp > 1 else None
         self.device = ctx.device if ctx is not None else None
-        self.post_early = self.pp > 1 and posts_early(self.group)
+        self.post_early = post_receives and self.pp > 1 and posts_early(self.group)
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)

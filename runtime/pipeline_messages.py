@@ -1,8 +1,9 @@
 """The pipeline executor's p2p (:class:`annot.runtime.pipeline.PipelineExecutor`
 inherits it): every message carries its key ``(direction, stage,
 microbatch)``, a message that arrives before its RECV is kept for it, the
-receive of a RECV's message is posted one action early under gloo (so the
-peer's send writes at once; :func:`posts_early`), sends are async and waited
+receive of a RECV's message is received at the RECV (or, with the executor's
+``post_receives``, posted one action early under gloo so that the peer's
+send writes at once; :func:`posts_early`), sends are async and waited
 at the end of the step, and the last stage's step outputs go to every rank of
 the pipeline. The executor sets the attributes used here (``peers``,
 ``group``, ``device``, ``timeout_s``, ``rank``, ``pp``, ``pp_rank``,
