@@ -13,9 +13,9 @@ trace (``jit(..., trace=True)``); torch's come from timing its schedule's
 methods (``forward_one_chunk``, ``backward_one_chunk``, ``_batch_p2p``,
 ``_wait_batch_p2p``, ``_maybe_compute_loss``), private names that may move in
 another torch version. ``other`` is the step's median time per microbatch
-less the rows: for annot, posting each receive one action early (outside
-the traced actions), sending the step's outputs to every rank, splitting
-the batch; noise can make it negative.
+less the rows: for annot, sending the step's outputs to every rank,
+splitting the batch (and, with ``post_receives=True``, posting each receive
+one action early, outside the traced actions); noise can make it negative.
 
 Compute that takes the same time on both sides, with more time waiting on
 annot's, says the difference is in the messages' latency, not in the work
