@@ -107,7 +107,7 @@ class PipelineExecutor(PipelineMessages):
     ``a, b = model(...)`` unpacks on ranks without the last stage.
     ``post_receives`` posts each RECV's receive one action early under gloo
     (:func:`~annot.runtime.pipeline_messages.posts_early`); off by default:
-    on 2 shared CPU cores it made a tiny model's step 1.2-1.5x slower
+    on 2 shared CPU cores it made a tiny model's step 1.1-1.5x slower
     (``benchmarks/pp.py`` (c)), the peer's loop thread woken on a busy core.
     """
 

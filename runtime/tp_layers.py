@@ -52,11 +52,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from annot.errors import HintError
-from annot.runtime.column_matmul import column_matmul, hf_conv1d, matmul
+from annot.runtime.column_matmul import column_matmul, matmul
 from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import (
     CopyToTP,
@@ -178,17 +177,17 @@ def forget_shared_inputs() -> None:
 atexit.register(forget_shared_inputs)
 
 
-def _row_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+def _row_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Megatron's row block: sharded input (split here first with
     ``split_input``), partial products all-reduced, the bias added once after
     the reduction."""
     if layer.tp == 1:
-        return matmul(x, layer.weight, layer.bias)
+        return matmul(x, layer.weight, layer.bias, transposed)
     ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.split_input:
         x = ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)
-    y = matmul(x, layer.weight, None)  # partial sum; a fresh tensor, reduced in place
+    y = matmul(x, layer.weight, None, transposed)  # partial sum; a fresh tensor, reduced in place
     if layer.sequence_dim is not None:
         check_sequence_split(y, layer.sequence_dim, layer.tp, type(layer).__name__)
         y = ReduceScatterSequence.apply(y, group, layer.tp, layer.sequence_dim)
@@ -321,7 +320,7 @@ class RowParallelLinear(nn.Module):
         return {"weight": (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _row_forward(self, x, F.linear)
+        return _row_forward(self, x, transposed=False)
 
     def extra_repr(self) -> str:
         return (
@@ -415,7 +414,7 @@ class RowParallelConv1D(nn.Module):
         return {"weight": (0, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _row_forward(self, x, hf_conv1d)
+        return _row_forward(self, x, transposed=True)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}, tp={self.tp}, local_weight={tuple(self.weight.shape)}"
