@@ -154,6 +154,12 @@ class Step:
         with self.model.backward_context():
             (loss * s).backward()
 
+    @property
+    def executor(self):
+        """The :class:`annot.runtime.pipeline.PipelineExecutor` running this
+        rank's stages; None before the first call or without a pipeline."""
+        return self._executor
+
     def trace_events(self) -> list:
         return self._executor.trace_events() if self._executor is not None else []
 
