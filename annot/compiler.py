@@ -7,10 +7,12 @@ second process with the same model and mesh finds the file and skips the
 rewrite.
 
 Loading re-executes only the ``nn.Module`` class definitions of the rewritten
-file, compiled with the cache file's name (so tracebacks point at real lines
-of a real file), in a copy of the original module's namespace. The module's
-other top-level code (a training script's body, say) never runs twice, and
-its constants and helpers are shared with the original.
+file that the rewrite changed (or that read a changed class), compiled with
+the cache file's name (so tracebacks point at real lines of a real file), in
+a copy of the original module's namespace. The module's other top-level code
+(a training script's body, say) never runs twice, and its constants and
+helpers are shared with the original. A class the rewrite leaves alone stays
+itself, so a built layer keeps its runtime type.
 """
 
 from __future__ import annotations
@@ -111,14 +113,17 @@ def _module_classes(mod: types.ModuleType) -> dict[str, type]:
     return out
 
 
-def _load(original: types.ModuleType, text: str, cache_path: Path, name: str) -> types.ModuleType:
+def _load(
+    original: types.ModuleType, text: str, cache_path: Path, name: str, wanted: set[str]
+) -> types.ModuleType:
+    """The rewritten module: a copy of ``original``'s namespace in which the
+    imports of ``text`` and its definitions of the classes ``wanted`` are run."""
     ns = types.ModuleType(name)
     skip = {"__name__", "__file__", "__spec__", "__loader__", "__cached__", "__builtins__"}
     ns.__dict__.update({k: v for k, v in vars(original).items() if k not in skip})
     ns.__file__ = str(cache_path)
     ns.__dict__["__builtins__"] = __builtins__
     sys.modules[name] = ns
-    wanted = set(_module_classes(original))
     tree = ast.parse(text, filename=str(cache_path))
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)) or (
@@ -129,24 +134,77 @@ def _load(original: types.ModuleType, text: str, cache_path: Path, name: str) ->
     return ns
 
 
-def _rewritten(value, mapping: dict[type, type]):
-    """``value`` with the original classes it holds (itself, or one level inside a
-    dict, list, tuple or ``functools.partial``) replaced by their rewritten ones;
-    ``value`` itself when it holds none."""
+def _held(value) -> list:
+    """The classes ``value`` holds: itself, or one level inside a dict, list,
+    tuple or ``functools.partial`` (GPT-J's ``{"eager": GPTJAttention}``)."""
     import functools
+
+    if isinstance(value, type):
+        return [value]
+    if type(value) is dict:
+        return [v for v in value.values() if isinstance(v, type)]
+    if type(value) in (list, tuple):
+        return [v for v in value if isinstance(v, type)]
+    if type(value) is functools.partial and isinstance(value.func, type):
+        return [value.func]
+    return []
+
+
+def _rewritten(value, mapping: dict[type, type]):
+    """``value`` with the original classes it holds (:func:`_held`) replaced by
+    their rewritten ones; ``value`` itself when it holds none."""
+    import functools
+
+    if not any(c in mapping for c in _held(value)):
+        return value
 
     def sub(v):
         return mapping.get(v, v) if isinstance(v, type) else v
 
     if isinstance(value, type):
         return sub(value)
-    if type(value) is dict and any(isinstance(v, type) and v in mapping for v in value.values()):
+    if type(value) is dict:
         return {k: sub(v) for k, v in value.items()}
-    if type(value) in (list, tuple) and any(isinstance(v, type) and v in mapping for v in value):
+    if type(value) in (list, tuple):
         return type(value)(sub(v) for v in value)
-    if type(value) is functools.partial and isinstance(value.func, type) and value.func in mapping:
-        return functools.partial(mapping[value.func], *value.args, **value.keywords)
-    return value
+    return functools.partial(mapping[value.func], *value.args, **value.keywords)
+
+
+def _class_defs(text: str) -> dict[str, ast.ClassDef]:
+    return {n.name: n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)}
+
+
+def _changed(rewrites: list[tuple[types.ModuleType, str, str]]) -> set[type]:
+    """The classes a rewrite changes, of ``(module, source, rewritten source)``:
+    those whose definition differs, and those whose definition reads a name
+    bound to a changed class (a base, a class it builds, a registry holding
+    one), until no more change. Only these are re-run from the rewritten
+    source; every other class stays itself, so a built layer keeps its
+    runtime type (transformers' ``Conv1D`` is still ``Conv1D``) and the
+    model's own ``isinstance`` checks still hold."""
+    changed: set[type] = set()
+    reads: dict[type, tuple[types.ModuleType, set[str]]] = {}
+    for mod, source, text in rewrites:
+        old, new = _class_defs(source), _class_defs(text)
+        for name, cls in _module_classes(mod).items():
+            node = new.get(name)
+            if node is None:
+                continue  # not defined at the top level: never re-run
+            if name not in old or ast.dump(old[name]) != ast.dump(node):
+                changed.add(cls)
+            else:
+                reads[cls] = (mod, {n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
+    grew = True
+    while grew:
+        grew = False
+        for cls, (mod, names) in reads.items():
+            if cls in changed:
+                continue
+            g = vars(mod)
+            if any(c in changed for n in names for c in _held(g.get(n))):
+                changed.add(cls)
+                grew = True
+    return changed
 
 
 def compile_classes(
@@ -160,13 +218,14 @@ def compile_classes(
 
     ``transform(source, path, module) -> rewritten source`` does the rewriting;
     ``key`` captures everything else the output depends on (mesh, hints, plan).
-    Returns a map from each original class of those modules to its rewritten
-    class, cross-module references patched. ``compile_classes.last`` holds the
-    :class:`CompiledModule` records of the last call (for explain and tests).
+    Returns a map from each original class the rewrite changes (:func:`_changed`)
+    to its rewritten class, cross-module references patched; a class it leaves
+    as it was is not in the map and stays itself. ``compile_classes.last``
+    holds the :class:`CompiledModule` records of the last call (for explain
+    and tests).
     """
     directory = directory or cache_dir()
-    records: list[CompiledModule] = []
-    mapping: dict[type, type] = {}
+    rewrites = []  # (module, source, rewritten source, source path, cache path, its name, hit, s)
     for mod in _model_modules(classes):
         t0 = time.perf_counter()
         src_path = Path(inspect.getfile(mod)).resolve()
@@ -185,17 +244,26 @@ def compile_classes(
             except RewriteError:
                 raise
             atomic_write(cache_path, text)
-        ns = _load(mod, text, cache_path, f"annot_jit.{stem}_{digest}")
+        name = f"annot_jit.{stem}_{digest}"
+        seconds = time.perf_counter() - t0
+        rewrites.append((mod, source, text, src_path, cache_path, name, hit, seconds))
+    changed = _changed([(mod, source, text) for mod, source, text, *_ in rewrites])
+    records: list[CompiledModule] = []
+    mapping: dict[type, type] = {}
+    for mod, _, text, src_path, cache_path, name, hit, seconds in rewrites:
+        t0 = time.perf_counter()
+        originals = _module_classes(mod)
+        wanted = {k for k, cls in originals.items() if cls in changed}
+        ns = _load(mod, text, cache_path, name, wanted)
         new_classes = _module_classes(ns)
-        for name, orig in _module_classes(mod).items():
-            if name in new_classes:
-                mapping[orig] = new_classes[name]
+        for k, orig in originals.items():
+            if k in new_classes:
+                mapping[orig] = new_classes[k]
                 if get_checkpoint(orig):  # also when applied as a call, not in the source
-                    checkpoint(new_classes[name])
+                    checkpoint(new_classes[k])
+        seconds += time.perf_counter() - t0
         records.append(
-            CompiledModule(
-                mod, src_path, cache_path, text, ns, hit, time.perf_counter() - t0, new_classes
-            )
+            CompiledModule(mod, src_path, cache_path, text, ns, hit, seconds, new_classes)
         )
     # A name that refers to an original class must build the rewritten one: a class
     # of another module (``from .blocks import Block``), and module-level registries

@@ -109,3 +109,74 @@ def test_source_less_class_is_refused():
 
         ns["Dyn"].__module__ = "not_a_module_anywhere"
         compile_classes([ns["Dyn"]], key="k", transform=lambda s, p, m: s)
+
+
+LAYERS = """\
+import torch.nn as nn
+
+
+class Layer(nn.Linear):  # the rewrite leaves it alone: it stays itself
+    pass
+
+
+class Block(nn.Module):  # the rewrite changes it
+    def __init__(self):
+        super().__init__()
+        self.layer = Layer(2, 2)
+
+
+class Outer(nn.Module):  # unchanged, but builds a changed class
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+
+REGISTRY = {"block": Block}
+
+
+class ViaRegistry(nn.Module):  # unchanged, but reads a registry that holds one
+    def __init__(self):
+        super().__init__()
+        self.block = REGISTRY["block"]()
+
+
+class Plain(nn.Module):  # unchanged, reads nothing changed
+    def __init__(self):
+        super().__init__()
+        self.layer = Layer(2, 2)
+"""
+
+
+def test_only_classes_the_rewrite_changes_are_copied(tmp_path):
+    """A built layer keeps its runtime type (an instance's transformers Conv1D
+    stays Conv1D, so tp_convert knows it); a class that builds a rewritten
+    one, directly or through a registry, is rewritten too."""
+    import importlib.util
+    import sys
+
+    from annot.compiler import compile_classes
+
+    path = tmp_path / "layers_model.py"
+    path.write_text(LAYERS)
+    spec = importlib.util.spec_from_file_location("layers_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["layers_model"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        mapping = compile_classes(
+            [mod.Outer, mod.Plain],
+            key="k",
+            transform=lambda s, p, m: s.replace(
+                "Layer(2, 2)\n\n\nclass Outer", "Layer(2, 3)\n\n\nclass Outer"
+            ),
+            directory=tmp_path / "cache",
+        )
+    finally:
+        del sys.modules["layers_model"]
+    assert set(mapping) == {mod.Block, mod.Outer, mod.ViaRegistry}
+    outer = mapping[mod.Outer]()
+    assert type(outer.block) is mapping[mod.Block]
+    assert type(outer.block.layer) is mod.Layer  # the original class, not a copy
+    assert outer.block.layer.out_features == 3  # built by the rewritten Block
+    assert type(mapping[mod.ViaRegistry]().block) is mapping[mod.Block]
+    assert mapping.get(mod.Plain, mod.Plain) is mod.Plain

@@ -12,6 +12,9 @@
   stage 1 the head and the loss, the tied embedding's gradient summed over
   the stages); a boundary inside ``GPT2Model.forward`` and ``use_cache=True``
   refused with messages that say what to do.
+* Each through both paths: the class and its config, and the built model
+  (the instance ``from_pretrained`` gives, ``torch.manual_seed(0); Cls(cfg)``);
+  GPT-2 built also at tp=2 x pp=2.
 * The plan conversion itself, without ranks.
 """
 
@@ -169,7 +172,10 @@ def _conv1d_gathered(ctx) -> None:
         assert_close(grads[name], p.grad, f"Conv1D grad {name}")
 
 
-def _tp_parity(cache: str) -> dict:
+def _tp_parity(cache: str, built: bool) -> dict:
+    """``built``: hand annot each model built (the instance path, as
+    ``from_pretrained`` gives it) with no hints, so the plan is annot's
+    GPT-2 plan and Llama's own; else the class, its config and the hints."""
     _quiet(cache)
     _accept_conv1d_in_verify()
     import torch
@@ -213,9 +219,15 @@ def _tp_parity(cache: str) -> dict:
         compare_state(model, ref, f"{what} after 2 AdamW steps")
         return counts
 
+    def build(cls, cfg, hints):
+        if built:
+            torch.manual_seed(0)
+            return annot.parallelize(cls(cfg), mesh=mesh)
+        return annot.parallelize(cls, cfg, mesh=mesh, hints=hints, seed=0)
+
     mesh = annot.Mesh(tp=2)
     cfg = GPT2Config(**GPT2_KW)
-    model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, hints=_gpt2_hints(), seed=0)
+    model = build(GPT2LMHeadModel, cfg, _gpt2_hints())
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
     local = model.module
@@ -233,7 +245,7 @@ def _tp_parity(cache: str) -> dict:
     torch.manual_seed(0)
     lref = LlamaForCausalLM(lcfg)
     hints = hints_from_hf_config(lref, tp=2)  # zero hand-written hints
-    llama = annot.parallelize(LlamaForCausalLM, lcfg, mesh=mesh, hints=hints, seed=0)
+    llama = build(LlamaForCausalLM, lcfg, hints)
     layer = llama.module.model.layers[0]
     shapes["llama_k_proj"] = tuple(layer.self_attn.k_proj.weight.shape)
     shapes["llama_down_proj"] = tuple(layer.mlp.down_proj.weight.shape)
@@ -241,8 +253,9 @@ def _tp_parity(cache: str) -> dict:
     return {"shapes": shapes, "counts": counts}
 
 
-def test_tp2_gpt2_and_llama_equal_single_device(tmp_path):
-    res = run_ranks(_tp_parity, 2, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("built", [False, True], ids=["class", "instance"])
+def test_tp2_gpt2_and_llama_equal_single_device(tmp_path, built):
+    res = run_ranks(_tp_parity, 2, str(tmp_path), built, timeout=300)
     assert res[0] == res[1]
     shapes = res[0]["shapes"]
     # fused q|k|v: (in, 3 * 32 / 2); row c_proj: (32 / 2, out); vocab rows 64 / 2
@@ -263,8 +276,12 @@ def test_tp2_gpt2_and_llama_equal_single_device(tmp_path):
 # ---- pp=2: GPT-2 split between its nested blocks; refusals ------------------------------------------
 
 
-def _pp(cache: str) -> dict:
+def _pp(cache: str, built: bool = False, tp: int = 1) -> dict:
+    """pp=2 (tp=2 x pp=2 with ``tp=2``), split at transformer.h.1; ``built``:
+    the instance path (the hints then annot's GPT-2 plan)."""
     _quiet(cache)
+    if tp > 1:
+        _accept_conv1d_in_verify()
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -273,10 +290,15 @@ def _pp(cache: str) -> dict:
     from tests.parity import assert_close, compare_grads, compare_state
 
     cfg = GPT2Config(**GPT2_KW)
-    mesh = annot.Mesh(pp=2)
+    mesh = annot.Mesh(pp=2, tp=tp)
     out: dict = {}
     # a boundary inside the nested GPT2Model.forward (annot.runtime.replay)
-    model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=["transformer.h.1"])
+    split = ["transformer.h.1"]
+    if built:
+        torch.manual_seed(0)
+        model = annot.parallelize(GPT2LMHeadModel(cfg), mesh=mesh, split=split)
+    else:
+        model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=split)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
     out["ties"] = [t.names for t in model.pipeline.ties]
@@ -314,6 +336,8 @@ def _pp(cache: str) -> dict:
     compare_state(model, ref, "pp=2 after 2 AdamW steps")
     out["compiles"] = step.compiles
 
+    if tp > 1:
+        return out
     # Last: a refused step leaves the pipeline unusable.
     try:
         make_step(True)(ids, mask)
@@ -323,8 +347,9 @@ def _pp(cache: str) -> dict:
 
 
 @pytest.mark.slow
-def test_pp2_gpt2_split_in_nested_blocks_and_refusals(tmp_path):
-    res = run_ranks(_pp, 2, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("built", [False, True], ids=["class", "instance"])
+def test_pp2_gpt2_split_in_nested_blocks_and_refusals(tmp_path, built):
+    res = run_ranks(_pp, 2, str(tmp_path), built, timeout=300)
     for rank, out in enumerate(res):
         assert out["compiles"] == 1
         assert out["ties"] == [("transformer.wte.weight", "lm_head.weight")]
@@ -334,6 +359,16 @@ def test_pp2_gpt2_split_in_nested_blocks_and_refusals(tmp_path):
             assert kind == "PipelineError" and "DynamicCache" in msg, msg
         else:
             assert kind == "RankFailure" and "rank 0 (stage 0)" in msg, msg
+
+
+@pytest.mark.slow
+def test_tp2_pp2_gpt2_instance_equals_single_device(tmp_path):
+    """A built GPT-2 (as from_pretrained gives it) at tp=2 x pp=2: its Conv1D
+    layers sharded by their runtime type, every gradient equal."""
+    res = run_ranks(_pp, 4, str(tmp_path), True, 2, timeout=400)
+    for out in res:
+        assert out["compiles"] == 1
+        assert out["ties"] == [("transformer.wte.weight", "lm_head.weight")]
 
 
 # ---- the plan conversion, no ranks ---------------------------------------------------

@@ -8,6 +8,9 @@ Qwen3 is the partial-gradient case: its per-head ``q_norm`` / ``k_norm`` read
 tp-sharded heads, so each rank's gradient is a partial sum. Its plan says
 ``replicated_with_grad_allreduce``; annot sums them over tp. Without that sum
 ``verify=True`` names them.
+
+Every model runs through both paths: the class and its config, and the built
+model (the instance ``from_pretrained`` gives).
 """
 
 import os
@@ -145,8 +148,9 @@ def _parity(cache: str, name: str, hints=None, built: bool = False):
     return sorted(n for n, p in model.named_parameters() if getattr(p, "annot_grad_sum", None))
 
 
-def test_qwen3_tp2_sums_partial_qk_norm_gradients(tmp_path):
-    summed = run_ranks(_parity, 2, str(tmp_path), "qwen3", timeout=300)
+@pytest.mark.parametrize("built", [False, True], ids=["class", "instance"])
+def test_qwen3_tp2_sums_partial_qk_norm_gradients(tmp_path, built):
+    summed = run_ranks(_parity, 2, str(tmp_path), "qwen3", None, built, timeout=300)
     assert summed[0] == summed[1]
     assert summed[0] == [
         f"module.model.layers.{i}.self_attn.{n}.weight"
@@ -183,8 +187,11 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
     "name, built",
     [
         ("gemma3", False),  # zero hints: the plan, and the scaled embedding kept
+        ("gemma3", True),
         ("phi3", False),  # zero hints: rowwise_split_input
+        ("phi3", True),
         ("mixtral", False),  # zero hints: MoE experts, router replicated
+        ("mixtral", True),
         ("falcon", False),  # FalconLinear by runtime type
         pytest.param("falcon", True, marks=pytest.mark.slow),
         ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite
