@@ -20,6 +20,7 @@ Steps (each logged at debug level):
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from typing import Any, Optional, Union
@@ -113,6 +114,8 @@ def parallelize(
     overlap_grad_reduce: bool = True,
     bucket_cap_mb: float = 25.0,
     fsdp: bool = False,
+    compile: Union[bool, dict, None] = None,
+    model_kwargs: Optional[dict] = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -147,12 +150,24 @@ def parallelize(
     optimizer built afterwards over dp with torch's FSDP2 (``fully_shard`` on
     each block and the root, :mod:`annot.runtime.fsdp`); at dp = 1 there is
     nothing to shard and it changes nothing.
+    ``model_kwargs={...}`` passes constructor arguments whose names are
+    also options here (a model's own ``compile=``, ``seed=``): an option
+    given by name that the constructor also takes is refused, never taken
+    silently by one of the two.
+    ``compile=True`` (or a dict of ``torch.compile`` options) compiles each
+    block of this rank's model after sharding (:mod:`annot.compile`; the
+    same as ``model.compile(**options)`` on the result).
     Returns a :class:`ParallelModel`.
     """
+    from annot.compile import compile_options
     from annot.precision import parse_precision
 
     autocast = parse_precision(precision)
     mesh = _check_options(mesh, chunks, overlap_grad_reduce, bucket_cap_mb)
+    compile_kw = compile_options(compile)
+    given = {k: v for k, v in locals().items() if k in _OPTION_DEFAULTS}
+    _check_option_names(model, given, model_kwargs or {})
+    kwargs = {**kwargs, **(model_kwargs or {})}
     instance, cls = _model_and_class(model, args, kwargs)
     report = BuildReport(mesh)
 
@@ -249,6 +264,9 @@ def parallelize(
         log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
     elif fsdp:
         log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
+    if compile_kw is not None:
+        built.compile(**compile_kw)
+        log.debug("annot: step 8: torch.compile on %s", built.compiled_blocks)
     return built
 
 
@@ -271,6 +289,43 @@ def _shard_data(built: ParallelModel, plan) -> None:
         pipelined=plan is not None and plan.num_stages > 1,
     )
     forget_real_weights(local)  # a shadow's tied weight: FSDP2 holds the live one now
+
+
+def _option_defaults() -> dict[str, Any]:
+    params = inspect.signature(parallelize).parameters
+    return {
+        n: p.default
+        for n, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "model_kwargs"
+    }
+
+
+_OPTION_DEFAULTS = _option_defaults()
+
+
+def _check_option_names(model: Any, given: dict[str, Any], model_kwargs: dict) -> None:
+    """Refuse an option of :func:`parallelize` given (not its default) that
+    the model's constructor takes too: the value went to annot, and the
+    model would silently be built without it."""
+    if not (isinstance(model, type) and issubclass(model, nn.Module)):
+        return
+    try:
+        params = inspect.signature(model.__init__).parameters
+    except (TypeError, ValueError):  # a builtin __init__: no names to clash
+        return
+    for name, value in given.items():
+        default = _OPTION_DEFAULTS[name]
+        if name in model_kwargs or name not in params:
+            continue
+        if not (value is default or (type(value) is type(default) and value == default)):
+            raise HintError(
+                f"parallelize: {model.__name__}.__init__ takes {name}=, and so does "
+                f"parallelize; {name}={value!r} went to parallelize. Say which you mean: "
+                f"for the model, pass model_kwargs={{{name!r}: {value!r}}}; for annot, "
+                f"pass the model's own value through model_kwargs too, e.g. "
+                f"annot.parallelize({model.__name__}, ..., {name}={value!r}, "
+                f"model_kwargs={{{name!r}: ...}})"
+            )
 
 
 def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:

@@ -147,8 +147,9 @@ class Target:
 
     @staticmethod
     def of(model: nn.Module) -> Target:
-        from annot.parallel_model import ParallelModel
+        from annot.parallel_model import ParallelModel, unwrap
 
+        model = unwrap(model)  # torch.compile(model)'s wrapper: its keys carry _orig_mod.
         if isinstance(model, ParallelModel):
             ctx = model.ctx
             m = ctx.mesh

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from annot.parallel_model import ParallelModel
+from annot.parallel_model import ParallelModel, unwrap
 
 __all__ = ["zero_optimizer", "state_bytes"]
 
@@ -39,6 +39,7 @@ def zero_optimizer(
     """``optimizer_class(model.parameters(), **defaults)`` with its state
     sharded over the dp axis of ``model``'s mesh. At dp = 1 (or on one
     process) it is the plain optimizer."""
+    model = unwrap(model)  # what torch.compile(model) returned
     params = [p for p in model.parameters() if p.requires_grad]
     ctx = model.ctx
     if model.fsdp is not None:  # FSDP2 shards the parameters, so their state too

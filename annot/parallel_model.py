@@ -11,6 +11,7 @@ step the pipeline executor takes both calls over.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn as nn
 
 from annot.errors import PipelineError
 
-__all__ = ["ParallelModel", "clip_grad_norm_"]
+__all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
 
 
 class ParallelModel(nn.Module):
@@ -50,6 +51,8 @@ class ParallelModel(nn.Module):
         self.bucket_cap_mb = bucket_cap_mb
         self._buckets = None  # annot.runtime.grad_buckets.GradBuckets, built on first use
         self.fsdp = None  # annot.runtime.fsdp.ShardedData with parallelize(fsdp=True) at dp > 1
+        self.compiled_blocks: list[str] = []  # paths whose forward torch.compile compiled
+        self._warned_outer_compile = False
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -88,10 +91,57 @@ class ParallelModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from annot.runtime.tp_layers import forget_shared_inputs
 
+        if torch.compiler.is_compiling() and not self._traceable():
+            return self._eager_forward(*args, **kwargs)
         try:
             return self._forward(*args, **kwargs)
         finally:  # the tp layers' shared inputs matter within one forward only
             forget_shared_inputs()
+
+    def _traceable(self) -> bool:
+        """Whether ``torch.compile(model)`` may trace this forward whole: a
+        model in one stage, its pre-flight done, no pipeline step, FSDP2 or
+        sharded dropout around it. Otherwise annot's part runs eagerly and
+        only the blocks compiled by :meth:`compile` run compiled."""
+        one_stage = self.pipeline is None or self.pipeline.num_stages == 1
+        return (
+            one_stage
+            and self._step is None
+            and self.preflight is None
+            and self.fsdp is None
+            and not self.dropout
+        )
+
+    @torch.compiler.disable
+    def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.compiled_blocks and not self._warned_outer_compile:
+            self._warned_outer_compile = True
+            warnings.warn(
+                "torch.compile(model) on an annot model whose pipeline, FSDP2 or sharded "
+                "dropout runs eagerly compiles nothing by itself; call model.compile(...) "
+                "(or parallelize(..., compile=True)) to compile each block",
+                stacklevel=3,
+            )
+        return self.forward(*args, **kwargs)
+
+    def compile(self, **options: Any) -> None:
+        """``torch.compile`` each block of this rank's model after sharding, as
+        torchtitan does (:mod:`annot.compile`): ``options`` are
+        ``torch.compile``'s (``backend=``, ``mode=``, ``dynamic=``, ...). The
+        module tree and state-dict keys are unchanged; the pipeline, its
+        replay and annot's reductions stay eager."""
+        from annot.compile import compile_blocks
+        from annot.hf import nested_blocks
+
+        plan = self.pipeline
+        staged = plan is not None and plan.num_stages > 1
+        self.compiled_blocks += compile_blocks(
+            self.module,
+            options,
+            container=nested_blocks(self.module),
+            boundaries=plan.boundaries if staged else (),
+            whole=not staged,
+        )
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.preflight is not None:  # once, before any collective
@@ -233,9 +283,18 @@ class ParallelModel(nn.Module):
         return f"mesh={self.ctx.mesh!r}, rank={self.ctx.rank}"
 
 
+def unwrap(model: Any) -> Any:
+    """The :class:`ParallelModel` inside what ``torch.compile(model)``
+    returned (its ``_orig_mod``); anything else as it is."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, nn.Module) and isinstance(inner, ParallelModel):
+        return inner
+    return model
+
+
 def clip_grad_norm_(model: ParallelModel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``annot.clip_grad_norm_(model, max_norm)``: see :meth:`ParallelModel.clip_grad_norm_`."""
-    return model.clip_grad_norm_(max_norm, norm_type)
+    return unwrap(model).clip_grad_norm_(max_norm, norm_type)
 
 
 def _gather_stages(local: dict[str, torch.Tensor], model: ParallelModel) -> dict:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from annot.errors import HintError, PipelineError
 from annot.microbatch import StepOutput, split_microbatches
-from annot.parallel_model import ParallelModel
+from annot.parallel_model import ParallelModel, unwrap
 from annot.runtime.schedules import schedule_name
 
 __all__ = ["jit", "Step"]
@@ -49,6 +49,7 @@ class Step:
         trace: bool = False,
         timeout_s: Optional[float] = None,
     ):
+        model = unwrap(model)  # what torch.compile(model) returned
         if not isinstance(model, ParallelModel):
             raise HintError(
                 f"annot.jit: model is a {type(model).__name__}; expected the result of "

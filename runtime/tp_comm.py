@@ -44,6 +44,14 @@ The public functions never modify their argument. The parallel layers use the
 in-place variants (``inplace=True``) on tensors they just produced, which saves
 one activation-sized copy per collective.
 
+Under ``torch.compile`` the same functions are traced: while dynamo traces
+(:func:`compiling`), the plain helpers below issue torch's functional
+collectives (``torch.distributed._functional_collectives``, ops the compiler
+sees and orders) instead of the in-place c10d calls, and return new tensors;
+the backward overlap and the column layers' shared entries (Python state
+kept between autograd nodes) are off, so a compiled block computes the
+same values by plain autograd. Callers always use the returned tensor.
+
 Counting collectives: :class:`torch.distributed.tensor.debug.CommDebugMode`
 counts the c10d calls made here (``c10d.allreduce_``, ``c10d._allgather_base_``,
 ``c10d._reduce_scatter_base_``)
@@ -62,6 +70,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from annot.errors import HintError
 from annot.runtime.mesh import current
@@ -76,12 +85,23 @@ __all__ = [
     "InputGradReduction",
     "start_all_reduce",
     "start_reduce_scatter",
+    "compiling",
 ]
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old
 # names warn); keep both.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing this call (``torch.compile``): collectives
+    must then be functional ops the compiler sees, and no Python state may
+    pass between autograd nodes."""
+    return torch.compiler.is_compiling()
+
+
+_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def tp_env() -> tuple[Optional[object], int, int]:
@@ -128,9 +148,12 @@ def gather_full(
     x = x.contiguous()
     shape = x.shape
     # Gather flat (the concatenated form every backend accepts), then view.
-    flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    if not x.is_meta:  # meta: shapes only (a pipeline stage replaying another's part)
-        _all_gather_single(flat, x.view(-1), group=group)
+    if compiling():
+        flat = funcol.all_gather_tensor(x.view(-1), 0, group)
+    else:
+        flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+        if not x.is_meta:  # meta: shapes only (a pipeline stage replaying another's part)
+            _all_gather_single(flat, x.view(-1), group=group)
     buf = flat.view(size, *shape)
     if dim == 0 and chunks == 1:
         return buf.view(size * shape[0], *shape[1:])  # rank-major already: no copy
@@ -163,14 +186,19 @@ def start_reduce_scatter(
     collective)."""
     dim = dim % x.dim()
     rows = x.movedim(dim, 0).contiguous()  # the collective splits the flat dim-0 form
+    if compiling():
+        return None, funcol.reduce_scatter_tensor(rows, "sum", 0, group).movedim(0, dim)
     out = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
     work = None if x.is_meta else _reduce_scatter_single(out, rows, group=group, async_op=True)
     return work, out.movedim(0, dim)
 
 
 def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce; returns ``x``. A meta tensor (a pipeline stage
-    replaying another stage's part for shapes) is returned as is."""
+    """In-place all-reduce; returns ``x`` (under ``torch.compile``: the reduced
+    copy, :func:`compiling`, so use the result). A meta tensor (a pipeline
+    stage replaying another stage's part for shapes) is returned as is."""
+    if compiling():
+        return funcol.all_reduce(x, _REDUCE_OPS[op], group)
     if not x.is_meta:
         dist.all_reduce(x, op=op, group=group)
     return x
@@ -278,7 +306,10 @@ class ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         if not inplace:
             x = x.clone()
-        return all_reduce_(x, group)
+        y = all_reduce_(x, group)
+        if y is x and inplace:  # the caller's tensor, changed: safe for in-place ops after
+            ctx.mark_dirty(x)
+        return y
 
     @staticmethod
     def backward(ctx, grad):

@@ -66,6 +66,7 @@ from annot.runtime.tp_comm import (
     ScatterToTP,
     all_reduce_,
     check_sequence_split,
+    compiling,
 )
 from annot.runtime.tp_embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from annot.runtime.tp_parameters import ShardedParameter, shard_parameter
@@ -117,16 +118,25 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
         return matmul(x, layer.weight, layer.bias, transposed)
     ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
+    # Under torch.compile each layer makes its own entry, without the overlap:
+    # both keep Python state between autograd nodes, which a traced graph cannot.
+    traced = compiling()
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
         dim = layer.sequence_dim
-        key = ("gather", id(group), dim)
-        x = _shared_entry(x, key, GatherSequence, group, layer.tp, dim, True)
+        if traced:
+            x = GatherSequence.apply(x, group, layer.tp, dim, False)
+        else:
+            key = ("gather", id(group), dim)
+            x = _shared_entry(x, key, GatherSequence, group, layer.tp, dim, True)
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
-        x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True, True)
-    if layer.overlap_backward:
+        if traced:
+            x = CopyToTP.apply(x, group, False, False)
+        else:
+            x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True, True)
+    if layer.overlap_backward and not traced:
         y = column_matmul(x, layer.weight, layer.bias, transposed)
     else:
         y = matmul(x, layer.weight, layer.bias, transposed)
@@ -196,7 +206,7 @@ def _row_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.T
         y = ReduceFromTP.apply(y, group, True)
         # In y's dtype, as nn.Linear under autocast adds its bias (bf16 out).
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
-    all_reduce_(y, group)
+    y = all_reduce_(y, group)
     return y if layer.bias is None else y.add_(layer.bias)
 
 

@@ -43,7 +43,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n_local = logits.shape[-1]
         x = logits.float() if logits.dtype in _LOW_PRECISION else logits
         row_max = x.amax(dim=-1)
-        all_reduce_(row_max, group, dist.ReduceOp.MAX)
+        row_max = all_reduce_(row_max, group, dist.ReduceOp.MAX)
         shifted = x - row_max.unsqueeze(-1)  # the one (N, C_local) buffer, reused below
 
         start = rank * n_local
