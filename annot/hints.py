@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from annot.errors import HintError
-from annot.specs import SPEC_TYPES, Heads, Local, Spec
+from annot.specs import LOCAL_NAMES, SPEC_TYPES, Heads, Local, Spec, local_name_problem
 
 __all__ = [
     "ShardSpec",
@@ -84,13 +84,15 @@ def _check_spec(where: str, arg: str, spec: object) -> None:
 def _check_local(where: str, local: object) -> tuple[str, ...]:
     if isinstance(local, str):
         local = (local,)
-    if not isinstance(local, (tuple, list)) or not all(
-        isinstance(n, str) and n.isidentifier() for n in local
-    ):
+    if not isinstance(local, (tuple, list)):
         raise HintError(
             f"{where}: argument local={local!r}; expected a tuple of attribute names, "
-            'e.g. local=("n_head", "n_embd")'
+            'e.g. local=("n_head", "config.n_embd")'
         )
+    for name in local:
+        why = local_name_problem(name)
+        if why is not None:
+            raise HintError(f"{where}: argument local={local!r}: {why}; {LOCAL_NAMES}")
     return tuple(local)
 
 
@@ -101,7 +103,9 @@ def shard(*, local: Union[tuple[str, ...], list[str], str] = (), **specs: Spec):
 
     Each keyword names a submodule (or ``nn.Parameter``) attribute set in
     ``__init__``; ``local`` names sizes that become per-rank (divided by tp)
-    where ``forward`` reads them. The class is returned unchanged.
+    where ``forward`` reads them: attributes, forward locals, or dotted paths
+    from the module (``"config.n_head"``: reads of ``self.config.n_head``;
+    the config object itself is not changed). The class is returned unchanged.
     """
 
     def decorate(cls):

@@ -193,7 +193,8 @@ def preflight(
         f"    {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
         f"The hints there:\n{shown}\n"
         "Check them: a Col()/Row() pair in the wrong order, a size that each rank holds "
-        "1/tp of but forward reads whole (name it in Local(...) / @shard(local=...)), or a "
+        "1/tp of but forward reads whole (name it in Local(...) / @shard(local=...); a size "
+        "read from a config the module holds by its path: Local('config.n_head')), or a "
         "per-head tensor built for all heads outside the sharded module (shard what builds it, "
         "or slice it with Heads(...) where it enters)."
     ) from exc

@@ -32,6 +32,7 @@ spec           applies to                             meaning (Megatron layout)
 
 from __future__ import annotations
 
+import keyword
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -48,9 +49,11 @@ __all__ = [
     "Partial",
     "Heads",
     "Local",
+    "LOCAL_NAMES",
     "PARALLEL_LAYERS",
     "Spec",
     "TP_AXIS",
+    "local_name_problem",
     "parallel_layer",
 ]
 
@@ -227,18 +230,44 @@ class Heads:
         return f"Heads({', '.join(args)})"
 
 
+#: What a per-rank size name may be, for messages.
+LOCAL_NAMES = (
+    "a per-rank size is an attribute of the module or a local variable of its forward "
+    "('n_head'), or a dotted path of attributes from the module ('config.n_head': the "
+    "module's self.config.n_head)"
+)
+
+
+def local_name_problem(name: object) -> Optional[str]:
+    """Why ``name`` cannot name a per-rank size (:data:`LOCAL_NAMES`); None if it can."""
+    if not isinstance(name, str):
+        return f"{name!r} is a {type(name).__name__}, not a string"
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "self":
+        return f"{name!r} starts with self; paths are relative to the module: {name[5:]!r}"
+    if "" in parts:
+        return f"{name!r} has an empty part"
+    bad = next((p for p in parts if not p.isidentifier() or keyword.iskeyword(p)), None)
+    if bad is not None:
+        return f"{name!r}: {bad!r} is not a Python name"
+    return None
+
+
 @dataclass(frozen=True, init=False)
 class Local:
     """External-hint form of ``@shard(local=...)``: names of attributes (or
     forward locals) that hold per-rank sizes (head counts, widths) and are
-    divided by tp where they are read."""
+    divided by tp where they are read. A dotted name is a path from the
+    module: ``Local("config.n_head")`` divides the module's reads of
+    ``self.config.n_head``, leaving the (shared) config as it is."""
 
     names: tuple[str, ...]
 
     def __init__(self, *names: str) -> None:
         for n in names:
-            if not isinstance(n, str) or not n.isidentifier():
-                raise HintError(f"Local({n!r}): each name must be an identifier string")
+            why = local_name_problem(n)
+            if why is not None:
+                raise HintError(f"Local({n!r}): {why}; {LOCAL_NAMES}")
         object.__setattr__(self, "names", tuple(names))
 
     def __repr__(self) -> str:

@@ -134,24 +134,47 @@ def verify_shard_hints(
             raise HintError(f"{head}: in_features={in_features} is not divisible by tp ({tp})")
     for path, mod in modules.items():
         spec = class_specs.get(type(mod))
-        if spec is None:
-            continue
-        cls = type(mod).__name__
-        where = f"{cls}" + (f" (at {path})" if path else "")
-        for name in spec.local:
-            if not hasattr(mod, name):
+        if spec is not None:
+            _check_local_sizes(mod, path, spec.local, tp)
+
+
+def _check_local_sizes(mod: nn.Module, path: str, local: tuple[str, ...], tp: int) -> None:
+    """Each per-rank size ``mod`` holds is an int that tp divides; a dotted
+    name (``config.n_head``) must lead from ``mod`` to one."""
+    cls = type(mod).__name__
+    where = f"{cls}" + (f" (at {path})" if path else "")
+    for name in local:
+        value = _attribute_path(mod, name)
+        if value is _MISSING:
+            if "." not in name:
                 continue  # a forward-local name (e.g. C in `B, T, C = x.size()`)
-            value = getattr(mod, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise HintError(
-                    f"@shard on {where}: local={spec.local!r}: {cls}.{name} is "
-                    f"{type(value).__name__} {value!r}; local names must be int sizes"
-                )
-            if value % tp:
-                raise HintError(
-                    f"@shard on {where}: local={spec.local!r}: {cls}.{name}={value} is not "
-                    f"divisible by tp ({tp})"
-                )
+            raise HintError(
+                f"@shard on {where}: local={local!r}: {cls} has no {name} (a dotted local "
+                f"name is a path of attributes from the module: self.{name}); name the "
+                "attribute forward reads"
+            )
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HintError(
+                f"@shard on {where}: local={local!r}: {cls}.{name} is "
+                f"{type(value).__name__} {value!r}; local names must be int sizes"
+            )
+        if value % tp:
+            raise HintError(
+                f"@shard on {where}: local={local!r}: {cls}.{name}={value} is not "
+                f"divisible by tp ({tp})"
+            )
+
+
+_MISSING = object()
+
+
+def _attribute_path(obj: object, name: str) -> object:
+    """``obj.a.b`` for ``name`` ``"a.b"``; ``_MISSING`` where a part is absent."""
+    for part in name.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            break
+    return obj
 
 
 def _check_heads(module, name: str, s: Heads, tp: int, head: str, cls: str) -> None:

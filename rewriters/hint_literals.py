@@ -25,7 +25,18 @@ import libcst as cst
 from annot.errors import HintError, RewriteError
 from annot.hints import ShardSpec, StageSpec, parse_bytes
 from annot.rewriters.diagnostics import Locator, node_source
-from annot.specs import SPEC_TYPES, Col, Heads, P, Partial, Replicate, Row, Vocab
+from annot.specs import (
+    LOCAL_NAMES,
+    SPEC_TYPES,
+    Col,
+    Heads,
+    P,
+    Partial,
+    Replicate,
+    Row,
+    Vocab,
+    local_name_problem,
+)
 
 __all__ = ["SPEC_NAMES", "Hint", "HintArguments", "Kind", "format_hint"]
 
@@ -90,28 +101,34 @@ class HintArguments:
                 if isinstance(value, str):
                     value = (value,)
                 if not isinstance(value, (tuple, list)) or not all(
-                    isinstance(n, str) and n.isidentifier() for n in value
+                    isinstance(n, str) and local_name_problem(n) is None for n in value
                 ):
-                    bad = arg.value
-                    if isinstance(bad, (cst.Tuple, cst.List)):
-                        bad = next(
-                            (
-                                el.value
-                                for el in bad.elements
-                                if not isinstance(el.value, cst.SimpleString)
-                                or not str(el.value.evaluated_value).isidentifier()
-                            ),
-                            bad,
-                        )
-                    raise self.locate.error(
-                        bad,
-                        f"{where}: local={node_source(arg.value)}; expected a tuple of "
-                        'attribute or variable names, e.g. local=("n_head", "n_embd")',
-                    )
+                    raise self._bad_local(arg.value, where)
                 local = tuple(value)
             else:
                 specs[name] = self._spec(arg.value, where, name)
         return ShardSpec(specs, local)
+
+    def _bad_local(self, value: cst.BaseExpression, where: str) -> RewriteError:
+        """The refusal of ``local=<value>``, at its first element that names no per-rank size."""
+        bad, why = value, None
+        for el in value.elements if isinstance(value, (cst.Tuple, cst.List)) else ():
+            if not isinstance(el.value, cst.SimpleString):
+                bad = el.value
+                break
+            why = local_name_problem(el.value.evaluated_value)
+            if why is not None:
+                bad = el.value
+                break
+        if why is not None:
+            return self.locate.error(
+                bad, f"{where}: local={node_source(value)}: {why}; {LOCAL_NAMES}"
+            )
+        return self.locate.error(
+            bad,
+            f"{where}: local={node_source(value)}; expected a tuple of attribute or variable "
+            'names, e.g. local=("n_head", "n_embd")',
+        )
 
     def _spec(self, expr: cst.BaseExpression, where: str, name: str):
         func = expr.func if isinstance(expr, cst.Call) else expr

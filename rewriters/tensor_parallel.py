@@ -37,7 +37,9 @@
    variable of a method with a listed name (``B, T, C = x.size()``) has its
    reads become ``C // 2``. Parentheses are added only where precedence needs
    them. Method *parameters* with a listed name are left alone: a caller in
-   the class already passes the divided value.
+   the class already passes the divided value. A dotted name is a path from
+   ``self``: ``config.n_head`` divides the reads of ``self.config.n_head``,
+   never the (shared) config object.
 4. Vocab-parallel loss. A *sharded value* is the output of a non-gathered
    ``Col()`` (each rank holds its 1/tp slice of the last dim), followed
    through simple and tuple-unpacking assignments, ``.view/.reshape/.float/

@@ -4,7 +4,10 @@ In every method but ``__init__`` (constructors keep full sizes; the parallel
 layers divide internally), :meth:`LocalSizePlanner.plan_locals` divides by tp
 the reads of ``self.<name>`` and of a plain local variable with a listed name
 (``B, T, C = x.size()``: reads of ``C`` become ``C // 2``), with parentheses
-only where precedence needs them. Method parameters with a listed name are
+only where precedence needs them. A dotted name is a path from ``self``:
+``"config.n_head"`` divides the reads of ``self.config.n_head`` in this
+class's methods, so a config object shared with other modules (the root's
+embedding sizes) is never changed. Method parameters with a listed name are
 left alone (a caller in the class already passes the divided value). Refused:
 a listed name updated in place (``+=``), declared ``global``/``nonlocal``,
 both a parameter and reassigned, or assigned both from per-rank sizes of
@@ -48,7 +51,7 @@ class LocalSizePlanner(EditPlan):
                 if isinstance(t, cst.Name):
                     name = t.value
                 elif self_name is not None and self_path(t, self_name) is not None:
-                    name = t.attr.value if isinstance(t, cst.Attribute) else ""
+                    name = ".".join(self_path(t, self_name) or ())
                 else:
                     continue
                 if name in names:
@@ -76,7 +79,7 @@ class LocalSizePlanner(EditPlan):
         if scope is None:
             return
         reads: list[cst.CSTNode] = []
-        for name in sorted(names):
+        for name in sorted(n for n in names if "." not in n):  # local variables
             assignments = scope.own(name)
             params = [a for a in assignments if isinstance(a.node, cst.Param)]
             if params and len(params) != len(assignments):
@@ -109,20 +112,31 @@ class LocalSizePlanner(EditPlan):
                 if not isinstance(a.node, cst.Param):
                     continue
                 for access in a.references:
-                    parent = self.scopes.parent(access.node)
-                    if (
-                        isinstance(parent, cst.Attribute)
-                        and parent.value is access.node
-                        and parent.attr.value in names
-                        and self._is_load(parent)
-                    ):
-                        reads.append(parent)
+                    read = self._listed_read(access.node, names)
+                    if read is not None:
+                        reads.append(read)
         seen: set[int] = set()
         for node in reads:
             if id(node) in seen:
                 continue
             seen.add(id(node))
             self.edit(node, self._divider(self._needs_parens(node)))
+
+    def _listed_read(self, self_ref: cst.Name, names: set[str]) -> Optional[cst.Attribute]:
+        """The read of a listed size that the reference ``self_ref`` to
+        ``self`` begins (``self.n_head``, ``self.config.n_head`` for
+        ``"config.n_head"``), if it is one and a load."""
+        assert self.scopes is not None
+        node: cst.CSTNode = self_ref
+        parts: list[str] = []
+        parent = self.scopes.parent(node)
+        while isinstance(parent, cst.Attribute) and parent.value is node:
+            parts.append(parent.attr.value)
+            node = parent
+            if ".".join(parts) in names:
+                return node if self._is_load(node) else None
+            parent = self.scopes.parent(node)
+        return None
 
     def _reads_divided(
         self, target: cst.CSTNode, self_name: Optional[str], names: set[str]
@@ -137,10 +151,10 @@ class LocalSizePlanner(EditPlan):
             node = self.scopes.parent(node)
         if node is None or node.value is None or self_name is None:
             return False
-        listed = m.Attribute(
-            value=m.Name(self_name), attr=m.Name(value=m.MatchIfTrue(lambda v: v in names))
+        return any(
+            ".".join(self_path(a, self_name) or ()) in names
+            for a in m.findall(node.value, m.Attribute())
         )
-        return bool(m.findall(node.value, listed))
 
     def _is_load(self, node: cst.CSTNode) -> bool:
         assert self.scopes is not None

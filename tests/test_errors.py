@@ -141,6 +141,64 @@ def test_bad_hint_arguments_name_class_and_argument():
         shard(x=Col())(object)
 
 
+def test_local_takes_attribute_paths_from_the_module():
+    """``Local("config.n_head")`` / ``local=("config.n_head",)``: the module's
+    ``self.config.n_head``; malformed paths are refused naming what is wrong."""
+    assert Local("config.n_head", "n_embd").names == ("config.n_head", "n_embd")
+
+    class Config:
+        n_head, odd = 4, 3
+
+    class CfgAttn(Attn):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+
+    hinted = shard(qkv=Col(chunks=3), local=("config.n_head",))(CfgAttn)
+    spec = annot.hints.get_shard_spec(hinted)
+    assert spec.local == ("config.n_head",)
+    verify_shard_hints(CfgAttn(), {CfgAttn: spec}, tp=2)  # 4 heads divide by tp 2
+    net = nn.ModuleDict({"a": CfgAttn(), "b": CfgAttn()})
+    specs = resolve_external_hints(net, {"*": Local("config.n_head")})
+    assert specs[CfgAttn].local == ("config.n_head",)
+    from annot.hints import ShardSpec
+
+    with pytest.raises(HintError) as err:
+        verify_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.odd",))}, tp=2)
+    assert str(err.value) == (
+        "@shard on CfgAttn: local=('config.odd',): CfgAttn.config.odd=3 is not divisible by tp (2)"
+    )
+    with pytest.raises(HintError) as err:
+        verify_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.n_heads",))}, tp=2)
+    assert str(err.value).startswith(
+        "@shard on CfgAttn: local=('config.n_heads',): CfgAttn has no config.n_heads (a dotted "
+        "local name is a path of attributes from the module: self.config.n_heads)"
+    )
+    tail = (
+        "a per-rank size is an attribute of the module or a local variable of its forward "
+        "('n_head'), or a dotted path of attributes from the module ('config.n_head': the "
+        "module's self.config.n_head)"
+    )
+    for name, why in [
+        ("config..n", "'config..n' has an empty part"),
+        ("1x", "'1x': '1x' is not a Python name"),
+        ("config.", "'config.' has an empty part"),
+        ("config.class", "'config.class': 'class' is not a Python name"),
+        (
+            "self.config.n",
+            "'self.config.n' starts with self; paths are relative to the module: 'config.n'",
+        ),
+    ]:
+        with pytest.raises(HintError) as err:
+            Local(name)
+        assert str(err.value) == f"Local({name!r}): {why}; {tail}"
+        with pytest.raises(HintError) as err:
+            shard(local=("n_head", name))(Attn)
+        assert (
+            str(err.value) == f"@shard on Attn: argument local=('n_head', {name!r}): {why}; {tail}"
+        )
+
+
 def test_external_hint_matching_nothing():
     with pytest.raises(HintError) as err:
         resolve_external_hints(Net(), {"blocks.*.attn.qkv": Col()})

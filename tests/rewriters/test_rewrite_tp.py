@@ -508,6 +508,58 @@ def test_a_local_assigned_from_divided_sizes_is_not_divided_again():
     assert (err.line, err.col) == (7, 9)
 
 
+def test_a_size_read_from_a_config_object_is_divided_where_it_is_read():
+    # transformers' style: forward reads its head count from the config it holds
+    # (shared with every block and the root), so the read is divided, not the config
+    assert_rewrite(
+        """
+        import torch.nn as nn
+        from annot import shard, Col
+
+        @shard(c_attn=Col(chunks=3), local=("config.n_head", "config.n_embd"))
+        class A(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.config = config
+                self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+
+            def forward(self, x, config):
+                n_head = self.config.n_head
+                q, k, v = self.c_attn(x).split(self.config.n_embd, dim=2)
+                scale = (self.config.n_embd / self.config.n_head) ** -0.5
+                return q.view(*x.shape[:2], n_head, -1) * scale, self.config.vocab, config.n_head
+        """,
+        """
+        import torch.nn as nn
+        from annot import shard, Col
+        from annot.runtime.tp_layers import ColumnParallelLinear
+
+        # annot: @shard(c_attn=Col(chunks=3), local=("config.n_head", "config.n_embd")) applied for tp=2
+        class A(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.config = config
+                self.c_attn = ColumnParallelLinear(config.n_embd, 3 * config.n_embd, chunks=3, tp=2)
+
+            def forward(self, x, config):
+                n_head = self.config.n_head // 2
+                q, k, v = self.c_attn(x).split(self.config.n_embd // 2, dim=2)
+                scale = (self.config.n_embd // 2 / (self.config.n_head // 2)) ** -0.5
+                return q.view(*x.shape[:2], n_head, -1) * scale, self.config.vocab, config.n_head
+        """,
+    )
+    err = refusal(
+        HEAD
+        + '@shard(local=("config.n_head",))\nclass M(nn.Module):\n'
+        + "    def forward(self, x):\n        self.config.n_head += 1\n        return x\n"
+    )
+    assert (err.line, err.col) == (9, 9)
+    assert err.reason.startswith(
+        "config.n_head is a per-rank size (local=) but M.forward updates it with "
+        "'self.config.n_head += 1'"
+    )
+
+
 def test_per_head_table_and_per_head_argument():
     # T5: the relative-position table is (buckets, n_heads), split by columns
     # (heads); Bloom: Heads() names a forward argument, sliced at runtime.
@@ -1196,6 +1248,14 @@ def test_refuses_syntax_errors_at_their_position():
             25,
             '@shard on M: local=("n_head", 3); expected a tuple of attribute or variable names, '
             'e.g. local=("n_head", "n_embd")',
+        ),
+        (
+            '@shard(local=("config..n",))',
+            15,
+            "@shard on M: local=(\"config..n\",): 'config..n' has an empty part; a per-rank size "
+            "is an attribute of the module or a local variable of its forward ('n_head'), or a "
+            "dotted path of attributes from the module ('config.n_head': the module's "
+            "self.config.n_head)",
         ),
         (
             "@shard(Col())",
