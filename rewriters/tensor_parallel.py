@@ -26,6 +26,10 @@
 
        self.fc1 = linear_layer(d, h)       ->  column_parallel(linear_layer(d, h), tp=2)
 
+   An attribute assigned by a different call in each branch of an ``if``
+   (x-transformers' ``to_out``) has each site planned by its own call, so the
+   hint follows the branch taken.
+
    ``Partial()`` (a module computing a partial sum, MoE experts) wraps the
    call the same way: ``partial_module(Experts(config), tp=2)``.
    ``Replicate()`` leaves the attribute alone. A spec'd name may also be a key

@@ -11,8 +11,17 @@ arguments as written::
     self.fc1 = linear_layer(d, h)       ->  column_parallel(linear_layer(d, h), tp=2)
 
 A call annot cannot name is kept and what it builds is converted by its
-runtime type (:mod:`annot.runtime.tp_convert`). It returns the paths of the
-non-gathered ``Col()`` submodules, where sharded values start.
+runtime type (:mod:`annot.runtime.tp_convert`). An attribute assigned by
+different calls (one per branch of an ``if``, as x-transformers' ``to_out``)
+has each site planned by its own call, so the hint follows the branch taken::
+
+    if out_bias:
+        self.to_out = nn.Linear(inner, dim)    ->  RowParallelLinear(inner, dim, tp=2)
+    else:
+        self.to_out = LinearNoBias(inner, dim) ->  row_parallel(LinearNoBias(inner, dim), tp=2)
+
+It returns the paths of the non-gathered ``Col()`` submodules, where sharded
+values start.
 """
 
 from __future__ import annotations
@@ -108,26 +117,49 @@ class ConstructorPlanner(EditPlan):
                     self._plan_conversion(s, value)
                 continue
             ctors = [(path, value, *self._constructor(value)) for path, value in found]
-            _, first_value, first_kind, first_label = ctors[0]
-            for _, value, kind, label in ctors[1:]:
-                if (kind or label) != (first_kind or first_label):
-                    raise self.locate.error(
-                        value,
-                        f"{name}={s!r}: self.{name} is assigned twice in __init__ with "
-                        f"different calls ({first_label}(...) on line "
-                        f"{self.locate.line(first_value)}, {label}(...) here); annot cannot "
-                        "tell which one to shard, so assign it once",
-                    )
+            varied = len({kind or label for _, _, kind, label in ctors}) > 1
+            if varied:
+                self._check_branches(name, s, ctors)
             for path, value, kind, label in ctors:
-                self._check_fits(name, s, value, kind, label)
-                if kind is None:
-                    self._plan_conversion(s, value)
-                else:
+                if self._fits(s, kind):
                     assert isinstance(value, cst.Call)
                     self._plan_constructor(s, value, kind)
+                else:
+                    if not varied:  # what it builds is known: refused now if it does not fit
+                        self._check_fits(name, s, value, kind, label)
+                    self._plan_conversion(s, value)
                 if isinstance(s, Col) and not s.gather:
                     col_paths.add(path)
         return col_paths
+
+    def _check_branches(
+        self,
+        name: str,
+        s: object,
+        ctors: list[tuple[tuple[str, ...], cst.BaseExpression, Optional[str], str]],
+    ) -> None:
+        """``self.<name>`` is assigned by different calls (x-transformers: one per
+        branch of an ``if`` on a constructor flag). Each site is planned by its
+        own call: a layer the hint fits is swapped, and any other call is kept
+        and what it builds converted by its runtime type, so the hint follows
+        the branch taken (and is refused there if that branch builds what it
+        cannot shard). Refused here: ``P(...)``, and calls none of which builds
+        a layer the hint fits."""
+        _, first_value, first_kind, first_label = ctors[0]
+        if isinstance(s, P):
+            _, value, _, label = next(
+                c for c in ctors if (c[2] or c[3]) != (first_kind or first_label)
+            )
+            raise self.locate.error(
+                value,
+                f"{name}={s!r}: self.{name} is assigned twice in __init__ with different "
+                f"calls ({first_label}(...) on line {self.locate.line(first_value)}, "
+                f"{label}(...) here); annot splits a raw parameter where nn.Parameter(...) "
+                "builds it and cannot tell which call does, so assign it once",
+            )
+        if all(kind is not None and not self._fits(s, kind) for _, _, kind, _ in ctors):
+            for _, value, kind, label in ctors:
+                self._check_fits(name, s, value, kind, label)
 
     def _init_sites(
         self, init: cst.FunctionDef, self_name: str, spec: ShardSpec
@@ -218,15 +250,20 @@ class ConstructorPlanner(EditPlan):
                 return kind, label
         return None, label
 
+    @staticmethod
+    def _fits(s: object, kind: Optional[str]) -> bool:
+        """Whether ``s`` shards what a call of ``kind`` builds by swapping the call."""
+        want = {Col: "linear", Row: "linear", Vocab: "embedding", P: "parameter"}[type(s)]
+        if kind == want or (want == "linear" and kind == "conv1d"):
+            return True
+        return isinstance(s, Col) and kind == "embedding" and s.chunks == 1  # its columns
+
     def _check_fits(
         self, name: str, s: object, value: cst.BaseExpression, kind: Optional[str], label: str
     ) -> None:
-        want = {Col: "linear", Row: "linear", Vocab: "embedding", P: "parameter"}[type(s)]
-        if kind == want or (want == "linear" and kind == "conv1d"):
+        if self._fits(s, kind):
             return
-        if isinstance(s, Col) and kind == "embedding" and s.chunks == 1:
-            return  # its columns: ColumnParallelEmbedding
-        if kind is None and want != "parameter":
+        if kind is None and not isinstance(s, P):
             return  # built as written, converted by its runtime type (annot.runtime.tp_convert)
         head = f"{name}={s!r}: "
         if kind is None:

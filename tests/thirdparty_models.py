@@ -1,8 +1,19 @@
-"""A model as a third-party package would ship it: no annot decorators, its
-own names (``num_heads``, ``dim``), an nn.ModuleDict, a tied head."""
+"""Models as third-party packages ship them: no annot decorators, their own
+names (``num_heads``, ``dim``).
+
+- ``TinyLM``: an nn.ModuleDict, a tied head.
+- ``XLM``: x-transformers' attention, whose output projection is assigned in
+  each branch of an ``if`` on constructor flags, with a different call in each
+  (``nn.Linear(..., bias=True)``, ``LinearNoBias(...)``, or a gated
+  ``nn.Sequential``): a hint on it follows the branch taken.
+"""
+
+from functools import partial
 
 import torch.nn as nn
 from torch.nn import functional as F
+
+LinearNoBias = partial(nn.Linear, bias=False)
 
 
 class SelfAttention(nn.Module):
@@ -52,3 +63,58 @@ class TinyLM(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
         return logits, loss
+
+
+class XAttention(nn.Module):
+    def __init__(self, dim, heads, dim_head=4, gate_out=False, out_bias=False):
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.to_q = LinearNoBias(dim, inner)
+        self.to_kv = LinearNoBias(dim, 2 * inner)
+        if gate_out:
+            self.to_out = nn.Sequential(nn.Linear(inner, dim * 2, bias=False), nn.GLU())
+        elif out_bias:
+            self.to_out = nn.Linear(inner, dim)
+        else:
+            self.to_out = LinearNoBias(inner, dim)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        k, v = self.to_kv(x).chunk(2, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, dh)
+        return self.to_out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class XBlock(nn.Module):
+    def __init__(self, dim, heads, **attn_kwargs):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = XAttention(dim, heads, **attn_kwargs)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class XLM(nn.Module):
+    """One block's output projection has a bias, the other's has none
+    (``gate_out=True``: every block's is gated)."""
+
+    def __init__(self, vocab=32, dim=16, heads=4, gate_out=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            [
+                XBlock(dim, heads, gate_out=gate_out, out_bias=True),
+                XBlock(dim, heads, gate_out=gate_out, out_bias=False),
+            ]
+        )
+        self.head = LinearNoBias(dim, vocab)
+
+    def forward(self, ids, targets):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

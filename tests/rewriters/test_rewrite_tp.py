@@ -1107,24 +1107,103 @@ def test_refuses_specs_that_do_not_fit_the_layer(spec, ctor, reason):
     assert err.reason == reason
 
 
-def test_refuses_an_attribute_assigned_with_different_calls():
+def test_attribute_built_by_a_different_call_in_each_branch_follows_the_branch_taken():
+    """x-transformers' ``to_out``: each site is planned by its own call; one annot
+    cannot swap for a row-parallel layer is kept and converted by the runtime
+    type of what it builds (refused there only if that branch runs)."""
+    assert_rewrite(
+        """
+        from functools import partial
+
+        import torch.nn as nn
+        from annot import shard, Row
+
+        LinearNoBias = partial(nn.Linear, bias=False)
+
+
+        @shard(to_out=Row(), local=("heads",))
+        class Attention(nn.Module):
+            def __init__(self, dim, heads, gate_out=False, out_bias=False):
+                super().__init__()
+                self.heads = heads
+                if gate_out:
+                    self.to_out = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GLU())
+                elif out_bias:
+                    self.to_out = nn.Linear(dim, dim)
+                else:
+                    self.to_out = LinearNoBias(dim, dim)
+
+            def forward(self, x):
+                return self.to_out(x.view(*x.shape[:-1], self.heads, -1).flatten(-2))
+        """,
+        """
+        from functools import partial
+
+        import torch.nn as nn
+        from annot import shard, Row
+        from annot.runtime.tp_convert import row_parallel
+        from annot.runtime.tp_layers import RowParallelLinear
+
+        LinearNoBias = partial(nn.Linear, bias=False)
+
+
+        # annot: @shard(to_out=Row(), local=("heads",)) applied for tp=2
+        class Attention(nn.Module):
+            def __init__(self, dim, heads, gate_out=False, out_bias=False):
+                super().__init__()
+                self.heads = heads
+                if gate_out:
+                    self.to_out = row_parallel(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GLU()), tp=2)
+                elif out_bias:
+                    self.to_out = RowParallelLinear(dim, dim, tp=2)
+                else:
+                    self.to_out = row_parallel(LinearNoBias(dim, dim), tp=2)
+
+            def forward(self, x):
+                return self.to_out(x.view(*x.shape[:-1], self.heads // 2, -1).flatten(-2))
+        """,
+    )
+
+
+def test_branches_of_which_none_can_be_sharded_are_refused():
     err = refusal(
         HEAD
         + """
-@shard(c=Col())
+@shard(c=Row())
 class M(nn.Module):
-    def __init__(self, big):
-        if big:
-            self.c = nn.Linear(4, 400)
+    def __init__(self, w, tied):
+        if tied:
+            self.c = nn.Embedding(4, 4)
         else:
-            self.c = nn.Identity()
+            self.c = nn.Parameter(w)
+"""
+    )
+    assert (err.line, err.col) == (11, 22)
+    assert err.reason == (
+        "c=Row(): Row() splits an nn.Linear, but self.c is an nn.Embedding; use Vocab() to "
+        "split its rows, or Col() (no chunks) its columns"
+    )
+
+
+def test_refuses_a_raw_parameter_assigned_with_different_calls():
+    err = refusal(
+        HEAD
+        + """
+@shard(w=P("tp", None))
+class M(nn.Module):
+    def __init__(self, w, big):
+        if big:
+            self.w = nn.Parameter(w)
+        else:
+            self.w = make_parameter(w)
 """
     )
     assert (err.line, err.col) == (13, 22)
     assert err.reason == (
-        "c=Col(): self.c is assigned twice in __init__ with different calls (nn.Linear(...) "
-        "on line 11, nn.Identity(...) here); annot cannot tell which one to shard, so assign "
-        "it once"
+        "w=P('tp', None): self.w is assigned twice in __init__ with different calls "
+        "(nn.Parameter(...) on line 11, make_parameter(...) here); annot splits a raw "
+        "parameter where nn.Parameter(...) builds it and cannot tell which call does, so "
+        "assign it once"
     )
 
 
