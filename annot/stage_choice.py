@@ -83,6 +83,7 @@ def check_stranded(ref: nn.Module, boundaries: tuple[str, ...], stranded: dict[s
 
 def _module_boundaries(
     ref: nn.Module,
+    cls: type,
     n_stages: int,
     calls: Optional[list],
     report: Optional[BuildReport],
@@ -90,7 +91,15 @@ def _module_boundaries(
 ) -> list[str]:
     """annot.module_plan's balanced split of a model without ``@stage``:
     parameter counts over every block and block part, in call order, at the
-    calls where a stage can begin."""
+    calls where a stage can begin.
+
+    Stages cut at run time place each module and raw parameter by the order
+    forward calls and reads them; without a probe of that order (no
+    ``sample=``, no transformers config to make a tiny input from), the order
+    the model registers its modules is all there is, and nothing shows that
+    forward follows it: such a plan is refused, asking for ``sample=``. A
+    plan the stage-split rewriter cuts in the root's forward reads what each
+    stage uses from the source, and stands."""
     from annot.module_plan import call_order, plan_module_boundaries
 
     order = call_order(calls) if calls is not None else None
@@ -98,6 +107,17 @@ def _module_boundaries(
     log.debug("annot: planned stages\n%s", plan.table())
     if report is not None:
         report.plan_table = plan.table()
+    if order is None and needs_replay(ref, cls, tuple(plan.boundaries)):
+        raise HintError(
+            f"annot cannot split {type(ref).__name__} into {n_stages} pipeline stages "
+            f"automatically without knowing the order its forward calls its modules and reads "
+            f"its parameters: the balanced split begins stages at {plan.boundaries} inside "
+            "nested forwards, where each stage holds what it calls and reads, and the order "
+            "the modules are registered in need not be the order forward calls them. To "
+            "fix: pass sample=<one microbatch of forward's arguments, a tuple or a dict> to "
+            "annot.parallelize (one meta forward, no FLOPs), or give the boundaries by hand "
+            "with split=[...]"
+        )
     return plan.boundaries
 
 
@@ -196,7 +216,7 @@ def choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(ref, n_stages, calls(), report, find_stranded()))
+        return tuple(_module_boundaries(ref, cls, n_stages, calls(), report, find_stranded()))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

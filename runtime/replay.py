@@ -89,6 +89,7 @@ __all__ = [
     "install_output_log",
     "register_collectors",
     "replaying",
+    "running_live",
     "call_with",
     "shadow_call",
     "shape_run",
@@ -136,6 +137,12 @@ _ACTIVE: list[_Run] = []
 def replaying() -> bool:
     """True while this rank replays an earlier stage's part of forward."""
     return bool(_ACTIVE) and _ACTIVE[-1].replaying
+
+
+def running_live() -> Optional[int]:
+    """The stage this rank runs for real right now (between its boundaries),
+    else None (replaying, or no stage running)."""
+    return _ACTIVE[-1].index if _ACTIVE and not _ACTIVE[-1].replaying else None
 
 
 @dataclass(slots=True)

@@ -3,19 +3,25 @@ pipeline stages do not use (:mod:`annot.runtime.stages` decides which) with
 an :class:`Absent` placeholder, so ``self.h[2:4]`` still indexes the same
 blocks. With a meta shadow in it, a stage that replays the earlier stages'
 part of forward (:mod:`annot.runtime.replay`) runs the placeholder for shapes.
+A raw parameter of a kept module that another stage holds becomes a
+:class:`NotHeld` meta tensor: shapes for the replay, refused where this rank's
+own part of forward reads it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from annot.errors import PipelineError
-from annot.runtime.replay import replaying, shadow_call
+from annot.runtime.replay import replaying, running_live, shadow_call
 
 __all__ = [
     "Absent",
+    "NotHeld",
     "absent_paths",
     "covered",
     "forget_real_weights",
@@ -61,7 +67,10 @@ class Absent(nn.Module):
             shadow = self.__dict__.get("shadow")
             if shadow is None:
                 raise
-            return getattr(shadow, name)
+            value = getattr(shadow, name)
+            if running_live() is not None and isinstance(value, torch.Tensor) and value.is_meta:
+                return NotHeld.of(value, f"{self.path}.{name}")  # its shape, never its use
+            return value
 
     def __getitem__(self, index: Any) -> Any:
         return self.__dict__["shadow"][index]
@@ -74,6 +83,43 @@ class Absent(nn.Module):
 
     def extra_repr(self) -> str:
         return f"held by another stage: {self.path}"
+
+
+def _not_held(name: str, stage: int) -> str:
+    return (
+        f"pipeline stage {stage} reads {name!r} directly, but this stage does not hold it: "
+        "annot placed it by the order the model registers its modules, which differs from "
+        "where forward reads it, and its gradient would be lost. To fix: pass sample=<one "
+        "microbatch of the model's arguments> to annot.parallelize, so annot follows the "
+        "calls and reads (a parameter read by several stages is then held by each, its "
+        "gradient summed over them)"
+    )
+
+
+class NotHeld(torch.Tensor):
+    """A raw parameter of a module this rank keeps, held by another stage (or
+    a tensor read through an :class:`Absent` while a stage runs): a meta tensor, for shapes while the rank replays the earlier
+    stages' part of forward. Read by the part this rank runs for real, it
+    refuses, naming the parameter, instead of letting an op mix the meta
+    tensor into real ones (``x @ meta`` answers a CPU tensor of garbage)."""
+
+    param_path: str  # the name it has in the model
+
+    @staticmethod
+    def of(t: torch.Tensor, name: str) -> NotHeld:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = torch.Tensor._make_subclass(NotHeld, t.detach().to("meta"), False)
+        out.param_path = name
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        stage = running_live()
+        if stage is not None and getattr(func, "__name__", "") != "__get__":
+            held = [t for t in tree_leaves((args, kwargs)) if isinstance(t, NotHeld)]
+            raise PipelineError(_not_held(held[0].param_path if held else "?", stage))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def resolve_module(root: nn.Module, path: str) -> nn.Module:
@@ -186,8 +232,8 @@ def _prune_parameters(
     for name in list(root._parameters):
         if not covered(f"{prefix}{name}", keep):
             p = root._parameters[name]
-            if shadows and p is not None:  # a plain meta tensor: shapes for the replay
+            if shadows and p is not None:  # a meta tensor: shapes for the replay
                 del root._parameters[name]
-                root.__dict__[name] = p.detach().to("meta")
+                root.__dict__[name] = NotHeld.of(p, f"{prefix}{name}")
             else:
                 root._parameters[name] = None  # a parameter of another stage's module

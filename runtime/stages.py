@@ -46,8 +46,16 @@ def call_order_stage_modules(
     one meta shadow, not a shell around its activation); where the probe did
     not see them called, with the stage of their position if they sit inside a
     module no boundary cuts (a block's activation), else on every stage (a
-    rotary table the root's forward calls); a container's own parameters
-    (``cls_token``) go with the stage of its position."""
+    rotary table the root's forward calls).
+
+    A container's own parameters (``cls_token``, ``logit_scale``: raw
+    parameters its forward reads directly, between the calls of its children)
+    go, each, to the stages that read it in the probe (several: shared like a
+    tied weight). Without a probe, or where it saw no read, one of a container
+    that a boundary cuts (the root, a tower split in two) could be read on any
+    of the stages its forward spans: it is held by every stage, its gradient
+    summed over them; one of a container no boundary cuts goes with the stage
+    of its position."""
     named = dict(root.named_modules(remove_duplicate=False))
     called = set().union(*calls.values()) if calls else set()
     n = len(boundaries) + 1
@@ -74,12 +82,16 @@ def call_order_stage_modules(
             # runs it inside another stage's meta shadow)
             for s in callers or ([stage] if in_one_stage(path) else out):
                 out[s].add(path)
+        elif own and any(True for _ in m.children()):  # a container's raw parameters
+            spans = not path or any(b.startswith(path + ".") for b in boundaries)
+            for k in own:
+                name = f"{path}.{k}" if path else k
+                readers = [s for s in out if name in calls[s]] if name in called else []
+                for s in readers or (list(out) if spans else [stage]):
+                    out[s].add(name)
         elif own:
-            container = any(True for _ in m.children())
             for s in callers or [stage]:
-                if container:  # a container's own weights, used somewhere in its forward
-                    out[s].update(f"{path}.{k}" if path else k for k in own)
-                elif path:
+                if path:
                     out[s].add(path)
     return out
 
@@ -89,13 +101,22 @@ def record_calls(root: nn.Module, sample: Any) -> list[tuple[str, ...]]:
     each as the paths of the module called (a shared module has several): one
     meta forward (:func:`annot.runtime.replay.shape_run`, no FLOPs). A module
     whose parameter another module's forward reads directly
-    (``self.rel_embeddings.weight``, never called) counts as called there."""
+    (``self.rel_embeddings.weight``, never called) counts as called there; a
+    container's own parameter read directly (``self.logit_scale``) is listed
+    by its own paths where it is read."""
     from annot.runtime.replay import shape_run
 
     paths: dict[int, tuple[str, ...]] = {}
     for path, m in root.named_modules(remove_duplicate=False):
         paths[id(m)] = (*paths.get(id(m), ()), path)
-    owner = {id(p): paths[id(m)] for m in root.modules() for p in m.parameters(recurse=False)}
+    owner: dict[int, tuple[str, ...]] = {}
+    for m in root.modules():
+        container = any(True for _ in m.children())
+        for k, p in m.named_parameters(recurse=False):
+            here = (
+                tuple(f"{q}.{k}" if q else k for q in paths[id(m)]) if container else paths[id(m)]
+            )
+            owner[id(p)] = here
     calls: list[tuple[str, ...]] = []
     handles = [
         m.register_forward_pre_hook(lambda module, args: calls.append(paths[id(module)]))
@@ -153,7 +174,9 @@ def _get(root: nn.Module, path: str) -> Any:
 
 def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
     """Module paths (``h.2``) for the uses the rewriter reported (``h[2:4]``,
-    ``lm_head``, ``config``); non-module attributes are dropped."""
+    ``lm_head``, ``config``): each use is the longest prefix of its path that
+    names a module, a parameter or a buffer (``scale.exp`` reads the raw
+    parameter ``scale``); other attributes are dropped."""
     out: set[str] = set()
     for use in uses:
         m = _SLICE.match(use)
@@ -165,15 +188,28 @@ def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
             for i in range(*slice(start, stop).indices(n)):
                 out.add(f"{m['path']}.{i}")
             continue
-        try:
-            obj = _get(root, use)
-        except (AttributeError, IndexError):
-            continue
-        if isinstance(obj, nn.Module):
-            out.add(use)
-        elif isinstance(obj, nn.Parameter):
-            out.add(use)
+        found = _state_prefix(root, use)
+        if found is not None:
+            out.add(found)
     return out
+
+
+def _state_prefix(root: nn.Module, use: str) -> Optional[str]:
+    """The longest prefix of ``use`` that names a module, parameter or buffer."""
+    obj: Any = root
+    found = None
+    parts = use.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(obj, (nn.ModuleList, nn.Sequential)) and part.isdigit():
+            obj = obj[int(part)] if int(part) < len(obj) else None
+        elif isinstance(obj, nn.Module):
+            obj = obj._modules.get(part, obj._parameters.get(part, obj._buffers.get(part)))
+        else:
+            obj = None
+        if obj is None:
+            break
+        found = ".".join(parts[: i + 1])
+    return found
 
 
 @dataclass

@@ -17,6 +17,16 @@ pipeline tests (:mod:`tests.e2e.test_pp_nested`):
 * :class:`BranchyEncoder`: a nested forward whose path depends on the data
   (``if h.mean() > 0``) and on a Python int read from a tensor, before and
   after the boundary, with a dataclass output.
+* :class:`TwoTower`: a CLIP-like model (open_clip's style): the root forward
+  calls an image tower, then a text tower, and reads raw parameters between
+  and after the calls: a class token concatenated in, positional embeddings
+  added, projections used with ``@``, a learned temperature returned as
+  ``self.logit_scale.exp()`` in its output dict.
+* :class:`LateProjection`: a tower's own raw parameter (``self.image.proj``)
+  read by the root after the other tower has run.
+* :class:`ScaledHeadLM`: a raw parameter read after the blocks
+  (``self.head(self.norm(x) * self.scale.exp())``), the embedding tied to
+  the head.
 """
 
 from __future__ import annotations
@@ -242,3 +252,111 @@ class XStyleSubclass(XStyleDecoder):
 
     def __init__(self):
         super().__init__(depth=4)
+
+
+# -- raw parameters read in the root's forward (open_clip style) ----------------------
+
+
+class Tower(nn.Module):
+    """A transformer over ``(B, N, dim)`` tokens: blocks, then a norm."""
+
+    def __init__(self, dim: int, depth: int):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(dim, 2) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(self.blocks(x))
+
+
+class TwoTower(nn.Module):
+    def __init__(
+        self,
+        img: int = 8,
+        patch: int = 4,
+        vocab: int = 64,
+        context: int = 8,
+        dim: int = 16,
+        embed: int = 12,
+        depth: int = 2,
+    ):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, dim, patch, patch, bias=False)
+        self.class_embedding = nn.Parameter(torch.randn(dim) * 0.02)
+        self.visual_positional = nn.Parameter(torch.randn((img // patch) ** 2 + 1, dim) * 0.02)
+        self.visual = Tower(dim, depth)
+        self.visual_proj = nn.Parameter(torch.randn(dim, embed) * dim**-0.5)
+        self.token_embedding = nn.Embedding(vocab, dim)
+        self.positional_embedding = nn.Parameter(torch.randn(context, dim) * 0.01)
+        self.text = Tower(dim, depth)
+        self.text_projection = nn.Parameter(torch.randn(dim, embed) * dim**-0.5)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def encode_image(self, images):
+        x = self.conv1(images).flatten(2).transpose(1, 2)  # (B, N, dim)
+        cls = self.class_embedding.expand(x.shape[0], 1, -1)  # (B, 1, dim)
+        x = torch.cat([cls, x], dim=1) + self.visual_positional  # (B, N + 1, dim)
+        x = self.visual(x)
+        return x[:, 0] @ self.visual_proj  # (B, embed)
+
+    def encode_text(self, ids):
+        x = self.token_embedding(ids) + self.positional_embedding[: ids.shape[1]]
+        x = self.text(x)  # (B, T, dim)
+        return x.mean(1) @ self.text_projection  # (B, embed)
+
+    def forward(self, images, ids):
+        image_features = F.normalize(self.encode_image(images), dim=-1)
+        text_features = F.normalize(self.encode_text(ids), dim=-1)
+        return {
+            "image_features": image_features,
+            "text_features": text_features,
+            "logit_scale": self.logit_scale.exp(),
+        }
+
+
+def clip_loss(out: dict) -> torch.Tensor:
+    """open_clip's contrastive loss over the pairs of one batch."""
+    logits = out["logit_scale"] * out["image_features"] @ out["text_features"].T  # (B, B)
+    labels = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+class ProjectedTower(Tower):
+    """A tower holding its output projection, which its caller applies."""
+
+    def __init__(self, dim: int, depth: int, embed: int):
+        super().__init__(dim, depth)
+        self.proj = nn.Parameter(torch.randn(dim, embed) * dim**-0.5)
+
+
+class LateProjection(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 16, embed: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.image = ProjectedTower(dim, 2, embed)
+        self.text = Tower(dim, 2)
+
+    def forward(self, ids):
+        x = self.image(self.embed(ids))
+        x = self.text(x)  # (B, T, dim)
+        return x @ self.image.proj  # (B, T, embed): the image tower's weight, read here
+
+
+class ScaledHeadLM(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 16, depth: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        # (no attention: a key bias has no gradient, and AdamW magnifies its rounding)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), Mlp(dim, 2 * dim)) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied across the first and last stage
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x) * self.scale.exp())

@@ -310,6 +310,40 @@ def _branchy_loss(model, b):
     return F.cross_entropy(model(b["x"], twice=True), b["y"] % 3)
 
 
+def _two_tower():
+    from tests.nested_models import TwoTower
+
+    return TwoTower, ()
+
+
+def _image_text(g, step):
+    import torch
+
+    seq = (8, 5, 6)[step % 3]
+    return {
+        "x": torch.randn(4, 3, 8, 8, generator=g),
+        "ids": torch.randint(0, 64, (4, seq), generator=g),
+    }
+
+
+def _clip_loss(model, b):
+    from tests.nested_models import clip_loss
+
+    return clip_loss(model(b["x"], b["ids"]))
+
+
+def _late_projection():
+    from tests.nested_models import LateProjection
+
+    return LateProjection, ()
+
+
+def _scaled_head():
+    from tests.nested_models import ScaledHeadLM
+
+    return ScaledHeadLM, ()
+
+
 CASES = {
     "llama": (_llama, _tokens, _ce_on_logits),
     "llama-labels": (_llama, _tokens, _hf_labels),
@@ -331,6 +365,38 @@ CASES = {
     "llama_hs": (_llama, _tokens, _hidden_states_loss),
     "deberta": (_deberta, _tokens, _hf_labels),
     "xsubclass": (_xsubclass, _tokens, _ce_on_output),
+    "two_tower": (_two_tower, _image_text, _clip_loss),
+    "scaled_head": (_scaled_head, _tokens, _ce_on_output),
+    "late_projection": (_late_projection, _tokens, _ce_on_output),
+}
+
+
+def _two_tower_sample():
+    import torch
+
+    return (torch.zeros(2, 3, 8, 8), torch.zeros(2, 8, dtype=torch.long))
+
+
+def _tokens_sample():
+    import torch
+
+    return (torch.zeros(2, 8, dtype=torch.long),)
+
+
+# one microbatch of forward's arguments, for sample=
+def _images_sample():
+    import torch
+
+    return (torch.zeros(2, 3, 8, 8),)
+
+
+SAMPLES = {
+    "timm": _images_sample,
+    "xstyle": _tokens_sample,
+    "xsubclass": _tokens_sample,
+    "two_tower": _two_tower_sample,
+    "scaled_head": _tokens_sample,
+    "late_projection": _tokens_sample,
 }
 
 
@@ -345,6 +411,7 @@ def _parity(
     sp=False,
     dp=1,
     fsdp=False,
+    sample=False,
 ):
     """On every rank: for each split in ``splits`` (None: annot chooses, over
     ``pp`` stages), parallelize, train ``steps`` AdamW steps beside the
@@ -370,6 +437,7 @@ def _parity(
             split=list(split) if split is not None else None,
             sequence_parallel=sp,
             fsdp=fsdp,
+            sample=SAMPLES[case]() if sample else None,
         )
         if fsdp:  # no shadow keeps a whole (stale) copy of a weight FSDP2 sharded
             from annot.runtime.stage_prune import shadow_modules
@@ -461,8 +529,8 @@ def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
     res = _run(tmp_path, "llama", [None], pp=2)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("model.layers."), boundary  # inside LlamaModel.forward
-    (tmp_path / "timm").mkdir()
-    res = _run(tmp_path / "timm", "timm", [None], pp=2)
+    (tmp_path / "timm").mkdir()  # (not a transformers model: sample= gives the call order)
+    res = _run(tmp_path / "timm", "timm", [None], pp=2, sample=True)
     assert res[0][0][1][0].startswith("blocks."), res
 
 
@@ -498,11 +566,11 @@ def test_timm_torchvision_and_sequential_styles(tmp_path, case, splits):
 def test_layers_that_are_module_lists_split_automatically(tmp_path):
     # x-transformers' layout: the planner begins a stage at a layer's first
     # element (called), never at the layer's ModuleList (never called)
-    res = _run(tmp_path, "xstyle", [None], pp=2)
+    res = _run(tmp_path, "xstyle", [None], pp=2, sample=True)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("net.layers.") and boundary.count(".") == 3, boundary
     # a subclass that inherits forward (only its __init__ is its own): cut at run time
-    _run(tmp_path, "xsubclass", [None, ["layers.2.0"]], pp=2)
+    _run(tmp_path, "xsubclass", [None, ["layers.2.0"]], pp=2, sample=True)
 
 
 @pytest.mark.slow
@@ -777,3 +845,91 @@ def test_interleaved_stages_refuse_replaying_their_own_moe_on_meta(tmp_path):
         "(interleaved virtual stages), and a rank's own modules replay on meta, where its ops "
         "cannot run. Use chunks=1 for this model"
     ), second
+
+
+# ---- raw parameters read in a forward that spans the stages ---------------------------
+
+
+def test_raw_parameters_read_between_two_towers(tmp_path):
+    # a CLIP-like model: the root reads a class token, positional embeddings,
+    # projections and a temperature between and after its towers' calls. With
+    # sample= each raw parameter is held by the stage that reads it (no tie);
+    # without, one of the root (whose forward spans both stages) is held by both,
+    # its gradient summed over them
+    res = _run(tmp_path, "two_tower", [["visual.blocks.1"], None], pp=2, sample=True)
+    assert res[0] == [([], ["visual.blocks.1"]), ([], ["visual.norm"])], res[0]
+    (tmp_path / "gpipe").mkdir()
+    res = _run(tmp_path / "gpipe", "two_tower", [["text.blocks.1"]], schedule="gpipe")
+    raw = ["class_embedding", "visual_positional", "visual_proj", "positional_embedding"]
+    raw += ["text_projection", "logit_scale"]
+    assert res[0] == [([(n,) for n in raw], ["text.blocks.1"])], res[0]
+
+
+def test_raw_parameter_after_the_blocks_with_a_tied_head(tmp_path):
+    # self.head(self.norm(x) * self.scale.exp()), the embedding tied to the head:
+    # split in the root's forward (source), by hand and automatically
+    res = _run(tmp_path, "scaled_head", [["blocks.2"], None], pp=2)
+    assert [ties for ties, _ in res[0]] == [[("embed.weight", "head.weight")]] * 2, res[0]
+    (tmp_path / "gpipe").mkdir()
+    _run(tmp_path / "gpipe", "scaled_head", [["norm"]], schedule="gpipe")
+
+
+def _refusals(cache: str) -> list:
+    """On every rank: the automatic split of the two-tower model without
+    sample= (refused at build), and a tower's raw parameter read on the other
+    stage without sample= (refused as the stage reads it, in the first step's
+    forward, before any gradient)."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from tests.nested_models import LateProjection, TwoTower
+
+    out = []
+    try:
+        annot.parallelize(TwoTower, mesh=annot.Mesh(pp=2), seed=0)
+    except annot.AnnotError as exc:
+        out.append((type(exc).__name__, str(exc)))
+    model = annot.parallelize(
+        LateProjection, mesh=annot.Mesh(pp=2), seed=0, split=["text.blocks.1"]
+    )
+
+    @annot.jit(model, microbatches=MICRO)
+    def step(ids):
+        loss = _ce_on_output(model, {"ids": ids})
+        model.backward(loss)
+        return loss
+
+    try:
+        step(torch.randint(0, 64, (4, 8)))
+    except annot.AnnotError as exc:
+        out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+def test_raw_parameters_refused_where_annot_cannot_place_them(tmp_path):
+    res = run_ranks(_refusals, 2, str(tmp_path), timeout=300)
+    build = (
+        "HintError",
+        "annot cannot split TwoTower into 2 pipeline stages automatically without knowing the "
+        "order its forward calls its modules and reads its parameters: the balanced split "
+        "begins stages at ['visual.norm'] inside nested forwards, where each stage holds what "
+        "it calls and reads, and the order the modules are registered in need not be the order "
+        "forward calls them. To fix: pass sample=<one microbatch of forward's arguments, a "
+        "tuple or a dict> to annot.parallelize (one meta forward, no FLOPs), or give the "
+        "boundaries by hand with split=[...]",
+    )
+    assert res[0][0] == res[1][0] == build
+    # stage 1 reads image.proj, placed on stage 0 with its tower
+    assert res[1][1] == (
+        "PipelineError",
+        "pipeline stage 1 reads 'image.proj' directly, but this stage does not hold it: annot "
+        "placed it by the order the model registers its modules, which differs from where "
+        "forward reads it, and its gradient would be lost. To fix: pass sample=<one microbatch "
+        "of the model's arguments> to annot.parallelize, so annot follows the calls and reads "
+        "(a parameter read by several stages is then held by each, its gradient summed over "
+        "them)",
+    )
+    # with sample= it is held by the stage that reads it
+    (tmp_path / "sample").mkdir()
+    _run(tmp_path / "sample", "late_projection", [["text.blocks.1"]], sample=True)
