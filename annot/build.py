@@ -39,7 +39,13 @@ from annot.hints import (
     resolve_hints,
     stage_checkpoint,
 )
-from annot.materialize import adopt, check_same_rng, materialize, materialize_from
+from annot.materialize import (
+    adopt,
+    check_same_rng,
+    materialize,
+    materialize_from,
+    take_rewritten_classes,
+)
 from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
 from annot.preflight import preflight
@@ -421,6 +427,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
     else:
         with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
             local = mapping.get(cls, cls)(*args, **kwargs)
+        take_rewritten_classes(local, mapping)  # modules built by an unchanged factory
     with rmesh.use(ctx), torch.device("meta"):  # what construction did not shard
         convert_hinted(local, paths, tp, tied_names(ref))
     return local, splits.get("split")

@@ -11,7 +11,7 @@ import torch.nn as nn
 from annot.errors import HintError
 from annot.runtime.deferred_init import meta_copy
 
-__all__ = ["adopt", "check_same_rng", "materialize", "materialize_from"]
+__all__ = ["adopt", "check_same_rng", "materialize", "materialize_from", "take_rewritten_classes"]
 
 
 def check_same_rng(ctx, rng_state: torch.Tensor) -> None:
@@ -40,11 +40,20 @@ def adopt(instance: nn.Module, mapping: dict) -> nn.Module:
     meta device whose modules take their rewritten classes (forward reads the
     per-rank sizes). Its hinted layers are converted afterwards, as every
     layer construction did not shard is (``convert_hinted``)."""
-    local = meta_copy(instance)
-    for mod in local.modules():
+    return take_rewritten_classes(meta_copy(instance), mapping)
+
+
+def take_rewritten_classes(model: nn.Module, mapping: dict) -> nn.Module:
+    """Give every module of ``model`` still of an original class its
+    rewritten class (``mapping``): a built model's modules, and those a
+    rewritten class built through a factory function or a registry the
+    rewrite left alone (``make_block(cfg)`` builds the original class).
+    Their forward then reads the per-rank sizes; their hinted layers are
+    converted afterwards (``convert_hinted``). Returns ``model``."""
+    for mod in model.modules():
         if type(mod) in mapping:
             mod.__class__ = mapping[type(mod)]
-    return local
+    return model
 
 
 def materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:

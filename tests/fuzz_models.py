@@ -1,0 +1,249 @@
+"""Models drawn by the structure fuzzer (tests/test_fuzz_structures.py).
+
+One set of classes, shaped by a :class:`Recipe` (plain data, the same on
+every rank): the parts real libraries are made of, each switched on or off.
+
+- containers at several depths: blocks in an ``nn.ModuleList``, an
+  ``nn.Sequential`` called whole, an ``nn.ModuleDict``, or a ModuleList of
+  Sequential pairs;
+- attention (q, k, v column-parallel, out row-parallel) whose head count is
+  read from the module (``self.n_head``) or from a config object the blocks
+  share (``self.config.n_head``), and an MLP;
+- in-place ops on layer outputs (``y += x`` on a row-parallel output);
+- raw parameters read in the root's forward, across stages: a positional
+  table added, a class token concatenated, a projection used with ``@``, a
+  learned temperature ``exp``'d after the blocks;
+- two towers; skip connections across blocks (U-Net); a block called twice;
+  a branch on data; the embedding tied to the head.
+
+The fuzzer knows, from the recipe, the right hints (:func:`hints`) and where
+a stage may begin (:func:`boundaries`): its oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Recipe", "FuzzNet", "hints", "boundaries", "batch"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    blocks: int = 2  # per tower
+    heads: int = 4
+    head_dim: int = 4
+    container: str = "list"  # list | seq | dict | nested
+    kinds: str = "am"  # per block, cycled: a(ttention) m(lp)
+    heads_on_config: bool = False
+    inplace: bool = False
+    pos_param: bool = False
+    cls_token: bool = False
+    proj_param: bool = False
+    scale_param: bool = False
+    two_towers: bool = False
+    skip: bool = False
+    twice: bool = False
+    branch: bool = False
+    tied: bool = False
+    vocab: int = 32
+    seq: int = 8
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def per_block_control(self) -> bool:
+        """Whether the tower loops over its blocks itself (skip, twice, branch)."""
+        return self.container in ("list", "dict")
+
+
+class SharedConfig:
+    """A config object every block holds (HF style): its head count is read
+    in forward as ``self.config.n_head``."""
+
+    def __init__(self, n_head: int, n_embd: int):
+        self.n_head = n_head
+        self.n_embd = n_embd
+
+
+class Attention(nn.Module):
+    def __init__(self, r: Recipe, config: SharedConfig):
+        super().__init__()
+        self.config = config
+        self.n_head = r.heads
+        self.head_dim = r.head_dim
+        self.on_config = r.heads_on_config
+        self.inplace = r.inplace
+        self.q = nn.Linear(r.width, r.width)
+        self.k = nn.Linear(r.width, r.width)
+        self.v = nn.Linear(r.width, r.width)
+        self.out = nn.Linear(r.width, r.width)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        n_head = self.config.n_head if self.on_config else self.n_head
+        q = self.q(x).view(B, T, n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, n_head, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, n_head, self.head_dim).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
+        y = att.softmax(-1) @ v  # (B, nh, T, hd)
+        y = self.out(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
+        if self.inplace:
+            y += x  # in place on the row-parallel layer's output
+            return y
+        return y + x
+
+
+class MLP(nn.Module):
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.inplace = r.inplace
+        self.up = nn.Linear(r.width, 2 * r.width)
+        self.down = nn.Linear(2 * r.width, r.width, bias=False)
+
+    def forward(self, x):
+        y = self.down(F.gelu(self.up(x)))
+        if self.inplace:
+            return y.add_(x)
+        return y + x
+
+
+def _block(r: Recipe, i: int, config: SharedConfig) -> nn.Module:
+    return Attention(r, config) if r.kinds[i % len(r.kinds)] == "a" else MLP(r)
+
+
+class Tower(nn.Module):
+    def __init__(self, r: Recipe, config: SharedConfig):
+        super().__init__()
+        self.r = r
+        made = [_block(r, i, config) for i in range(r.blocks)]
+        if r.container == "list":
+            self.blocks = nn.ModuleList(made)
+        elif r.container == "seq":
+            self.blocks = nn.Sequential(*made)
+        elif r.container == "dict":
+            self.blocks = nn.ModuleDict({f"b{i}": b for i, b in enumerate(made)})
+        else:  # nested: a ModuleList of Sequential pairs
+            pairs = [nn.Sequential(*made[i : i + 2]) for i in range(0, len(made), 2)]
+            self.blocks = nn.ModuleList(pairs)
+        self.norm = nn.LayerNorm(r.width)
+
+    def forward(self, x):
+        r = self.r
+        if not r.per_block_control:
+            if r.container == "seq":
+                return self.norm(self.blocks(x))
+            for pair in self.blocks:
+                x = pair(x)
+            return self.norm(x)
+        blocks = self.blocks.values() if r.container == "dict" else self.blocks
+        saved = []
+        half = r.blocks // 2
+        for i, block in enumerate(blocks):
+            if r.skip and i >= r.blocks - half:
+                x = x + saved.pop()  # U-Net: the mirror block's output
+            x = block(x)
+            if r.twice and i == 0:
+                x = block(x)  # the same module, called again
+            if r.skip and i < half:
+                saved.append(x)
+            if r.branch and i == 0 and x.mean() > 0:  # a branch on data
+                x = x * 0.5
+        return self.norm(x)
+
+
+class FuzzNet(nn.Module):
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.r = r
+        config = SharedConfig(r.heads, r.width)
+        self.emb = nn.Embedding(r.vocab, r.width)
+        if r.pos_param:
+            self.pos = nn.Parameter(torch.randn(r.seq, r.width) * 0.1)
+        if r.cls_token:
+            self.cls = nn.Parameter(torch.randn(1, 1, r.width) * 0.1)
+        self.tower = Tower(r, config)
+        if r.two_towers:
+            self.text_emb = nn.Embedding(r.vocab, r.width)
+            self.text = Tower(r, config)
+        if r.proj_param:
+            self.proj = nn.Parameter(torch.randn(r.width, r.width) / math.sqrt(r.width))
+        if r.scale_param:
+            self.scale = nn.Parameter(torch.tensor(0.3))
+        self.head = nn.Linear(r.width, r.vocab, bias=False)
+        if r.tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids, targets):
+        r = self.r
+        B, T = ids.shape
+        x = self.emb(ids)
+        if r.pos_param:
+            x = x + self.pos[:T]
+        if r.cls_token:
+            x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)
+        x = self.tower(x)
+        if r.two_towers:
+            t = self.text_emb(ids)
+            if r.cls_token:
+                t = torch.cat([self.cls.expand(B, -1, -1), t], dim=1)
+            x = x + self.text(t)
+        if r.proj_param:
+            x = x @ self.proj
+        if r.scale_param:
+            x = x * self.scale.exp()
+        logits = self.head(x)
+        if r.cls_token:
+            logits = logits[:, 1:]
+        loss = F.cross_entropy(logits.reshape(-1, r.vocab), targets.reshape(-1))
+        return logits, loss
+
+
+def hints(r: Recipe, wrong: str = "") -> dict:
+    """The right tp hints for ``r`` (path patterns); ``wrong`` draws a wrong
+    one on purpose: ``"swap"`` (the MLP's Col / Row swapped), ``"global"``
+    (the head count left global)."""
+    from annot import Col, Local, Row
+
+    out = {}
+    if "a" in r.kinds[: r.blocks]:
+        out.update({"**.q": Col(), "**.k": Col(), "**.v": Col(), "**.out": Row()})
+    if "m" in r.kinds[: r.blocks]:
+        swap = wrong == "swap"
+        out.update({"**.up": Row() if swap else Col(), "**.down": Col() if swap else Row()})
+    if wrong != "global":
+        name = "config.n_head" if r.heads_on_config else "n_head"
+        for tower in ("tower", "text") if r.two_towers else ("tower",):
+            for i, path in enumerate(_block_paths(r, tower)):
+                if r.kinds[i % len(r.kinds)] == "a":
+                    out[path] = Local(name)
+    return out
+
+
+def _block_paths(r: Recipe, tower: str) -> list[str]:
+    if r.container == "dict":
+        return [f"{tower}.blocks.b{i}" for i in range(r.blocks)]
+    if r.container == "nested":
+        return [f"{tower}.blocks.{i // 2}.{i % 2}" for i in range(r.blocks)]
+    return [f"{tower}.blocks.{i}" for i in range(r.blocks)]
+
+
+def boundaries(r: Recipe) -> list[str]:
+    """Module paths where a second stage may begin, in call order: the blocks
+    after the first (the first may be called twice), the second tower."""
+    out = _block_paths(r, "tower")[1:]
+    if r.two_towers:
+        out += ["text"] + _block_paths(r, "text")[1:]
+    return out
+
+
+def batch(r: Recipe, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, r.vocab, (n, r.seq), generator=g)
+    return ids, torch.randint(0, r.vocab, (n, r.seq), generator=g)
