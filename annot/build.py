@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 
 from annot.build_report import BuildReport
-from annot.compiler import compile_classes
 from annot.errors import HintError
 from annot.hints import (
     ShardSpec,
@@ -49,6 +48,7 @@ from annot.materialize import (
 from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
 from annot.preflight import preflight
+from annot.rewrite_cache import rewrite_classes
 from annot.rewriters.stage_split import split_stages
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.runtime import mesh as rmesh
@@ -420,8 +420,8 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
         f"tp={tp};stages={n_stages}:{boundaries}:{'replay' if report.replay else 'split'};"
         f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
     )
-    mapping = compile_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
-    report.compiled = list(compile_classes.last)
+    mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
+    report.rewritten = list(rewrite_classes.last)
     if instance is not None:
         local = adopt(instance, mapping)
     else:

@@ -23,8 +23,8 @@ class BuildReport:
     boundaries: tuple[str, ...] = ()
     replay: bool = False
     plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
-    # step 4, rewrite: annot.compiler's record of each rewritten source
-    compiled: list = field(default_factory=list)
+    # step 4, rewrite: annot.rewrite_cache's record of each rewritten source
+    rewritten: list = field(default_factory=list)
     # sequence parallelism: the blocks run on sequence shards
     sequence_blocks: list[str] = field(default_factory=list)
     # step 6: "passed", "on the first call" or "not run" (tp = 1, or pp > 1)

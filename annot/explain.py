@@ -240,8 +240,8 @@ def _pipeline(step, view) -> list[str]:
 def _rewritten(report) -> list[str]:
     return [
         f"rewritten source of {rec.source_path} -> {rec.cache_path} "
-        f"({'cache hit' if rec.hit else 'compiled'} in {rec.seconds * 1000:.0f} ms)"
-        for rec in (report.compiled if report is not None else [])
+        f"({'cache hit' if rec.hit else 'rewritten'} in {rec.seconds * 1000:.0f} ms)"
+        for rec in (report.rewritten if report is not None else [])
     ]
 
 

@@ -71,7 +71,7 @@ from annot.planner_points import (
     split_points,
 )
 from annot.planner_result import StagePlanResult
-from annot.planner_segments import compile_class, stage_fn, stage_modules
+from annot.planner_segments import exec_class, stage_fn, stage_modules
 
 __all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
 
@@ -143,7 +143,7 @@ def _measure(
         except RewriteError as exc:
             raise PartitionError(f"cannot split {qualname}.forward at {points}: {exc}") from None
         no_markers(qualname, split)
-    new_cls = compile_class(split.source, qualname, cls, qualname)
+    new_cls = exec_class(split.source, qualname, cls, qualname)
     bound = copy.copy(model)  # same parameters and submodules, the rewritten methods
     if type(model) is cls:
         bound.__class__ = new_cls

@@ -1,7 +1,7 @@
 """The planner's step 2: the segments of a class's ``forward``, as code that runs.
 
 Splitting at every split point gives one stage method per segment.
-:func:`compile_class` compiles the rewritten class in a copy of the model
+:func:`exec_class` compiles the rewritten class in a copy of the model
 module's namespace (to be bound to a shallow copy of the built model, so each
 segment runs the model's real code on its real weights); :func:`stage_modules`
 finds the modules behind a segment's ``self`` paths and :func:`stage_fn`
@@ -22,7 +22,7 @@ import torch.nn as nn
 from annot.errors import PartitionError
 from annot.planner_points import module_at
 
-__all__ = ["compile_class", "stage_fn", "stage_modules"]
+__all__ = ["exec_class", "stage_fn", "stage_modules"]
 
 
 class _Holder(nn.Module):
@@ -63,7 +63,7 @@ def stage_modules(model: nn.Module, paths: Sequence[str]) -> tuple[nn.Module, ..
     return tuple(out)
 
 
-def compile_class(text: str, qualname: str, cls: type, label: str) -> type:
+def exec_class(text: str, qualname: str, cls: type, label: str) -> type:
     """The class ``qualname`` of the rewritten ``text``, executed in a copy of
     ``cls``'s module namespace (the module's other code does not run again)."""
     import sys

@@ -164,7 +164,7 @@ def resplit(cls: type, boundaries: tuple[str, ...]):
     source, which the tensor-parallel rewrite does not rename, so split that."""
     import inspect
 
-    from annot.compiler import read_source
+    from annot.rewrite_cache import read_source
     from annot.rewriters.stage_split import split_stages
 
     path = inspect.getfile(cls)
@@ -192,8 +192,8 @@ def choose_boundaries(
     (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``)."""
     import inspect
 
-    from annot.compiler import read_source
     from annot.hints import StageSpec, get_stage_spec
+    from annot.rewrite_cache import read_source
     from annot.rewriters.stage_split import split_stages
 
     path = inspect.getfile(cls)
@@ -230,7 +230,7 @@ def choose_boundaries(
 
     auto = spec or StageSpec(auto=True)
     cost = auto.cost or ("flops" if sample is not None else "params")
-    from annot.compiler import cache_dir
+    from annot.rewrite_cache import cache_dir
 
     # profiles are cached next to the rewritten sources
     kw = dict(

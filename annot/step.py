@@ -36,7 +36,7 @@ __all__ = ["jit", "Step"]
 
 
 class Step:
-    """A compiled step function. Call it like the function it wraps."""
+    """A step function run by annot (pipeline schedule, microbatches). Call it like the function it wraps."""
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class Step:
         self.non_split = tuple(non_split)
         self.trace = trace
         self.timeout_s = timeout_s
-        self.compiles = 0  # how many times an executor was built (1 after the first call)
+        self.executor_builds = 0  # how many times an executor was built (1 after the first call)
         self._executor = None
         self._scale = 1.0
         self._last = False  # the body runs the step's last microbatch (pp = 1)
@@ -96,11 +96,11 @@ class Step:
                 output_arity=plan.output_arity,
                 forward_context=self.model.forward_context,
             )
-        self.compiles += 1
+        self.executor_builds += 1
 
     def __call__(self, *args: Any, **kwargs: Any) -> StepOutput:
         mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
-        if self.compiles == 0:
+        if self.executor_builds == 0:
             self._build()
         from annot.runtime.mesh import use
 

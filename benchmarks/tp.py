@@ -6,7 +6,7 @@
 (b) annot at tp=2 vs torch.distributed.tensor.parallel (DTensor) parallelize_module
     with ColwiseParallel / RowwiseParallel on the same model: step time (goal <= 0.8)
 (c) rewriting a large model file vs a bare libcst parse + codegen of it (goal <= 1.5)
-(d) JIT: parallelize() with a warm rewrite cache vs the first compile
+(d) JIT: parallelize() with a warm rewrite cache vs the first rewrite
 (e) HF GPT-2 with dropout 0.1 at tp=2: each rank's slice of the single-device masks
     (annot's default, exact) vs per-rank masks of the local shape (the cost of exactness)
 (f) HF Llama at tp=2, zero hints (its tp plan) vs DTensor parallelize_module with the
@@ -368,17 +368,17 @@ def bench_rewrite() -> tuple[float, float, int]:
 
 def bench_cache() -> tuple[float, float]:
     import annot
-    from annot.compiler import compile_classes
+    from annot.rewrite_cache import rewrite_classes
     from examples.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["ANNOT_CACHE_DIR"] = cache
         annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
-        first = sum(r.seconds for r in compile_classes.last)
+        first = sum(r.seconds for r in rewrite_classes.last)
         annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
-        hit = sum(r.seconds for r in compile_classes.last)
-        assert all(r.hit for r in compile_classes.last)
+        hit = sum(r.seconds for r in rewrite_classes.last)
+        assert all(r.hit for r in rewrite_classes.last)
     return first, hit
 
 
@@ -391,7 +391,7 @@ def main() -> None:
     a, b, lines = bench_rewrite()
     rows.append((f"(c) rewrite / libcst parse+codegen ({lines} lines)", a, b, a / b, "<= 1.5"))
     a, b = bench_cache()
-    rows.append(("(d) JIT cache hit / first compile", b, a, b / a, "(lower is better)"))
+    rows.append(("(d) JIT rewrite cache hit / first rewrite", b, a, b / a, "(lower is better)"))
     a, b = bench_dropout()
     rows.append(("(e) GPT-2 dropout tp=2: exact / per-rank masks", a, b, a / b, "(cost of exact)"))
     a, b = bench_llama(sp=False)

@@ -35,7 +35,7 @@ from annot.errors import AnnotError, RewriteError
 from annot.files import atomic_write
 from annot.hints import checkpoint, get_checkpoint
 
-__all__ = ["CompiledModule", "cache_dir", "compile_classes"]
+__all__ = ["RewrittenModule", "cache_dir", "rewrite_classes"]
 
 
 def _rewriter_fingerprint() -> str:
@@ -63,7 +63,7 @@ def cache_dir() -> Path:
 
 
 @dataclass
-class CompiledModule:
+class RewrittenModule:
     """One rewritten module: where it came from, where it lives, its classes."""
 
     original: types.ModuleType
@@ -207,7 +207,7 @@ def _changed(rewrites: list[tuple[types.ModuleType, str, str]]) -> set[type]:
     return changed
 
 
-def compile_classes(
+def rewrite_classes(
     classes: list[type],
     *,
     key: str,
@@ -220,8 +220,8 @@ def compile_classes(
     ``key`` captures everything else the output depends on (mesh, hints, plan).
     Returns a map from each original class the rewrite changes (:func:`_changed`)
     to its rewritten class, cross-module references patched; a class it leaves
-    as it was is not in the map and stays itself. ``compile_classes.last``
-    holds the :class:`CompiledModule` records of the last call (for explain
+    as it was is not in the map and stays itself. ``rewrite_classes.last``
+    holds the :class:`RewrittenModule` records of the last call (for explain
     and tests).
     """
     directory = directory or cache_dir()
@@ -248,7 +248,7 @@ def compile_classes(
         seconds = time.perf_counter() - t0
         rewrites.append((mod, source, text, src_path, cache_path, name, hit, seconds))
     changed = _changed([(mod, source, text) for mod, source, text, *_ in rewrites])
-    records: list[CompiledModule] = []
+    records: list[RewrittenModule] = []
     mapping: dict[type, type] = {}
     for mod, _, text, src_path, cache_path, name, hit, seconds in rewrites:
         t0 = time.perf_counter()
@@ -263,7 +263,7 @@ def compile_classes(
                     checkpoint(new_classes[k])
         seconds += time.perf_counter() - t0
         records.append(
-            CompiledModule(mod, src_path, cache_path, text, ns, hit, seconds, new_classes)
+            RewrittenModule(mod, src_path, cache_path, text, ns, hit, seconds, new_classes)
         )
     # A name that refers to an original class must build the rewritten one: a class
     # of another module (``from .blocks import Block``), and module-level registries
@@ -272,8 +272,8 @@ def compile_classes(
         d = rec.namespace.__dict__
         for k, v in list(d.items()):
             d[k] = _rewritten(v, mapping)
-    compile_classes.last = records
+    rewrite_classes.last = records
     return mapping
 
 
-compile_classes.last = []
+rewrite_classes.last = []

@@ -17,11 +17,11 @@ def _build(cache: str):
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.compiler import compile_classes
+    from annot.rewrite_cache import rewrite_classes
     from examples.gpt.model import GPT, GPTConfig
 
     annot.parallelize(GPT, GPTConfig(n_layer=1), mesh=annot.Mesh(tp=1), seed=0)
-    return [(r.hit, str(r.cache_path), r.namespace.__name__) for r in compile_classes.last]
+    return [(r.hit, str(r.cache_path), r.namespace.__name__) for r in rewrite_classes.last]
 
 
 def test_second_process_hits_the_cache(tmp_path):
@@ -105,10 +105,10 @@ def test_source_less_class_is_refused():
     ns: dict = {"nn": nn}
     exec("class Dyn(nn.Module):\n    def forward(self, x):\n        return x\n", ns)
     with pytest.raises(annot.AnnotError, match="has no source file"):
-        from annot.compiler import compile_classes
+        from annot.rewrite_cache import rewrite_classes
 
         ns["Dyn"].__module__ = "not_a_module_anywhere"
-        compile_classes([ns["Dyn"]], key="k", transform=lambda s, p, m: s)
+        rewrite_classes([ns["Dyn"]], key="k", transform=lambda s, p, m: s)
 
 
 LAYERS = """\
@@ -154,7 +154,7 @@ def test_only_classes_the_rewrite_changes_are_copied(tmp_path):
     import importlib.util
     import sys
 
-    from annot.compiler import compile_classes
+    from annot.rewrite_cache import rewrite_classes
 
     path = tmp_path / "layers_model.py"
     path.write_text(LAYERS)
@@ -163,7 +163,7 @@ def test_only_classes_the_rewrite_changes_are_copied(tmp_path):
     sys.modules["layers_model"] = mod
     try:
         spec.loader.exec_module(mod)
-        mapping = compile_classes(
+        mapping = rewrite_classes(
             [mod.Outer, mod.Plain],
             key="k",
             transform=lambda s, p, m: s.replace(
