@@ -1,11 +1,10 @@
 """``torch.compile`` on a parallel model, as torchtitan applies it.
 
-Each block of this rank's model is compiled after sharding
-(``parallelize(compile=True)``, ``parallelize(compile={"backend": ...})``
-or ``model.compile(...)`` on the :class:`~annot.ParallelModel`): the blocks of
-the model's block list (a transformers model's pp plan, else its largest
-``nn.ModuleList``: :func:`annot.hf.nested_blocks`), or the whole model where
-it has none and runs in one stage. Only a block's ``forward`` is compiled (an
+This rank's model is compiled after sharding (``parallelize(compile=True)``,
+``parallelize(compile={"backend": ...})`` or ``model.compile(...)`` on the
+:class:`~annot.ParallelModel`): whole where it runs in one stage without
+FSDP2, else each block of the model's block list (a transformers model's pp
+plan, else its largest ``nn.ModuleList``: :func:`annot.hf.nested_blocks`). Only a block's ``forward`` is compiled (an
 instance attribute, like activation checkpointing's wrapper), so the module
 tree and every state-dict key stay as they are, and module hooks (FSDP2's,
 the pipeline replay's, sequence parallelism's) run eagerly around it.
@@ -71,10 +70,11 @@ def compile_blocks(
     boundaries: tuple[str, ...] = (),
     whole: bool = True,
 ) -> list[str]:
-    """Compile the ``forward`` of each block of ``container`` (a path under
-    ``module``) that holds parameters here and that no boundary cuts; with no
-    container and ``whole``, ``module``'s own forward. Returns the paths
-    compiled ("" for the whole module)."""
+    """Compile ``module``'s own forward where ``whole`` (one stage, no
+    FSDP2: its embedding, head and loss are worth compiling too), else the
+    ``forward`` of each block of ``container`` (a path under ``module``) that
+    this rank holds and that no boundary cuts. Returns the paths compiled
+    ("" for the whole module)."""
     targets = _targets(module, container, boundaries, whole)
     _check_dropout(targets)
     for _, block in targets:
@@ -93,8 +93,10 @@ def compiled_paths(module: nn.Module) -> list[str]:
 def _targets(
     module: nn.Module, container: Optional[str], boundaries: tuple[str, ...], whole: bool
 ) -> list[tuple[str, nn.Module]]:
+    if whole and not boundaries:
+        return [("", module)]
     if container is None:
-        return [("", module)] if whole and not boundaries else []
+        return []
     out = []
     for name, block in module.get_submodule(container).named_children():
         path = f"{container}.{name}"

@@ -125,8 +125,8 @@ class ParallelModel(nn.Module):
         return self.forward(*args, **kwargs)
 
     def compile(self, **options: Any) -> None:
-        """``torch.compile`` each block of this rank's model after sharding, as
-        torchtitan does (:mod:`annot.compile`): ``options`` are
+        """``torch.compile`` this rank's model after sharding: whole in one
+        stage, else each block, as torchtitan does (:mod:`annot.compile`): ``options`` are
         ``torch.compile``'s (``backend=``, ``mode=``, ``dynamic=``, ...). The
         module tree and state-dict keys are unchanged; the pipeline, its
         replay and annot's reductions stay eager."""
@@ -140,7 +140,7 @@ class ParallelModel(nn.Module):
             options,
             container=nested_blocks(self.module),
             boundaries=plan.boundaries if staged else (),
-            whole=not staged,
+            whole=not staged and self.fsdp is None,
         )
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -118,24 +118,18 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
         return matmul(x, layer.weight, layer.bias, transposed)
     ctx = mesh_for(type(layer).__name__, layer.tp)
     group = ctx.tp_group
-    # Under torch.compile each layer makes its own entry, without the overlap:
-    # both keep Python state between autograd nodes, which a traced graph cannot.
+    # Under torch.compile no overlap: it keeps Python state between autograd nodes.
     traced = compiling()
     if layer.sequence_gathered:
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
         dim = layer.sequence_dim
-        if traced:
-            x = GatherSequence.apply(x, group, layer.tp, dim, False)
-        else:
-            key = ("gather", id(group), dim)
-            x = _shared_entry(x, key, GatherSequence, group, layer.tp, dim, True)
+        key = ("gather", id(group), dim)
+        x = _shared_entry(x, key, layer, GatherSequence, group, layer.tp, dim, not traced)
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
-        if traced:
-            x = CopyToTP.apply(x, group, False, False)
-        else:
-            x = _shared_entry(x, ("copy", id(group)), CopyToTP, group, True, True)
+        key = ("copy", id(group))
+        x = _shared_entry(x, key, layer, CopyToTP, group, True, not traced)
     if layer.overlap_backward and not traced:
         y = column_matmul(x, layer.weight, layer.bias, transposed)
     else:
@@ -145,7 +139,7 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
     return y
 
 
-def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
+def _shared_entry(x: torch.Tensor, key: tuple, layer: nn.Module, fn, *args) -> torch.Tensor:
     """``fn.apply(x, *args)``, shared by the column layers that read the same
     ``x`` one after another (q, k and v; gate and up): their summed input
     gradient is reduced once in backward instead of once per layer (exact: the
@@ -165,14 +159,23 @@ def _shared_entry(x: torch.Tensor, key: tuple, fn, *args) -> torch.Tensor:
     dim): the last ``x`` entered, kept until the next column layer of that key
     replaces it or :func:`forget_shared_inputs` (which ``ParallelModel``
     calls after each forward, and ``atexit`` at the end: an entry holds a
-    graph, whose nodes hold the process group)."""
+    graph, whose nodes hold the process group).
+
+    Under ``torch.compile`` a traced tensor has no version to read: the
+    entry is shared only when the layer's weight needs a gradient, so the
+    matmul saves its input for backward and autograd itself refuses an
+    in-place change between the readers (the entry's output is a view of
+    ``x``), as it refuses any change to a saved tensor."""
     if not (x.requires_grad and torch.is_grad_enabled()):
         return fn.apply(x, *args)
+    traced = compiling()
+    if traced and not layer.weight.requires_grad:
+        return fn.apply(x, *args)
     last = _ENTRIES.get(key)
-    if last is not None and last[0] is x and last[2] == x._version:
+    if last is not None and last[0] is x and (traced or last[2] == x._version):
         return last[1]
     y = fn.apply(x, *args)
-    _ENTRIES[key] = (x, y, x._version)
+    _ENTRIES[key] = (x, y, None if traced else x._version)
     return y
 
 
