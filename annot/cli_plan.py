@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 from annot.cli_inputs import Refusal, build_model, degree, describe, import_target, parse_inputs
 from annot.errors import AnnotError, PartitionError
+from annot.runtime.memory_model import PRECISIONS, SCHEDULES
+
+DEFAULT_SEQ_LEN = 2048
 
 __all__ = ["add_plan"]
 
@@ -65,7 +69,13 @@ def add_plan(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="FILE:CLASS", help="the model file and its @stage class")
-    p.add_argument("--pp", type=degree, required=True, metavar="N", help="pipeline stages")
+    p.add_argument("--pp", type=degree, metavar="N", help="pipeline stages")
+    p.add_argument(
+        "--world-size",
+        type=degree,
+        metavar="N",
+        help="instead of --pp: a what-if table of every pp x tp x dp of N devices (with --memory)",
+    )
     p.add_argument(
         "--tp", type=degree, default=1, metavar="T", help="tensor-parallel degree (default 1)"
     )
@@ -100,8 +110,118 @@ def add_plan(sub) -> None:
         default="adamw",
         help="optimizer state counted in memory (default adamw: 2 states per parameter)",
     )
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32; bf16-autocast (annot's precision='bf16': float32 weights, bf16 "
+        "activations); bf16 (bf16 weights and gradients with float32 master copies) "
+        "(default fp32)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=degree,
+        metavar="L",
+        help="tokens per sequence of the sample a transformers model is measured on "
+        f"(default {DEFAULT_SEQ_LEN}; --input gives the shape itself)",
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=degree,
+        metavar="B",
+        help="sequences per microbatch of that sample (default 1)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=degree,
+        default=8,
+        metavar="M",
+        help="microbatches per step: activations in flight and the bubble (default 8)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule: how many microbatches each stage holds (default 1f1b)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="activation checkpointing of every block (default off)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="optimizer state (and without a pipeline weights and gradients) sharded over "
+        "dp (default off)",
+    )
+    p.add_argument(
+        "--dp", type=degree, default=1, metavar="D", help="data-parallel degree (default 1)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
+
+
+def _training(args: argparse.Namespace):
+    from annot.runtime.memory_model import Training
+
+    return Training(
+        optimizer=args.optimizer,
+        precision=args.precision,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        checkpoint=args.checkpoint,
+        fsdp=args.fsdp,
+    )
+
+
+def _settings(args: argparse.Namespace, sample: Optional[dict], made: bool) -> str:
+    """The line that says what the memory figures assume (every default shown)."""
+    if sample is None:
+        shape = "no sample: no activations (give --input)"
+    elif made:
+        shape = f"microbatch {args.microbatch_size or 1} x {args.seq_len or DEFAULT_SEQ_LEN} tokens"
+    else:
+        shape = "microbatch " + ", ".join(
+            f"{k}={list(v.shape)}" for k, v in sample.items() if hasattr(v, "shape")
+        )
+    return (
+        f"assuming: {shape}; {args.microbatches} microbatches, schedule {args.schedule}, "
+        f"precision {args.precision}, optimizer {args.optimizer}, activation checkpointing "
+        f"{'on' if args.checkpoint else 'off'}, fsdp {'on' if args.fsdp else 'off'}"
+        + (f" (dp={args.dp})" if args.fsdp and args.world_size is None else "")
+    )
+
+
+def _hf_sample(model, args: argparse.Namespace) -> Optional[dict]:
+    """A transformers model's microbatch of ``--microbatch-size`` x ``--seq-len``
+    tokens (labels too, where forward takes them: the loss's saved tensors count),
+    from :func:`annot.hf.sample_inputs`'s tiny one."""
+    import torch
+
+    from annot.hf import sample_inputs
+
+    tiny = sample_inputs(model)
+    if tiny is None or "input_ids" not in tiny:
+        return tiny
+    shape = (args.microbatch_size or 1, args.seq_len or DEFAULT_SEQ_LEN)
+    out = {
+        k: torch.zeros(shape, dtype=torch.long) if k.endswith("input_ids") else v
+        for k, v in tiny.items()
+    }
+    import inspect
+
+    if "labels" in inspect.signature(type(model).forward).parameters:
+        out["labels"] = out["input_ids"]
+    return out
+
+
+def _to(device: str, sample):
+    import torch
+
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -109,8 +229,20 @@ def _run_plan(args: argparse.Namespace) -> int:
         path, sep, name = args.target.rpartition(":")
         if not sep or not path or not name:
             raise Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
+        if (args.pp is None) == (args.world_size is None):
+            raise Refusal(
+                "give --pp N (a plan for N pipeline stages) or --world-size N with --memory "
+                "(the table of every pp x tp x dp of N devices), not both"
+            )
+        if args.world_size is not None and args.memory is None:
+            raise Refusal("--world-size needs --memory (the bytes of each device)")
         if args.fit and args.memory is None:
             raise Refusal("--fit needs --memory (the budget the stages must fit)")
+        if args.input and (args.seq_len or args.microbatch_size):
+            raise Refusal(
+                "--input gives the sample's shape; leave out --seq-len / --microbatch-size"
+            )
+        setup = _training(args)
         memory = None
         if args.memory is not None:
             from annot.hints import parse_bytes
@@ -126,9 +258,13 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise Refusal(f"{path}: defines no nn.Module class {name!r}")
         import torch
 
+        cost = args.cost or ("time" if args.input else "params")
+        # from shapes alone: no weight is allocated unless time is measured
+        device = "cpu" if cost == "time" else "meta"
         torch.manual_seed(0)
         try:
-            model = build_model(module, cls, args.init, args.config_json)
+            with torch.device(device):
+                model = build_model(module, cls, args.init, args.config_json)
         except (Refusal, AnnotError):
             raise
         except Exception as exc:
@@ -142,16 +278,22 @@ def _run_plan(args: argparse.Namespace) -> int:
         if not isinstance(model, cls):
             raise Refusal(f"--init built a {type(model).__name__}, not a {name}")
         sample = parse_inputs(args.input, cls)
+        made = sample is None
+        if made:
+            sample = _hf_sample(model, args)
+        if sample is not None and device == "meta":
+            sample = _to("meta", sample)
         from annot.hints import get_stage_spec
 
         nested = get_stage_spec(cls) is None and not os.path.isfile(path)
-        if nested:  # a model you cannot edit: every nested block and block part
-            return _run_module_plan(args, model, sample, memory)
+        if nested or args.world_size is not None:
+            # a model you cannot edit (every nested block and block part), or the what-if table
+            return _run_module_plan(args, model, sample, memory, cost, setup, made)
         from annot.planner import fit_stages, plan_stages
 
         common = dict(
-            sample=sample,
-            cost=args.cost,
+            sample=None if made else sample,
+            cost=cost,
             optimizer=args.optimizer,
             source_path=module.__file__,
             progress=True,
@@ -167,7 +309,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             if not few or get_stage_spec(cls) is not None:
                 raise
             # forward itself has too few places to cut: its blocks sit deeper
-            return _run_module_plan(args, model, sample, memory)
+            return _run_module_plan(args, model, sample, memory, cost, setup, made)
         except AnnotError:
             raise
         except Exception as exc:
@@ -184,31 +326,68 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
+def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setup, made) -> int:
     """``annot plan`` for a model whose blocks sit below its forward (or that
     you cannot edit): :mod:`annot.module_plan` over its blocks and block
-    parts, in call order."""
-    from annot.hf import sample_inputs
-    from annot.module_plan import call_order, plan_module_boundaries
+    parts, in call order; with ``--world-size`` the what-if table
+    (:mod:`annot.what_if`)."""
+    from annot.module_plan import call_order, measure_units, plan_units
     from annot.runtime.stages import record_calls
     from annot.stage_choice import stranded_calls
+    from annot.what_if import Progress, format_what_if, what_if
 
-    cost = args.cost or ("time" if sample is not None else "params")
-    probe = sample if sample is not None else sample_inputs(model)
+    progress = Progress()
+    probe = sample if sample is not None else None
+    if probe is None:
+        from annot.hf import sample_inputs
+
+        probe = sample_inputs(model)
+        if probe is not None and next(model.parameters()).is_meta:
+            probe = _to("meta", probe)
+    progress.note("recording the order of module calls (one meta forward)")
     order = call_order(record_calls(model, probe)) if probe is not None else None
     stranded = stranded_calls(model, probe) if probe is not None else None
-    plan = plan_module_boundaries(
+    progress.note("measuring every unit: FLOPs and bytes saved for backward")
+    measures = measure_units(
         model,
-        args.pp,
         sample=sample,
         cost=cost,
         order=order,
-        memory=memory,
-        fit=args.fit,
-        optimizer=args.optimizer,
-        tp=args.tp,
         stranded=stranded,
+        setup=setup,
+        min_units=1 if args.fit or args.pp is None else args.pp,
     )
+    settings = _settings(args, sample, made)
+    if not args.json:
+        print(settings)
+    if args.world_size is not None:
+        choices = what_if(measures, args.world_size, memory, progress)
+        if args.json:
+            import json
+
+            doc = {
+                "assuming": settings,
+                "choices": [
+                    {
+                        "pp": c.pp,
+                        "tp": c.tp,
+                        "dp": c.dp,
+                        "fits": c.fits,
+                        "slowest": c.slowest if c.plan is not None else None,
+                        "bubble": c.bubble,
+                        "stage_memory": c.plan.stage_memory if c.plan is not None else None,
+                        "boundaries": c.plan.boundaries if c.plan is not None else None,
+                        "refusal": c.refusal,
+                    }
+                    for c in choices
+                ],
+            }
+            print(json.dumps(doc, indent=2))
+        else:
+            print(format_what_if(choices, args.world_size, memory, cost))
+        return 0
+    progress.note(f"partitioning {len(measures.fine)} units into {args.pp} stages")
+    plan = plan_units(measures, args.pp, tp=args.tp, dp=args.dp, memory=memory, fit=args.fit)
     if args.json:
         import json
 
@@ -219,6 +398,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory) -> int:
             "imbalance": plan.imbalance,
             "stage_memory": plan.stage_memory,
             "units": [u.path for u in plan.units],
+            "assuming": settings,
         }
         print(json.dumps(doc, indent=2))
     else:

@@ -36,11 +36,19 @@ from annot.errors import HintError, PartitionError
 
 __all__ = [
     "ModulePlan",
+    "StageMemoryError",
     "Unit",
+    "UnitFigures",
+    "UnitMeasures",
+    "block_paths",
     "call_order",
     "coarser",
     "never_called",
+    "measure_units",
     "plan_module_boundaries",
+    "plan_units",
+    "split_layers",
+    "tp_sharded",
     "units",
 ]
 
@@ -74,6 +82,9 @@ class ModulePlan:
     cost: str
     stage_memory: list[int] = dataclasses.field(default_factory=list)  # bytes per device
     memory_budget: Optional[int] = None
+    # each stage's annot.runtime.memory_model.StageMemory (stage_memory: their totals)
+    stage_detail: list[Any] = dataclasses.field(default_factory=list)
+    tp: int = 1
 
     @property
     def imbalance(self) -> float:
@@ -81,18 +92,61 @@ class ModulePlan:
         mean = sum(self.stage_costs) / len(self.stage_costs)
         return max(self.stage_costs) / mean if mean else 1.0
 
+    def stage_units(self, s: int) -> tuple[str, str]:
+        """The first and last unit of stage ``s``."""
+        paths = [u.path for u in self.units]
+        starts = [0, *(paths.index(b) for b in self.boundaries), len(paths)]
+        return paths[starts[s]], paths[starts[s + 1] - 1]
+
     def table(self) -> str:
         from annot.runtime.cost_table import format_bytes
 
         starts = [self.units[0].path, *self.boundaries]
         unit = {"time": "s", "flops": "FLOPs"}.get(self.cost, "params")
-        memory = self.stage_memory or [None] * len(starts)
-        rows = [f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14} {'memory':>10}"]
-        for k, (b, c, m) in enumerate(zip(starts, self.stage_costs, memory)):
-            rows.append(f"{k:<6} {b:<40} {c:>14.6g} {format_bytes(m) if m else '':>10}")
+        detail = self.stage_detail or [None] * len(starts)
+        rows = [
+            f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14} {'memory':>10} "
+            f"{'weights+grads+optimizer':>24} {'activations (in flight)':>24}"
+        ]
+        for k, (b, c, d) in enumerate(zip(starts, self.stage_costs, detail)):
+            mem = state = act = ""
+            if d is not None:
+                mem, state = format_bytes(d.total), format_bytes(d.params.total + d.buffers)
+                act = f"{format_bytes(d.activations)} ({d.in_flight})" if d.in_flight else "-"
+            rows.append(f"{k:<6} {b:<40} {c:>14.6g} {mem:>10} {state:>24} {act:>24}")
         budget = f", memory budget {format_bytes(self.memory_budget)}" if self.memory_budget else ""
         rows.append(f"max/mean {self.imbalance:.3f} over {len(self.units)} candidate units{budget}")
         return "\n".join(rows)
+
+
+class StageMemoryError(PartitionError):
+    """No split into the stages asked for fits the memory budget: names the
+    stage of the balanced split that needs the most, its memory and the budget."""
+
+    def __init__(self, plan: ModulePlan, stage: int):
+        from annot.runtime.cost_table import format_bytes
+
+        self.plan, self.stage = plan, stage
+        d = plan.stage_detail[stage]
+        first, last = plan.stage_units(stage)
+        n = len(plan.stage_costs)
+        p = d.params
+        act = (
+            f", activations {format_bytes(d.activations)} for {d.in_flight} microbatch"
+            f"{'es' if d.in_flight != 1 else ''} in flight"
+            if d.in_flight
+            else ""
+        )
+        master = f", master copy {format_bytes(p.master)}" if p.master else ""
+        super().__init__(
+            f"no split into {n} pipeline stage{'s' if n != 1 else ''} at tp={plan.tp} fits the "
+            f"memory budget of {format_bytes(plan.memory_budget)} per device: stage {stage} "
+            f"({first} .. {last}) needs {format_bytes(d.total)} (weights "
+            f"{format_bytes(p.weights)}, gradients {format_bytes(p.grads)}{master}, optimizer "
+            f"state {format_bytes(p.optimizer)}{act}). To fix: more pipeline stages or "
+            "tensor-parallel degree, activation checkpointing, fewer microbatches in flight "
+            "(a smaller microbatch), fsdp, or a larger budget"
+        )
 
 
 def call_order(calls: list[tuple[str, ...]]) -> list[str]:
@@ -106,6 +160,15 @@ def never_called(m: nn.Module) -> bool:
     """A module list or dict: never called (forward calls its elements), so a
     stage cannot begin at it."""
     return isinstance(m, (nn.ModuleList, nn.ModuleDict))
+
+
+def block_paths(model: nn.Module) -> set[str]:
+    """The paths of the model's blocks: the elements of its outermost block
+    lists (``nn.ModuleList`` / ``nn.Sequential`` of two or more)."""
+    named = dict(model.named_modules(remove_duplicate=False))
+    lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
+    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
+    return {f"{p}.{c}" if p else c for p in outer for c, _ in named[p].named_children()}
 
 
 def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -> list[Unit]:
@@ -122,9 +185,7 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
     its own and calls its parts directly (not through a module list: experts
     called per routed token are no place for a boundary)."""
     named = dict(model.named_modules(remove_duplicate=False))
-    lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
-    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
-    blocks = {f"{p}.{c}" if p else c for p in outer for c, _ in named[p].named_children()}
+    blocks = block_paths(model)
     rank = {p: i for i, p in enumerate(order or [])}
     paths = sorted(named, key=lambda p: (rank.get(p, len(rank)), list(named).index(p)))
     counted: set[int] = set()
@@ -355,47 +416,150 @@ def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> li
     return [statistics.median(s) for s in samples]
 
 
-def _measure(model: nn.Module, found: list[Unit], sample: Any) -> list[Any]:
+@dataclass(frozen=True)
+class UnitFigures:
+    """What one microbatch's forward and backward show of a unit (on meta as on
+    real weights): its FLOPs and the bytes it keeps for backward
+    (:class:`annot.runtime.saved_bytes.SavedBytes`), of which ``*_split`` tp
+    divides; ``kept``: what it keeps with the blocks checkpointed;
+    ``recompute``: for a block's first unit, the whole block's saved bytes
+    (what backward recomputes at once)."""
+
+    flops: int = 0
+    saved: int = 0
+    saved_split: int = 0
+    kept: int = 0
+    kept_split: int = 0
+    recompute: int = 0
+    recompute_split: int = 0
+
+    def activations(self, tp: int, checkpoint: bool) -> int:
+        """Bytes kept per microbatch at ``tp``."""
+        if checkpoint:
+            return _at_tp(self.kept, self.kept_split, tp)
+        return _at_tp(self.saved, self.saved_split, tp)
+
+    def recomputed(self, tp: int) -> int:
+        return _at_tp(self.recompute, self.recompute_split, tp)
+
+    def __add__(self, other: UnitFigures) -> UnitFigures:
+        return UnitFigures(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+
+def _at_tp(total: int, split: int, tp: int) -> int:
+    return total - split + -(-split // tp)
+
+
+def split_layers(model: nn.Module) -> dict[nn.Module, str]:
+    """The layers tensor parallelism splits, as ``"col"`` (output split) or
+    ``"row"`` (output reduced whole): ``@shard`` hints, else a transformers
+    tp plan's. A vocab-parallel embedding's output is whole, as a row's."""
+    from annot.hf import hints_from_hf_config
+    from annot.hints import get_shard_spec, resolve_hints
+    from annot.specs import Col, Row, Vocab
+
+    kinds = {Col: "col", Row: "row", Vocab: "row"}
+    out: dict[nn.Module, str] = {}
+    for m in model.modules():
+        spec = get_shard_spec(type(m))
+        for name, sp in spec.specs.items() if spec is not None else ():
+            target = getattr(m, name, None)
+            if isinstance(target, nn.Module) and type(sp) in kinds:
+                out[target] = kinds[type(sp)]
+    hints = hints_from_hf_config(model)
+    if hints:
+        named = dict(model.named_modules())
+        for path, sp in resolve_hints(model, hints)[1].items():
+            if isinstance(named.get(path), nn.Module) and type(sp) in kinds:
+                out[named[path]] = kinds[type(sp)]
+    return out
+
+
+def _measure(
+    model: nn.Module,
+    found: list[Unit],
+    sample: Any,
+    *,
+    float_size: Optional[int] = None,
+    checkpoint: bool = False,
+) -> list[UnitFigures]:
     """Per unit, from one forward and backward on ``sample``: its FLOPs
     (forward + backward: ``FlopCounterMode``'s counts of the modules it owns)
-    and the bytes its forward saves for backward (``saved_tensors_hooks``,
-    each storage once, parameters left out), as
-    :class:`annot.runtime.cost_segments.SegmentCost`'s measured fields."""
+    and the bytes its forward saves for backward (each storage once, by
+    identity, parameters left out; on a meta model as on a real one), split
+    as tp would split them; with ``checkpoint`` also what a second forward,
+    its blocks checkpointed, keeps. ``float_size``: see :class:`SavedBytes`."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from annot.runtime.replay import call_with
+    from annot.runtime.checkpointing import (
+        apply_activation_checkpointing,
+        remove_activation_checkpointing,
+    )
+    from annot.runtime.replay import call_with, meta_values
+    from annot.runtime.saved_bytes import SavedBytes
 
     modules = dict(model.named_modules(remove_duplicate=False))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved, seen, current = [0] * len(found), set(), [None]
+    params = list(model.parameters())
+    layers = split_layers(model)
+    saved = SavedBytes(params, layers, float_size)
+    saved.key = 0  # glue before the first unit's call is the first unit's
+    active = [saved]
 
     def enter(i: int, module, args) -> None:
-        current[0] = i
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if current[0] is not None and key not in weights and key not in seen:
-            seen.add(key)
-            saved[current[0]] += t.untyped_storage().nbytes()
-        return t
+        active[0].key = i
 
     handles = [
         modules[u.path].register_forward_pre_hook(functools.partial(enter, i))
         for i, u in enumerate(found)
     ]
+    kept = None
     try:
-        with FlopCounterMode(display=False) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False) as counter, meta_values():
+            with saved.counting():
                 out = call_with(model, sample)
             loss = _output_scalar(out)
             if loss is not None:
                 loss.backward()
+        del out, loss
+        if checkpoint:
+            blocks = block_paths(model)
+            apply_activation_checkpointing(model, {type(modules[b]) for b in blocks})
+            kept = active[0] = SavedBytes(params, layers, float_size)
+            kept.key = 0
+            try:
+                with kept.counting(), meta_values():
+                    call_with(model, sample)  # forward only: what it keeps
+            finally:
+                remove_activation_checkpointing(model)
     finally:
         for h in handles:
             h.remove()
     model.zero_grad(set_to_none=True)
+    flops = _unit_flops(model, found, counter.get_flop_counts())
+    recompute = [0] * len(found)
+    recompute_split = [0] * len(found)
+    if checkpoint:
+        first = {u.path: i for i, u in enumerate(found)}
+        for b in block_paths(model):
+            if b in first:
+                inside = [
+                    i for i, u in enumerate(found) if u.path == b or u.path.startswith(b + ".")
+                ]
+                recompute[first[b]] = sum(saved.of(i) for i in inside)
+                recompute_split[first[b]] = sum(saved.split_bytes(i) for i in inside)
     return [
-        _measured(f, a) for f, a in zip(_unit_flops(model, found, counter.get_flop_counts()), saved)
+        UnitFigures(
+            flops=flops[i],
+            saved=saved.of(i),
+            saved_split=saved.split_bytes(i),
+            kept=kept.of(i) if kept is not None else 0,
+            kept_split=kept.split_bytes(i) if kept is not None else 0,
+            recompute=recompute[i],
+            recompute_split=recompute_split[i],
+        )
+        for i in range(len(found))
     ]
 
 
@@ -432,7 +596,7 @@ def _unit_flops(model: nn.Module, found: list[Unit], counts: dict) -> list[int]:
     return flops
 
 
-def _tp_sharded(model: nn.Module, tp: int) -> set[int]:
+def tp_sharded(model: nn.Module, tp: int) -> set[int]:
     """The parameters tp splits: ``@shard`` hints, else a transformers tp plan's."""
     from annot.hf import hints_from_hf_config
     from annot.hints import resolve_hints
@@ -440,6 +604,70 @@ def _tp_sharded(model: nn.Module, tp: int) -> set[int]:
 
     hints = hints_from_hf_config(model, tp=tp) if tp > 1 else None
     return sharded_ids(model, resolve_hints(model, hints)[1] if hints else None)
+
+
+@dataclass(frozen=True)
+class UnitMeasures:
+    """A model's units and what one microbatch showed of them, measured once
+    and planned at any pp and tp (:func:`plan_units`)."""
+
+    model: nn.Module
+    fine: list[Unit]
+    figures: Optional[list[UnitFigures]]  # None: nothing ran (cost "params", no sample)
+    timed: Optional[list[float]]
+    cost: str
+    setup: Any  # annot.runtime.memory_model.Training
+
+
+def measure_units(
+    model: nn.Module,
+    *,
+    sample: Any = None,
+    cost: str = "params",
+    repeats: int = 7,
+    order: Optional[list[str]] = None,
+    stranded: Optional[dict[str, str]] = None,
+    setup: Any = None,
+    min_units: int = 1,
+) -> UnitMeasures:
+    """Step 1 of :func:`plan_module_boundaries`: the units, and with a sample
+    their FLOPs and saved bytes (and with ``cost="time"`` their times)."""
+    from annot.runtime.memory_model import Training
+    from annot.runtime.stages import record_calls
+
+    setup = setup if setup is not None else Training()
+    if cost not in ("params", "time", "flops"):
+        raise HintError(
+            f"plan_module_boundaries: cost={cost!r}; expected 'params', 'time' or 'flops'"
+        )
+    if cost != "params" and sample is None:
+        raise HintError(f"plan_module_boundaries: cost={cost!r} needs sample= (one microbatch)")
+    if order is None and sample is not None:
+        order = call_order(record_calls(model, sample))
+    # measured costs also weigh the parts of block parts (a parameter count is
+    # too rough a proxy for that); without an order a block is one unit
+    fine = units(model, order, depth=1 if cost == "params" else 2)
+    if stranded is None and sample is not None:
+        from annot.stage_choice import stranded_calls
+
+        stranded = stranded_calls(model, sample)
+    fine = _begin_where_possible(fine, stranded or {})
+    if len(fine) < min_units:
+        raise HintError(
+            f"{type(model).__name__} has {len(fine)} places a pipeline stage can begin, fewer "
+            f"than the {min_units} stages asked for"
+        )
+    figures = None
+    if sample is not None:
+        figures = _measure(
+            model,
+            fine,
+            sample,
+            float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
+            checkpoint=setup.checkpoint,
+        )
+    timed = _times(model, fine, sample, repeats) if cost == "time" else None
+    return UnitMeasures(model, fine, figures, timed, cost, setup)
 
 
 def plan_module_boundaries(
@@ -455,21 +683,26 @@ def plan_module_boundaries(
     optimizer: str = "adamw",
     tp: int = 1,
     stranded: Optional[dict[str, str]] = None,
+    setup: Any = None,
 ) -> ModulePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
     ``cost``: "params" (no sample needed; a meta model is fine: each unit's
     parameters as a proxy for its FLOPs per token, an embedding's table
-    counting zero and a tied head counting in full, :attr:`Unit.work`), "time" or
-    "flops" (``model`` with real weights and ``sample``, one microbatch of
-    forward's arguments: a dict, a tuple or a tensor). ``order``: module paths
-    in call order (default: the call order on ``sample``, else registration
-    order). ``memory``: bytes each stage must fit (its weights, gradients and
-    ``optimizer`` states, a tied weight in every stage that holds it, plus the
-    activations one microbatch saves when a sample is given); ``fit``: the
-    fewest stages, at most ``n_stages``, that fit it (RaNNC's memory-fit mode).
-    ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or the
-    transformers tp plan splits hold ``1/tp``).
+    counting zero and a tied head counting in full, :attr:`Unit.work`), "time"
+    (real weights and ``sample``) or "flops" (``sample``, one microbatch of
+    forward's arguments: a dict, a tuple or a tensor; a meta model and meta
+    sample are fine). ``order``: module paths in call order (default: the
+    call order on ``sample``, else registration order). ``memory``: bytes
+    each stage must fit (:mod:`annot.runtime.memory_model`: its weights,
+    gradients, master copy and optimizer state by ``setup``, a tied weight in
+    every stage that holds it, plus with a sample the activations of the
+    microbatches the schedule keeps in flight on it); ``fit``: the fewest
+    stages, at most ``n_stages``, that fit it (RaNNC's memory-fit mode).
+    ``setup``: an :class:`annot.runtime.memory_model.Training` (default:
+    ``optimizer``, fp32, 1F1B over 8 microbatches). ``tp``: the stages'
+    figures at that tp degree (the layers ``@shard`` or the transformers tp
+    plan splits hold ``1/tp``, and so do the activations computed from them).
 
     With a measured ``cost`` the split may also begin inside a block part
     (``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
@@ -479,40 +712,52 @@ def plan_module_boundaries(
     ``stranded``: the module calls where no stage can begin
     (:func:`annot.runtime.stranded.stranded`; found on ``sample`` when not
     given): their units join the one before."""
-    from annot.runtime.stages import record_calls
+    from annot.runtime.memory_model import Training
 
-    if cost not in ("params", "time", "flops"):
-        raise HintError(
-            f"plan_module_boundaries: cost={cost!r}; expected 'params', 'time' or 'flops'"
-        )
-    if cost != "params" and sample is None:
-        raise HintError(f"plan_module_boundaries: cost={cost!r} needs sample= (one microbatch)")
     if fit and memory is None:
         raise HintError("plan_module_boundaries: fit=True needs memory= (the budget)")
-    if order is None and sample is not None:
-        order = call_order(record_calls(model, sample))
-    # measured costs also weigh the parts of block parts (a parameter count is
-    # too rough a proxy for that); without an order a block is one unit
-    fine = units(model, order, depth=1 if cost == "params" else 2)
-    if stranded is None and sample is not None:
-        from annot.stage_choice import stranded_calls
+    if setup is None:
+        setup = Training(optimizer=optimizer)
+    measures = measure_units(
+        model,
+        sample=sample,
+        cost=cost,
+        repeats=repeats,
+        order=order,
+        stranded=stranded,
+        setup=setup,
+        min_units=1 if fit else n_stages,
+    )
+    return plan_units(measures, n_stages, tp=tp, memory=memory, fit=fit)
 
-        stranded = stranded_calls(model, sample)
-    fine = _begin_where_possible(fine, stranded or {})
+
+def plan_units(
+    measures: UnitMeasures,
+    n_stages: int,
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    sharded: Optional[set[int]] = None,
+) -> ModulePlan:
+    """Step 2 of :func:`plan_module_boundaries`: the balanced split of the
+    measured units into ``n_stages`` stages at ``tp`` (and ``dp``, which only
+    FSDP's shares depend on). ``sharded``: the ids of the parameters tp
+    splits (default: found from the model's hints)."""
+    fine = measures.fine
     if len(fine) < n_stages and not fit:
         raise HintError(
-            f"{type(model).__name__} has {len(fine)} places a pipeline stage can begin, fewer "
-            f"than the {n_stages} stages asked for"
+            f"{type(measures.model).__name__} has {len(fine)} places a pipeline stage can "
+            f"begin, fewer than the {n_stages} stages asked for"
         )
-    measured = _measure(model, fine, sample) if sample is not None else None
-    timed = _times(model, fine, sample, repeats) if cost == "time" else None
+    if tp > 1 and sharded is None:
+        sharded = tp_sharded(measures.model, tp)
     best = None
     levels = (1, 2) if len(coarser(fine, 1)) < len(fine) else (1,)
     for level in levels:  # block parts, then the parts of those parts
         try:
-            plan = _plan_level(
-                model, fine, level, n_stages, measured, timed, cost, memory, fit, optimizer, tp
-            )
+            plan = _plan_level(measures, level, n_stages, memory, fit, tp, dp, sharded or set())
         except PartitionError:
             if best is None and level == levels[-1]:
                 raise
@@ -536,69 +781,135 @@ def _deeper_pays(shallow: ModulePlan, deep: ModulePlan) -> bool:
 
 
 def _plan_level(
-    model: nn.Module,
-    fine: list[Unit],
+    measures: UnitMeasures,
     level: int,
     n_stages: int,
-    measured: Optional[list[Any]],
-    timed: Optional[list[float]],
-    cost: str,
     memory: Optional[int],
     fit: bool,
-    optimizer: str,
     tp: int,
+    dp: int,
+    sharded: set[int],
 ) -> ModulePlan:
     """The balanced split over ``coarser(fine, level)``, its figures the sums of
-    the fine units' measurements."""
+    the fine units' measurements.
+
+    The partition charges every stage the activations of the most
+    microbatches any stage keeps in flight (1F1B: stage 0's pp) and, with
+    checkpointing, the largest recomputed block: never less than a stage
+    holds. Each stage's own figure (:func:`annot.runtime.memory_model.stage_memory`)
+    is what the plan reports; where that charge refuses every split, the
+    balanced split is checked stage by stage at its own figures."""
     from annot.planner_costs import segment_costs
     from annot.runtime.cost import partition_args
+    from annot.runtime.memory_model import in_flight
     from annot.runtime.partition import fit as fit_stages
     from annot.runtime.partition import partition
 
+    model, fine, setup, cost = measures.model, measures.fine, measures.setup, measures.cost
     groups = _groups(fine, level)
     found = coarser(fine, level)
     modules = dict(model.named_modules(remove_duplicate=False))
     owned = [[modules[p] for p in u.owns] for u in found]
-    if measured is not None:
-        measured = [
-            _measured(sum(measured[i].flops for i in g), sum(measured[i].activations for i in g))
-            for g in groups
+    figures = None
+    if measures.figures is not None:
+        figures = [
+            functools.reduce(UnitFigures.__add__, (measures.figures[i] for i in g)) for g in groups
         ]
-    figures = segment_costs(
+    pp = n_stages
+    flight = in_flight(setup.schedule, pp, setup.microbatches)
+    most = max(flight)  # with fit, at most n_stages stages: never less than a stage holds
+    per_mb = [f.activations(tp, setup.checkpoint) for f in figures] if figures else None
+    measured = None
+    if figures is not None:
+        measured = [_measured(f.flops, a * most) for f, a in zip(figures, per_mb)]
+    costs_of = segment_costs(
         model,
         [u.path for u in found],
         owned,
         measured,
-        optimizer=optimizer,
+        optimizer=setup.optimizer,
         cost="flops" if cost == "flops" else "params",
         tp=tp,
-        sharded=_tp_sharded(model, tp) if tp > 1 else None,
+        sharded=sharded,
+        setup=setup,
+        dp=dp,
+        pp=pp,
     )
     if cost == "flops":
-        costs = [c.cost for c in figures]
+        costs = [c.cost for c in costs_of]
     else:
         share = [1.0] * len(found)  # this rank's part of each unit at tp: params, or time alike
         if tp > 1:
             whole = [
                 sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
             ]
-            share = [c.n_params / n if n else 1.0 for c, n in zip(figures, whole)]
-        if timed is None:
+            share = [c.n_params / n if n else 1.0 for c, n in zip(costs_of, whole)]
+        if measures.timed is None:
             base = [float(u.work) for u in found]
         else:
-            base = [sum(timed[i] for i in g) for g in groups]
+            base = [sum(measures.timed[i] for i in g) for g in groups]
         costs = [b * f for b, f in zip(base, share)]
-    args = {**partition_args(figures), "costs": costs}
+    recompute = [f.recomputed(tp) for f in figures] if figures and setup.checkpoint else None
+    args = {**partition_args(costs_of), "costs": costs}
+    budget = memory - max(recompute) if memory is not None and recompute else memory
     if fit:
-        part = fit_stages(memory_budget=memory, max_stages=n_stages, **args)
+        part = fit_stages(memory_budget=budget, max_stages=n_stages, **args)
+        pp = part.n_stages
+        flight = in_flight(setup.schedule, pp, setup.microbatches)
     else:
-        part = partition(n_stages=n_stages, memory_budget=memory, **args)
-    return ModulePlan(
+        try:
+            part = partition(n_stages=n_stages, memory_budget=budget, **args)
+        except PartitionError:
+            if memory is None:
+                raise
+            part = partition(n_stages=n_stages, memory_budget=None, **args)
+    detail = _stage_detail(measures, found, owned, part, per_mb, recompute, flight, tp, dp, sharded)
+    plan = ModulePlan(
         boundaries=[found[b].path for b in part.boundaries],
         units=found,
         costs=costs,
         stage_costs=list(part.stage_costs),
         cost=cost,
-        stage_memory=list(part.stage_memory),
+        stage_memory=[d.total for d in detail],
         memory_budget=memory,
+        stage_detail=detail,
+        tp=tp,
     )
+    if memory is not None:
+        over = max(range(len(detail)), key=lambda s: detail[s].total)
+        if detail[over].total > memory:
+            raise StageMemoryError(plan, over)
+    return plan
+
+
+def _stage_detail(measures, found, owned, part, per_mb, recompute, flight, tp, dp, sharded):
+    """Each stage's :class:`annot.runtime.memory_model.StageMemory`."""
+    from annot.runtime.memory_model import stage_memory
+
+    out = []
+    for s, (a, b) in enumerate(part.bounds):
+        params: dict[int, nn.Parameter] = {}
+        buffers: dict[int, int] = {}
+        for ms in owned[a:b]:
+            for m in ms:
+                for p in m.parameters():
+                    params.setdefault(id(p), p)
+                for t in m.buffers():
+                    buffers[id(t)] = t.numel() * t.element_size()
+        shares = [
+            (-(-p.numel() // tp) if pid in sharded else p.numel(), p.requires_grad)
+            for pid, p in params.items()
+        ]
+        out.append(
+            stage_memory(
+                shares,
+                sum(buffers.values()),
+                sum(per_mb[a:b]) if per_mb else 0,
+                max(recompute[a:b]) if recompute else 0,
+                flight[s] if per_mb else 0,
+                measures.setup,
+                dp=dp,
+                pp=part.n_stages,
+            )
+        )
+    return out

@@ -19,10 +19,11 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from annot.files import atomic_write
+from annot.runtime.memory_model import OPTIMIZER_STATES
 
 __all__ = ["STATES", "profile", "segment_costs", "sharded_ids"]
 
-STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # optimizer states per element
+STATES = OPTIMIZER_STATES  # optimizer states per element
 
 
 def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
@@ -65,12 +66,22 @@ def segment_costs(
     cost: str,
     tp: int,
     sharded: Optional[set[int]] = None,
+    setup: Any = None,
+    dp: int = 1,
+    pp: int = 1,
 ):
     """One SegmentCost per segment: parameter-side bytes counted here (shared
     parameters keyed by their name in the model), the rest from ``measured``.
     ``sharded``: the ids of the parameters tp splits (default: the ``@shard``
-    hints', :func:`sharded_ids`)."""
+    hints', :func:`sharded_ids`). The bytes per parameter element are
+    :func:`annot.runtime.memory_model.param_bytes`'s for ``setup`` (an
+    :class:`annot.runtime.memory_model.Training`; default: ``optimizer`` in
+    float32); ``optimizer`` counts the master copy with the optimizer state."""
     from annot.runtime.cost_segments import SegmentCost
+    from annot.runtime.memory_model import Training, param_bytes
+
+    if setup is None:
+        setup = Training(optimizer=optimizer)
 
     qual = {id(p): n for n, p in model.named_parameters()}
     if tp == 1:
@@ -88,7 +99,6 @@ def segment_costs(
     for ps in owned:
         for pid in ps:
             users[pid] = users.get(pid, 0) + 1
-    states = STATES[optimizer]
     out = []
     for j, ps in enumerate(owned):
         p_bytes = g_bytes = s_bytes = n_params = n_sharded = 0
@@ -97,9 +107,8 @@ def segment_costs(
         for pid, p in ps.items():
             div = tp if pid in sharded else 1
             numel = math.ceil(p.numel() / div)
-            pb = numel * p.element_size()
-            gb = pb if p.requires_grad else 0
-            sb = states * pb if p.requires_grad else 0
+            held = param_bytes(numel, 1, p.requires_grad, setup, dp, pp)
+            pb, gb, sb = held.weights, held.grads, held.master + held.optimizer
             p_bytes, g_bytes, s_bytes = p_bytes + pb, g_bytes + gb, s_bytes + sb
             n_params += numel
             n_sharded += p.numel() if div > 1 else 0

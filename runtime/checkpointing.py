@@ -35,7 +35,11 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from annot.errors import HintError
 from annot.runtime.tp_dropout import recompute_context
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_stage"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpoint_stage",
+    "remove_activation_checkpointing",
+]
 
 
 def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -104,6 +108,22 @@ def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type]) -
             visit(child)
 
     visit(module)
+    return count
+
+
+def remove_activation_checkpointing(module: nn.Module) -> int:
+    """Undo :func:`apply_activation_checkpointing` on ``module`` and its
+    submodules: each wrapped forward is the module's own again. Returns how
+    many were unwrapped."""
+    count = 0
+    for m in module.modules():
+        if _is_checkpointed(m):
+            inner = m.__dict__["forward"].__wrapped__
+            if getattr(inner, "__func__", None) is type(m).forward:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = inner  # an instance's own forward, as it was
+            count += 1
     return count
 
 

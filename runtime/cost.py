@@ -60,11 +60,12 @@ from annot.errors import PartitionError
 from annot.runtime.cost_cache import cache_key, load, store
 from annot.runtime.cost_measure import detach, measure
 from annot.runtime.cost_segments import Segment, SegmentCost, as_segments
+from annot.runtime.memory_model import OPTIMIZER_STATES
 from annot.runtime.trees import tensors
 
 __all__ = ["profile_segments", "partition_args"]
 
-_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+_STATES = OPTIMIZER_STATES
 _COSTS = ("time", "flops", "params")
 
 

@@ -1,6 +1,7 @@
 """Measuring one segment for the cost model (:mod:`annot.runtime.cost`): its
 forward and backward FLOPs (``FlopCounterMode``), the bytes its forward saves
-for backward (``saved_tensors_hooks``, parameter storages left out) and the
+for backward (:class:`annot.runtime.saved_bytes.SavedBytes`: each storage once,
+by identity, parameter storages left out) and the
 median time of forward + backward.
 """
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from annot.runtime.cost_segments import Segment
+from annot.runtime.saved_bytes import SavedBytes
 from annot.runtime.trees import map_tensors, tensors
 
 __all__ = ["call", "detach", "measure"]
@@ -52,20 +54,9 @@ def fwd_bwd(fn, state):
 
 def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, warmup: int):
     """(forward flops, total flops, activation bytes, output, median seconds)."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if storage.data_ptr() not in param_ptrs:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    saved = SavedBytes(params)
     with FlopCounterMode(display=False) as fwd_counter:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved.counting():
             out = call(seg.fn, state)
     outs = [t for t in tensors(out) if t.requires_grad]
     with FlopCounterMode(display=False) as bwd_counter:
@@ -85,4 +76,4 @@ def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, 
         sync(probe)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return fwd, total, sum(saved.values()), out, statistics.median(times)
+    return fwd, total, saved.total(), out, statistics.median(times)

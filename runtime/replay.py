@@ -91,6 +91,7 @@ __all__ = [
     "replaying",
     "running_live",
     "call_with",
+    "meta_values",
     "shadow_call",
     "shape_run",
 ]
@@ -297,6 +298,14 @@ class _ReplayMode(TorchFunctionMode):
         if run.record:
             run.decisions_out.append(value)
         return value
+
+
+def meta_values() -> TorchFunctionMode:
+    """A mode in which a model on the meta device runs forward and backward
+    as :func:`shape_run` runs forward (value reads of meta tensors answer
+    zero / False), autograd on: for measuring what a step keeps and
+    computes from shapes alone."""
+    return _ShapeMode()
 
 
 class _ShapeMode(TorchFunctionMode):

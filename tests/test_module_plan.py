@@ -92,12 +92,13 @@ def test_memory_counts_weights_gradients_and_optimizer_states():
     plan = plan_module_boundaries(model, 2, optimizer="none")  # weights + gradients
     assert plan.stage_memory == [2 * 2 * block, 2 * 2 * block]
     plan = plan_module_boundaries(model, 2, optimizer="adamw")  # + 2 states each
-    assert plan.stage_memory == [4 * 2 * block, 4 * 2 * block]
+    step = 4 * 2 * 2  # and AdamW's float32 step per parameter tensor: 2 layers x 2 tensors
+    assert plan.stage_memory == [4 * 2 * block + step, 4 * 2 * block + step]
 
 
 def test_fit_takes_the_fewest_stages_within_the_budget():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-    block = sum(p.numel() * 4 for p in model[0].parameters()) * 4  # with AdamW
+    block = sum(p.numel() * 4 for p in model[0].parameters()) * 4 + 8  # with AdamW (+ steps)
     plan = plan_module_boundaries(model, 4, memory=2 * block, fit=True)
     assert plan.boundaries == ["2"] and plan.stage_memory == [2 * block, 2 * block]
     with pytest.raises(PartitionError, match="needs more than max_stages=2"):
@@ -117,13 +118,15 @@ def test_tp_halves_what_the_transformers_tp_plan_splits():
     )
     model = LlamaForCausalLM(cfg)
     # the plan splits every linear and the embedding (norms stay whole); AdamW: 16 B/element
+    # and a float32 step per tensor
+    steps = 4 * len(list(model.parameters()))
     split = sum(
         m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
     )
     whole = sum(p.numel() for p in model.parameters()) - split
     plan = plan_module_boundaries(model, 2, tp=2)
-    assert sum(plan.stage_memory) == 16 * (split // 2 + whole)
-    assert sum(plan_module_boundaries(model, 2).stage_memory) == 16 * (split + whole)
+    assert sum(plan.stage_memory) == 16 * (split // 2 + whole) + steps
+    assert sum(plan_module_boundaries(model, 2).stage_memory) == 16 * (split + whole) + steps
 
 
 def test_a_block_whose_part_is_a_sequential_counts_its_weights():
