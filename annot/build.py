@@ -122,6 +122,7 @@ def parallelize(
     fsdp: bool = False,
     compile: Union[bool, dict, None] = None,
     model_kwargs: Optional[dict] = None,
+    weights: Any = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -163,6 +164,10 @@ def parallelize(
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each
     block of this rank's model after sharding (:mod:`annot.compile`; the
     same as ``model.compile(**options)`` on the result).
+    ``weights=`` a weight source in place of the seed or the built model:
+    :class:`annot.pretrained.PretrainedWeights`, which
+    :func:`annot.from_pretrained` passes (storage given at step 5, values
+    read once FSDP2 has sharded the parameters).
     Returns a :class:`ParallelModel`.
     """
     from annot.compile import compile_options
@@ -235,7 +240,9 @@ def parallelize(
     if n_stages > 1:
         plan = _pipeline_plan(local, cls, split_plan, calls, ctx, chunks, report)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
-    if instance is not None:
+    if weights is not None:
+        weights.allocate(local, ref, ctx)
+    elif instance is not None:
         materialize_from(local, instance, ctx)
     else:
         materialize(local, cls, args, kwargs, seed, ctx, plan)
@@ -270,6 +277,9 @@ def parallelize(
         log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
     elif fsdp:
         log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
+    if weights is not None:
+        weights.fill(built)
+        log.debug("annot: step 7b: read this rank's part of the weights")
     if compile_kw is not None:
         built.compile(**compile_kw)
         log.debug("annot: step 8: torch.compile on %s", built.compiled_blocks)

@@ -29,3 +29,6 @@ class BuildReport:
     sequence_blocks: list[str] = field(default_factory=list)
     # step 6: "passed", "on the first call" or "not run" (tp = 1, or pp > 1)
     preflight: str = "not run"
+    # step 5 with annot.from_pretrained: where the weights were read
+    # (annot.pretrained.Source: the directory, each model name's stored name)
+    pretrained: Optional[object] = None

@@ -24,7 +24,7 @@ import uuid
 from annot.dcp_read import FORMAT, MARKER, crc32
 from annot.errors import CheckpointError
 
-__all__ = ["check_replaceable", "own_files", "publish", "seal", "write_file"]
+__all__ = ["check_replaceable", "own_files", "publish", "replace_dir", "seal", "write_file"]
 
 
 def check_replaceable(path: str) -> None:
@@ -85,12 +85,25 @@ def seal(tmp: str, known: dict[str, dict], info: dict) -> None:
 
 
 def publish(tmp: str, path: str) -> None:
-    old = None
+    """Move the sealed checkpoint ``tmp`` to ``path``, replacing an annot
+    checkpoint there (anything else is refused)."""
     if os.path.lexists(path):
         check_replaceable(path)
+    replace_dir(tmp, path)
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Rename the finished directory ``tmp`` to ``path``; whatever is at
+    ``path`` is moved aside first and removed after, so ``path`` holds the
+    old or the new one at every moment."""
+    old = None
+    if os.path.lexists(path):
         old = f"{path}.old-{uuid.uuid4().hex[:12]}"
         os.rename(path, old)
     os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.remove(old)

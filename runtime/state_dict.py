@@ -27,7 +27,13 @@ from annot.errors import CheckpointError, MeshError
 from annot.runtime.fsdp import copy_full_into, full
 from annot.runtime.tp_comm import gather_full, split_local, tp_env
 
-__all__ = ["load_full_state_dict", "full_state_dict", "full_grads", "shard_layouts"]
+__all__ = [
+    "load_full_state_dict",
+    "full_state_dict",
+    "full_grads",
+    "gather_whole",
+    "shard_layouts",
+]
 
 Layout = tuple[int, int, int]  # (dim, chunks, tp)
 
@@ -132,7 +138,10 @@ def load_full_state_dict(
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _gather(t: torch.Tensor, layout: Layout, key: str) -> torch.Tensor:
+def gather_whole(t: torch.Tensor, layout: Layout, key: str) -> torch.Tensor:
+    """The full tensor ``key`` of which ``t`` is this rank's tp shard (and, a
+    DTensor, its dp chunk): all-gathered over tp (and dp) on every rank of
+    those groups, which call it together."""
     dim, chunks, tp = layout
     group, _ = _env_for(tp, key)
     return gather_full(full(t.detach()), dim, chunks, tp, group)
@@ -151,7 +160,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             out[key] = full(t.detach())
         else:
             if id(t) not in gathered:
-                gathered[id(t)] = _gather(t, layout, key)
+                gathered[id(t)] = gather_whole(t, layout, key)
             out[key] = gathered[id(t)]
     return out
 
@@ -166,5 +175,5 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         if p.grad is None:
             continue
         layout = layouts.get(id(p))
-        out[name] = full(p.grad.detach()) if layout is None else _gather(p.grad, layout, name)
+        out[name] = full(p.grad.detach()) if layout is None else gather_whole(p.grad, layout, name)
     return out
