@@ -372,3 +372,70 @@ def test_save_on_one_rank_alone_times_out(cache, llama_dir, tmp_path):
     )
     assert res[0].startswith(f"this rank (0) timed out in save_pretrained({out!r})")
     assert not os.path.exists(out)
+
+
+# ---- memory: no rank holds the whole model ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_load_peak_memory_per_rank(tmp_path):
+    """pp2 load of a 0.3 GB float32 Llama: each rank's peak RSS over its life
+    stays within the issue's budget, 1.2 x (its own parameter bytes + a bare
+    torch + transformers process), and below what reading the whole model
+    would take (bare + the whole checkpoint)."""
+    from benchmarks.pretrained_memory import bare_rss_bytes, make_checkpoint, rank_load
+
+    config = dict(
+        vocab_size=16000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    path = str(tmp_path / "ckpt")
+    make_checkpoint(path, config)
+    whole = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    bare = bare_rss_bytes()
+    ranks = run_ranks(rank_load, 2, path, 2, 1, str(tmp_path / "cache"), timeout=600)
+    assert sum(r["own"] for r in ranks) >= 0.99 * whole - 1e6  # the stages partition it
+    for r in ranks:
+        assert r["peak"] <= 1.2 * (r["own"] + bare), (r, bare)
+        assert r["peak"] < bare + whole, (r, bare, whole)
+
+
+# ---- the example ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_finetune_example_tp2_pp2_then_resume_on_tp2(tmp_path):
+    import subprocess
+    import sys
+
+    from annot.testing import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "ANNOT_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env["ANNOT_BACKEND"] = "gloo"
+    script = os.path.join(root, "examples", "finetune_hf.py")
+    work, dcp = str(tmp_path / "work"), str(tmp_path / "work" / "step4")
+    for nproc, extra in (
+        (4, ["--tp", "2", "--pp", "2", "--save-dcp", dcp]),
+        (2, ["--tp", "2", "--resume", dcp]),
+    ):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        cmd += [
+            "--master-port",
+            str(free_port()),
+            script,
+            "--steps",
+            "4",
+            "--workdir",
+            work,
+            *extra,
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "last batch: annot loss" in proc.stdout
+    assert "resumed from" in proc.stdout and "step   7 |" in proc.stdout
