@@ -498,7 +498,7 @@ def _measure(
         remove_activation_checkpointing,
     )
     from annot.runtime.replay import call_with, meta_values
-    from annot.runtime.saved_bytes import SavedBytes
+    from annot.runtime.saved_bytes import SavedBytes, real_paths_on_meta
 
     modules = dict(model.named_modules(remove_duplicate=False))
     params = list(model.parameters())
@@ -516,7 +516,7 @@ def _measure(
     ]
     kept = None
     try:
-        with FlopCounterMode(display=False) as counter, meta_values():
+        with FlopCounterMode(display=False) as counter, meta_values(), real_paths_on_meta():
             with saved.counting():
                 out = call_with(model, sample)
             loss = _output_scalar(out)
@@ -529,7 +529,7 @@ def _measure(
             kept = active[0] = SavedBytes(params, layers, float_size)
             kept.key = 0
             try:
-                with kept.counting(), meta_values():
+                with kept.counting(), meta_values(), real_paths_on_meta():
                     call_with(model, sample)  # forward only: what it keeps
             finally:
                 remove_activation_checkpointing(model)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from annot.runtime.cost_segments import Segment
-from annot.runtime.saved_bytes import SavedBytes
+from annot.runtime.saved_bytes import SavedBytes, real_paths_on_meta
 from annot.runtime.trees import map_tensors, tensors
 
 __all__ = ["call", "detach", "measure"]
@@ -55,7 +55,7 @@ def fwd_bwd(fn, state):
 def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, warmup: int):
     """(forward flops, total flops, activation bytes, output, median seconds)."""
     saved = SavedBytes(params)
-    with FlopCounterMode(display=False) as fwd_counter:
+    with FlopCounterMode(display=False) as fwd_counter, real_paths_on_meta():
         with saved.counting():
             out = call(seg.fn, state)
     outs = [t for t in tensors(out) if t.requires_grad]

@@ -31,9 +31,10 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SavedBytes"]
+__all__ = ["SavedBytes", "real_paths_on_meta"]
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
@@ -41,6 +42,45 @@ def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
+
+
+class _RealPaths(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
+            return _fused_attention(*args, **kwargs)
+        if func is torch.arange and torch.device(kwargs.get("device") or "cpu").type == "meta":
+            return func(*args, **{**kwargs, "device": "cpu"})  # positions: real values
+        return func(*args, **kwargs)
+
+
+def _fused_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return op(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def real_paths_on_meta() -> TorchFunctionMode:
+    """A mode in which a model on the meta device takes the path a real run
+    takes, so that what it saves for backward is what a real run saves:
+
+    * ``scaled_dot_product_attention`` on meta tensors runs the fused (flash)
+      kernel a real CPU or GPU picks, not meta's default math path (the fused
+      kernel keeps its inputs, output and a log-sum-exp per row for backward,
+      the math path the whole heads x seq x seq probabilities);
+    * ``torch.arange`` asked for on meta (positions) is made on the CPU, so
+      the decisions a model takes on positions (transformers: whether the
+      causal mask can be left to the kernel, which also decides whether
+      grouped key/value heads are repeated) see their real values."""
+    return _RealPaths()
 
 
 class _Marks(TorchDispatchMode):
