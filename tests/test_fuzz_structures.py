@@ -34,6 +34,7 @@ from tests.fuzz_models import Recipe
 
 FAST = 10
 LONG = 40
+FOUR_RANKS = 4
 
 # Cases a fuzz run found, pinned (recipe, mode, compiled, wrong, split index).
 PINNED = [
@@ -258,7 +259,7 @@ def test_fuzz_structures_long_profile():
 
 @pytest.mark.slow
 def test_fuzz_structures_tp2_pp2():
-    n = _examples(FAST)
+    n = _examples(FOUR_RANKS)  # 4 ranks on 2 cores: about a minute an example
     seen = run_ranks(_fuzz, 4, n, ("tp2_pp2",), PINNED, timeout=1200)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
