@@ -59,6 +59,7 @@ from annot.runtime.replay import call_with
 from annot.runtime.sequence_parallel import apply_sequence_parallel, stage_runs
 from annot.runtime.stages import build_plan, stage_calls
 from annot.stage_choice import (
+    MemoryBudget,
     check_stranded,
     choose_boundaries,
     needs_replay,
@@ -123,6 +124,7 @@ def parallelize(
     compile: Union[bool, dict, None] = None,
     model_kwargs: Optional[dict] = None,
     weights: Any = None,
+    memory: Union[int, str, None] = None,
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -168,6 +170,13 @@ def parallelize(
     :class:`annot.pretrained.PretrainedWeights`, which
     :func:`annot.from_pretrained` passes (storage given at step 5, values
     read once FSDP2 has sharded the parameters).
+    ``memory=`` (bytes, or ``"80GiB"``) per device: the automatic split is
+    planned so that every stage fits it (weights, gradients and AdamW state
+    by ``precision`` and ``fsdp``; with ``sample=`` also the activations of
+    the microbatches 1F1B keeps in flight, measured on meta;
+    :mod:`annot.runtime.memory_model`), the planner ``annot plan`` uses; a
+    model that cannot fit is refused before any rank allocates, naming the
+    stage, its memory and the budget.
     Returns a :class:`ParallelModel`.
     """
     from annot.compile import compile_options
@@ -208,6 +217,7 @@ def parallelize(
             report=report,
             calls=calls,
             find_stranded=find_stranded,
+            budget=None if memory is None else MemoryBudget.of(memory, precision, fsdp, mesh.dp),
         )
         report.replay = needs_replay(ref, cls, report.boundaries)
         if report.replay:

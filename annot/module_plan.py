@@ -684,6 +684,7 @@ def plan_module_boundaries(
     tp: int = 1,
     stranded: Optional[dict[str, str]] = None,
     setup: Any = None,
+    dp: int = 1,
 ) -> ModulePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
@@ -702,7 +703,8 @@ def plan_module_boundaries(
     ``setup``: an :class:`annot.runtime.memory_model.Training` (default:
     ``optimizer``, fp32, 1F1B over 8 microbatches). ``tp``: the stages'
     figures at that tp degree (the layers ``@shard`` or the transformers tp
-    plan splits hold ``1/tp``, and so do the activations computed from them).
+    plan splits hold ``1/tp``, and so do the activations computed from them);
+    ``dp``: the data-parallel degree (what fsdp shards over).
 
     With a measured ``cost`` the split may also begin inside a block part
     (``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
@@ -728,7 +730,7 @@ def plan_module_boundaries(
         setup=setup,
         min_units=1 if fit else n_stages,
     )
-    return plan_units(measures, n_stages, tp=tp, memory=memory, fit=fit)
+    return plan_units(measures, n_stages, tp=tp, dp=dp, memory=memory, fit=fit)
 
 
 def plan_units(

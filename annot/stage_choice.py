@@ -7,6 +7,7 @@ stages are cut at run time (:mod:`annot.runtime.replay`)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -16,6 +17,7 @@ from annot.build_report import BuildReport
 from annot.errors import HintError
 
 __all__ = [
+    "MemoryBudget",
     "check_stranded",
     "choose_boundaries",
     "needs_replay",
@@ -25,6 +27,26 @@ __all__ = [
 ]
 
 log = logging.getLogger("annot")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """``parallelize(memory=...)``: the bytes each device has, and how the
+    model trains (:class:`annot.runtime.memory_model.Training`; precision and
+    fsdp from ``parallelize``'s options), over ``dp`` data-parallel ranks."""
+
+    bytes: int
+    training: Any
+    dp: int = 1
+
+    @staticmethod
+    def of(memory: Any, precision: Optional[str], fsdp: bool, dp: int) -> MemoryBudget:
+        from annot.hints import parse_bytes
+        from annot.runtime.memory_model import Training
+
+        kind = {None: "fp32", "bf16": "bf16-autocast"}.get(precision, "fp32")
+        training = Training(precision=kind, fsdp=fsdp)
+        return MemoryBudget(parse_bytes(memory, "parallelize"), training, dp)
 
 
 def record_calls(ref: nn.Module, sample: Any) -> Optional[list]:
@@ -88,6 +110,8 @@ def _module_boundaries(
     calls: Optional[list],
     report: Optional[BuildReport],
     stranded: dict[str, str],
+    budget: Optional[MemoryBudget] = None,
+    sample: Any = None,
 ) -> list[str]:
     """annot.module_plan's balanced split of a model without ``@stage``:
     parameter counts over every block and block part, in call order, at the
@@ -99,11 +123,24 @@ def _module_boundaries(
     the model registers its modules is all there is, and nothing shows that
     forward follows it: such a plan is refused, asking for ``sample=``. A
     plan the stage-split rewriter cuts in the root's forward reads what each
-    stage uses from the source, and stands."""
+    stage uses from the source, and stands.
+
+    Under a ``budget`` every stage must fit it (with ``sample``, one
+    microbatch, also its activations in flight; measured on meta), else
+    :class:`annot.module_plan.StageMemoryError` names the stage."""
     from annot.module_plan import call_order, plan_module_boundaries
 
     order = call_order(calls) if calls is not None else None
-    plan = plan_module_boundaries(ref, n_stages, order=order, stranded=stranded)
+    plan = plan_module_boundaries(
+        ref,
+        n_stages,
+        order=order,
+        stranded=stranded,
+        sample=_on_meta(sample) if budget is not None else None,
+        memory=budget.bytes if budget is not None else None,
+        setup=budget.training if budget is not None else None,
+        dp=budget.dp if budget is not None else 1,
+    )
     log.debug("annot: planned stages\n%s", plan.table())
     if report is not None:
         report.plan_table = plan.table()
@@ -119,6 +156,14 @@ def _module_boundaries(
             "with split=[...]"
         )
     return plan.boundaries
+
+
+def _on_meta(sample: Any) -> Any:
+    if sample is None:
+        return None
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample
+    )
 
 
 def needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool:
@@ -185,11 +230,13 @@ def choose_boundaries(
     report: Optional[BuildReport] = None,
     calls=lambda: None,
     find_stranded=dict,
+    budget: Optional[MemoryBudget] = None,
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers, ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
     planner's optimal balanced partition over every place forward can be cut
-    (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``)."""
+    (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``
+    or ``budget``, ``parallelize(memory=...)``)."""
     import inspect
 
     from annot.hints import StageSpec, get_stage_spec
@@ -216,7 +263,9 @@ def choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(ref, cls, n_stages, calls(), report, find_stranded()))
+        return tuple(
+            _module_boundaries(ref, cls, n_stages, calls(), report, find_stranded(), budget, sample)
+        )
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(
@@ -233,9 +282,8 @@ def choose_boundaries(
     from annot.rewrite_cache import cache_dir
 
     # profiles are cached next to the rewritten sources
-    kw = dict(
-        cost=cost, memory=auto.memory, source_path=path, tp=tp, cache_dir=cache_dir() / "profiles"
-    )
+    memory = budget.bytes if budget is not None else auto.memory
+    kw = dict(cost=cost, memory=memory, source_path=path, tp=tp, cache_dir=cache_dir() / "profiles")
     if (
         cost == "time"
     ):  # needs real weights and a clock: rank 0 measures, every rank gets its answer
@@ -255,12 +303,9 @@ def choose_boundaries(
         if isinstance(out[0], Exception):
             raise out[0]
         return tuple(out[0])
-    meta = None
-    if sample is not None:
-        meta = torch.utils._pytree.tree_map(
-            lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample
-        )
-    plan = plan_stages(ref, cls, n_stages, sample=meta, **kw)  # ref is on meta: same on every rank
+    plan = plan_stages(
+        ref, cls, n_stages, sample=_on_meta(sample), **kw
+    )  # ref is on meta: same on every rank
     log.debug("annot: planned stages\n%s", plan.table())
     if report is not None:
         report.plan_table = plan.table()

@@ -209,3 +209,48 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_stage_its_memory_and_the
         "or a larger budget"
     )
     assert info.value.plan.stage_memory == [34336, 34336]
+
+
+# ---- parallelize(memory=...) ------------------------------------------------------------
+
+
+def _parallelize_under(budget_small: str, budget_large: str):
+    import annot
+
+    def build(memory):
+        return annot.parallelize(
+            LlamaForCausalLM, LlamaConfig(**LLAMA), mesh=annot.Mesh(pp=2), seed=0, memory=memory
+        )
+
+    try:
+        build(budget_small)
+        refused = None
+    except StageMemoryError as exc:
+        refused = str(exc)
+    model = build(budget_large)
+    held = sum(p.numel() for p in model.module.parameters() if not p.is_meta)
+    return refused, list(model.report.boundaries), held
+
+
+@pytest.mark.slow  # two gloo ranks, two builds: ~20 s here
+def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
+    from annot.testing import run_ranks
+
+    # the model: 30 080 parameters, 16 bytes each with AdamW (+ 4 per tensor); no sample,
+    # so weights, gradients and optimizer state only
+    results = run_ranks(_parallelize_under, 2, "200KiB", "400KiB", timeout=240)
+    from annot.hf import sample_inputs
+    from annot.module_plan import call_order
+    from annot.runtime.stages import record_calls
+
+    ref = _llama("meta")
+    order = call_order(record_calls(ref, sample_inputs(ref)))  # as parallelize probes it
+    expected = plan_module_boundaries(ref, 2, memory=400 * 1024, order=order)
+    for refused, boundaries, held in results:
+        assert refused.startswith(
+            "no split into 2 pipeline stages at tp=1 fits the memory budget of 200.0 KiB per "
+            "device: stage "
+        )
+        assert boundaries == expected.boundaries
+        assert 16 * held <= 400 * 1024  # what this rank holds: weights, grads, 2 AdamW states
+    assert max(expected.stage_memory) <= 400 * 1024
