@@ -103,18 +103,17 @@ class ParallelModel(nn.Module):
         model in one stage, its pre-flight done, no pipeline step, FSDP2 or
         sharded dropout around it. Otherwise annot's part runs eagerly and
         only the blocks compiled by :meth:`compile` run compiled."""
+        return self._traced_whole() and self.preflight is None
+
+    def _traced_whole(self) -> bool:
+        """Whether annot's part of forward can ever be traced (see _traceable)."""
         one_stage = self.pipeline is None or self.pipeline.num_stages == 1
-        return (
-            one_stage
-            and self._step is None
-            and self.preflight is None
-            and self.fsdp is None
-            and not self.dropout
-        )
+        return one_stage and self._step is None and self.fsdp is None and not self.dropout
 
     @torch.compiler.disable
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.compiled_blocks and not self._warned_outer_compile:
+        quiet = self.compiled_blocks or self._traced_whole()  # (the pre-flight: once)
+        if not quiet and not self._warned_outer_compile:
             self._warned_outer_compile = True
             warnings.warn(
                 "torch.compile(model) on an annot model whose pipeline, FSDP2 or sharded "

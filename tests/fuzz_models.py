@@ -14,7 +14,8 @@ every rank): the parts real libraries are made of, each switched on or off.
   table added, a class token concatenated, a projection used with ``@``, a
   learned temperature ``exp``'d after the blocks;
 - two towers; skip connections across blocks (U-Net); a block called twice;
-  a branch on data; the embedding tied to the head.
+  a branch on data; the embedding tied to the head; blocks built inline or
+  through a module-level factory function.
 
 The fuzzer knows, from the recipe, the right hints (:func:`hints`) and where
 a stage may begin (:func:`boundaries`): its oracle.
@@ -50,6 +51,7 @@ class Recipe:
     twice: bool = False
     branch: bool = False
     tied: bool = False
+    factory: bool = False  # blocks built through a module-level function
     vocab: int = 32
     seq: int = 8
 
@@ -122,7 +124,11 @@ class Tower(nn.Module):
     def __init__(self, r: Recipe, config: SharedConfig):
         super().__init__()
         self.r = r
-        made = [_block(r, i, config) for i in range(r.blocks)]
+        if r.factory:
+            made = [_block(r, i, config) for i in range(r.blocks)]
+        else:
+            kinds = [r.kinds[i % len(r.kinds)] for i in range(r.blocks)]
+            made = [Attention(r, config) if k == "a" else MLP(r) for k in kinds]
         if r.container == "list":
             self.blocks = nn.ModuleList(made)
         elif r.container == "seq":

@@ -7,7 +7,8 @@ on the module or on a shared config, in-place ops on layer outputs, raw
 parameters read in a forward that spans stages, two towers, U-Net skips, a
 block called twice, a branch on data, tied weights), a mode (tp2, pp2 at a
 drawn boundary, pp2 with the automatic split, tp2 x pp2; eager or under
-``torch.compile``) and sometimes a wrong hint on purpose. Each case must
+``torch.compile``: ``torch.compile(model)`` in one stage, ``compile=`` in a
+pipeline) and sometimes a wrong hint on purpose. Each case must
 either equal the single-device run (loss and every gradient; compiled: the
 issue-30 tolerance against the eager model) or be refused with an
 ``AnnotError`` by the first step. Wrong numbers, a raw crash or a hang fail.
@@ -39,7 +40,9 @@ FOUR_RANKS = 4
 # Cases a fuzz run found, pinned (recipe, mode, compiled, wrong, split index).
 PINNED = [
     # torch.compile at tp2 lost every column layer's gradient (fixed: functional collectives)
+    (Recipe(kinds="m"), "tp2", True, "", 0),
     (Recipe(kinds="am"), "tp2", True, "", 0),
+    (Recipe(kinds="am", heads_on_config=True), "tp2", True, "", 0),
     # a learned temperature after the blocks, with a tied head: placed on stage 0, never trained
     (Recipe(kinds="am", scale_param=True, tied=True), "pp2", False, "", 0),
     # Falcon-style in-place add on a row-parallel output crashed (ReduceFromTP is a view)
@@ -47,17 +50,23 @@ PINNED = [
     # blocks built by a module-level factory (_block): the rewrite left the factory
     # alone, so it built the original Attention and Local("n_head") never applied
     # (refused by the pre-flight; fixed: built modules take their rewritten class)
-    (Recipe(kinds="a"), "tp2", False, "", 0),
+    (Recipe(kinds="a", factory=True), "tp2", False, "", 0),
     # a branch on a batch statistic: the reference is the microbatches' mean
     (Recipe(branch=True), "pp2", False, "", 1),
-    # two towers reading raw parameters between them, automatic split
-    (
-        Recipe(two_towers=True, pos_param=True, cls_token=True, proj_param=True, scale_param=True),
-        "pp2_auto",
-        False,
-        "",
-        0,
-    ),
+    # two towers reading raw parameters between them, automatic split, with and
+    # without a sample (without one the call order is unknown: refused at build)
+    *[
+        (
+            Recipe(
+                two_towers=True, pos_param=True, cls_token=True, proj_param=True, scale_param=True
+            ),
+            "pp2_auto",
+            False,
+            "",
+            which,
+        )
+        for which in (0, 1)
+    ],
 ]
 
 
@@ -86,6 +95,7 @@ def recipes():
         twice=flag,
         branch=flag,
         tied=flag,
+        factory=flag,
     )
 
 
@@ -95,7 +105,7 @@ def cases(modes: tuple[str, ...]):
         st.sampled_from(modes),
         st.booleans(),  # under torch.compile
         st.sampled_from(["", "", "", "swap", "global"]),  # a wrong hint, sometimes
-        st.integers(0, 16),  # which boundary, for a drawn split
+        st.integers(0, 16),  # which boundary, for a drawn split; even: sample= for auto
     )
 
 
@@ -112,6 +122,7 @@ def _features(r: Recipe) -> list[str]:
         "twice",
         "branch",
         "tied",
+        "factory",
     ]
     return [f"container={r.container}"] + [f for f in flags if getattr(r, f)]
 
@@ -160,12 +171,15 @@ def run_case(case, seen: Counter) -> None:
     if mode in ("pp2", "tp2_pp2"):
         points = boundaries(r)
         kw["split"] = [points[which % len(points)]]
-    if mode == "pp2_auto":
+    if mode == "pp2_auto" and which % 2 == 0:  # else the split must be refused or exact
         kw["sample"] = (ids[:2], targets[:2])
-    if compiled:
+    if compiled and mesh.pp > 1:  # a pipeline: each stage's blocks compiled
         kw["compile"] = {"backend": "aot_eager"}
     try:
         model = annot.parallelize(FuzzNet, r, mesh=mesh, seed=0, verify=True, **kw)
+        run = model
+        if compiled and mesh.pp == 1:  # one stage: what users type
+            run = torch.compile(model, backend="aot_eager")
         if mesh.pp > 1:
 
             @annot.jit(model, microbatches=2)
@@ -176,8 +190,8 @@ def run_case(case, seen: Counter) -> None:
 
             loss = step(ids, targets).reduce_mean()
         else:
-            _, loss = model(ids, targets)
-            model.backward(loss)
+            _, loss = run(ids, targets)
+            run.backward(loss)
     except annot.AnnotError as err:  # refused: allowed, and counted
         if os.environ.get("ANNOT_FUZZ_RAISE"):
             raise
