@@ -139,6 +139,7 @@ def _compile_option(mode: str, backend: str):
     _compare(model, ref, loss, ref_loss, f"compile= at {mode} ({backend})")
 
 
+@pytest.mark.slow  # the fuzzer's fast profile draws compiled pipelines too
 def test_compile_option_pp2_equals_eager_single_device():
     run_ranks(_compile_option, 2, "pp2", "aot_eager", timeout=300)
 

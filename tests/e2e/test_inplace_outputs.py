@@ -63,6 +63,8 @@ def _falcon_parallel_block(cache: str, built: bool):
     train_against_reference(model, ref, batches, run, "falcon bias=False tp=2", lr=1e-3)
 
 
-@pytest.mark.parametrize("built", [False, True], ids=["class", "instance"])
+@pytest.mark.parametrize(
+    "built", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["class", "instance"]
+)
 def test_falcon_in_place_add_on_a_row_parallel_output(tmp_path, built):
     run_ranks(_falcon_parallel_block, 2, str(tmp_path), built, timeout=300)
