@@ -241,6 +241,115 @@ def test_llama_tp2_pp2(cache, llama_dir):
         assert abs(got - want) <= 1e-5 * abs(want) + 4e-5
 
 
+def _variant_load(cache, path, mesh_kw, options, schedule):
+    """from_pretrained with ``options``; (annot's loss, transformers' loss)."""
+    _quiet(cache)
+    import annot
+
+    cls = _cls("llama")
+    model = annot.from_pretrained(cls, path, mesh=annot.Mesh(**mesh_kw), **options)
+    plain = cls.from_pretrained(path)
+    ids = _batch()
+    model.train()
+    plain.train()
+    if model.pipeline is None:
+        with model.forward_context():
+            loss = model(ids, labels=ids).loss
+    else:
+
+        @annot.jit(model, microbatches=2, schedule=schedule)
+        def step(x):
+            loss = model(x, labels=x).loss
+            model.backward(loss)
+            return loss
+
+        loss = step(ids).reduce_mean()
+    return loss.item(), plain(ids, labels=ids).loss.item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mesh_kw, options, schedule, tol",
+    [
+        (
+            {"pp": 2},
+            {"chunks": 2, "split": ["model.layers.1", "model.layers.2", "model.layers.3"]},
+            "interleaved",
+            4e-5,
+        ),
+        ({"tp": 2}, {"sequence_parallel": True}, None, 4e-5),
+        ({"tp": 2}, {"precision": "bf16"}, None, 3e-2),
+    ],
+    ids=["interleaved", "sequence_parallel", "bf16"],
+)
+def test_llama_load_options(cache, llama_dir, mesh_kw, options, schedule, tol):
+    res = run_ranks(_variant_load, 2, cache, llama_dir, mesh_kw, options, schedule, timeout=240)
+    for got, want in res:
+        assert abs(got - want) <= tol * max(1.0, abs(want)), (got, want)
+
+
+def test_dtype_converts_what_is_stored(cache, llama_dir):
+    """dtype=torch.bfloat16: the stored float32 tensors cast as transformers casts them."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+
+    _quiet(cache)
+    model = annot.from_pretrained(_cls("llama"), llama_dir, dtype=torch.bfloat16)
+    plain = _cls("llama").from_pretrained(llama_dir, dtype=torch.bfloat16)
+    got, want = model.full_state_dict(), plain.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_lone_safetensors_file_of_a_plain_module(cache, tmp_path):
+    """One safetensors file of a single-device state dict (the embedding
+    tied to the head stored once, as safetensors' save_model stores it),
+    read into an annot-hinted module built from its constructor arguments."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from safetensors.torch import save_model
+
+    import annot
+    from examples.gpt.model import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, dropout=0.0)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    file = str(tmp_path / "gpt.safetensors")
+    save_model(plain, file)
+    model = annot.from_pretrained(GPT, file, cfg)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    _, loss = model(x, x)
+    _, want = plain(x, x)
+    assert torch.equal(loss, want)
+    with pytest.raises(annot.CheckpointError) as err:
+        annot.from_pretrained(_cls("llama"), file)
+    assert str(err.value) == (
+        f"{file}: a lone safetensors file has no config; pass the config: "
+        f"annot.from_pretrained(LlamaForCausalLM, {file!r}, config, mesh=...)"
+    )
+
+
+def test_progress_prints_on_rank_0_only_after_its_delay(capsys):
+    from annot.pretrained import Progress
+
+    quiet = Progress(2 * 1024**3, show=True, after_s=3600)
+    quiet.add(1024**3)
+    quiet.finish()
+    hidden = Progress(2 * 1024**3, show=False, after_s=0, every_s=0)
+    hidden.add(1024**3)
+    shown = Progress(2 * 1024**3, show=True, after_s=0, every_s=0)
+    shown.add(1024**3)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(
+        "annot: from_pretrained: read 1.00 GiB of 2.00 GiB on rank 0 (50%) in "
+    )
+
+
 # ---- refusals: exact messages, nothing built -------------------------------------------
 
 
