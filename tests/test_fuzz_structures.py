@@ -15,7 +15,8 @@ issue-30 tolerance against the eager model) or be refused with an
 
 Profiles: the README's test command runs a bounded one (``FAST``); the slow
 set runs a longer one with the 4-rank mode; ``ANNOT_FUZZ_EXAMPLES=N`` runs N
-examples of each (opt-in, e.g. overnight). Every rank draws the same cases
+examples of each (opt-in, e.g. overnight) and ``ANNOT_FUZZ_SEED=S`` draws
+other cases than the derandomized default. Every rank draws the same cases
 (derandomized, no database, no shrinking: a shrink on one rank alone would
 desynchronise the ranks); a failure prints the case to pin below as an
 ``@example``. Each run prints what it covered (feature and outcome counts),
@@ -222,15 +223,18 @@ def _compare(model, ref, loss, ref_loss, compiled: bool, what: str) -> None:
     del torch
 
 
-def _fuzz(examples: int, modes: tuple[str, ...], pinned: list) -> dict:
+def _fuzz(examples: int, modes: tuple[str, ...], pinned: list, seed: int | None = None) -> dict:
+    """Run the drawn cases on this rank; every rank draws the same ones
+    (derandomized, or from ``seed``: ``ANNOT_FUZZ_SEED`` explores others)."""
     from hypothesis import HealthCheck, Phase, example, given, settings
+    from hypothesis import seed as seeded
 
     seen: Counter = Counter()
     pinned = [c for c in pinned if c[1] in modes]
 
     @settings(
         max_examples=examples,
-        derandomize=True,
+        derandomize=seed is None,
         database=None,
         deadline=None,
         phases=[Phase.explicit, Phase.generate],
@@ -240,6 +244,9 @@ def _fuzz(examples: int, modes: tuple[str, ...], pinned: list) -> dict:
     @given(case=cases(modes))
     def check(case):
         run_case(case, seen)
+
+    if seed is not None:
+        check = seeded(seed)(check)
 
     for case in pinned:
         check = example(case=case)(check)
@@ -257,8 +264,15 @@ def _examples(default: int) -> int:
     return int(os.environ.get("ANNOT_FUZZ_EXAMPLES", default))
 
 
+def _seed() -> int | None:
+    value = os.environ.get("ANNOT_FUZZ_SEED")
+    return None if value is None else int(value)
+
+
 def test_fuzz_structures_two_ranks():
-    seen = run_ranks(_fuzz, 2, _examples(FAST), ("tp2", "pp2", "pp2_auto"), PINNED, timeout=540)[0]
+    seen = run_ranks(
+        _fuzz, 2, _examples(FAST), ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), timeout=540
+    )[0]
     _report(seen)
     assert seen.get("exact", 0) >= FAST // 2, "most drawn cases were refused: the fuzzer is blind"
 
@@ -266,7 +280,7 @@ def test_fuzz_structures_two_ranks():
 @pytest.mark.slow
 def test_fuzz_structures_long_profile():
     n = _examples(LONG)
-    seen = run_ranks(_fuzz, 2, n, ("tp2", "pp2", "pp2_auto"), PINNED, timeout=1800)[0]
+    seen = run_ranks(_fuzz, 2, n, ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), timeout=1800)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
 
@@ -274,6 +288,6 @@ def test_fuzz_structures_long_profile():
 @pytest.mark.slow
 def test_fuzz_structures_tp2_pp2():
     n = _examples(FOUR_RANKS)  # 4 ranks on 2 cores: about a minute an example
-    seen = run_ranks(_fuzz, 4, n, ("tp2_pp2",), PINNED, timeout=1200)[0]
+    seen = run_ranks(_fuzz, 4, n, ("tp2_pp2",), PINNED, _seed(), timeout=1200)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
