@@ -96,6 +96,19 @@ def _torch_compile_tp2(ckpt_dir):
     assert not any("_orig_mod" in k for k in state), sorted(state)[:3]
     assert set(state) == set(ref.state_dict())
     annot.load(compiled, opt, ckpt_dir)
+
+    @annot.jit(compiled, microbatches=2)  # the wrapper is accepted by jit too
+    def step(ids):
+        loss = compiled(ids, labels=ids).loss
+        compiled.backward(loss)
+        return loss
+
+    ids = _ids(4, 8, 5)
+    ref.zero_grad()
+    model.zero_grad()
+    ref_loss = sum(ref(i, labels=i).loss for i in ids.chunk(2)) / 2
+    ref_loss.backward()
+    _compare(model, ref, step(ids).reduce_mean(), ref_loss, "tp2 jit over torch.compile(model)")
     dist.barrier()
     return len(frames)
 
