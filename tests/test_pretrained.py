@@ -193,7 +193,23 @@ def test_gpt2_pp2_tied_round_trip(cache, gpt2_dir, tmp_path):
     assert "lm_head.weight" not in stored and "transformer.wte.weight" in stored
 
 
-def _fsdp_load(cache, path):
+def _saved_equals(model, plain, out) -> bool:
+    """save_pretrained on every rank; rank 0 reloads with plain transformers:
+    every tensor equal to ``plain``'s."""
+    import torch
+
+    import annot
+
+    annot.save_pretrained(model, out, max_shard_size="30KB")
+    same = True
+    if torch.distributed.get_rank() == 0:
+        got, want = type(plain).from_pretrained(out).state_dict(), plain.state_dict()
+        same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    torch.distributed.barrier()
+    return same
+
+
+def _fsdp_load(cache, path, out):
     _quiet(cache)
     import annot
     from annot.runtime.fsdp import local
@@ -205,24 +221,26 @@ def _fsdp_load(cache, path):
     model.train()
     plain.train()
     held = sum(local(p).numel() for p in model.parameters())
-    return model(ids, labels=ids).loss.item(), plain(ids, labels=ids).loss.item(), held
+    loss = model(ids, labels=ids).loss.item(), plain(ids, labels=ids).loss.item()
+    return (*loss, held, _saved_equals(model, plain, out))
 
 
-def test_llama_dp2_fsdp(cache, llama_dir):
+def test_llama_dp2_fsdp(cache, llama_dir, tmp_path):
     """dp2 with fsdp=True: each rank reads only its dp chunk; the loss equals
-    transformers'."""
-    res = run_ranks(_fsdp_load, 2, cache, llama_dir, timeout=240)
+    transformers'; saved (each tensor gathered over dp), it reloads equal."""
+    res = run_ranks(_fsdp_load, 2, cache, llama_dir, str(tmp_path / "out"), timeout=240)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
         total = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA_KW)).parameters())
-    for got, want, _ in res:
+    for got, want, _, saved in res:
         assert abs(got - want) <= 1e-5 * abs(want) + 4e-5
-    assert sum(h for _, _, h in res) == total  # the dp chunks partition the model
+        assert saved
+    assert sum(r[2] for r in res) == total  # the dp chunks partition the model
 
 
-def _tp_pp_load(cache, path):
+def _tp_pp_load(cache, path, out):
     _quiet(cache)
     import annot
 
@@ -232,13 +250,16 @@ def _tp_pp_load(cache, path):
     ids = _batch()
     model.train()
     plain.train()
-    return _pipeline_loss(model, ids).item(), plain(ids, labels=ids).loss.item()
+    loss = _pipeline_loss(model, ids).item(), plain(ids, labels=ids).loss.item()
+    return (*loss, _saved_equals(model, plain, out))
 
 
 @pytest.mark.slow
-def test_llama_tp2_pp2(cache, llama_dir):
-    for got, want in run_ranks(_tp_pp_load, 4, cache, llama_dir, timeout=300):
+def test_llama_tp2_pp2(cache, llama_dir, tmp_path):
+    res = run_ranks(_tp_pp_load, 4, cache, llama_dir, str(tmp_path / "out"), timeout=300)
+    for got, want, saved in res:
         assert abs(got - want) <= 1e-5 * abs(want) + 4e-5
+        assert saved
 
 
 def _variant_load(cache, path, mesh_kw, options, schedule):
@@ -331,6 +352,30 @@ def test_lone_safetensors_file_of_a_plain_module(cache, tmp_path):
         f"{file}: a lone safetensors file has no config; pass the config: "
         f"annot.from_pretrained(LlamaForCausalLM, {file!r}, config, mesh=...)"
     )
+
+
+def test_base_model_prefix(cache, llama_dir):
+    """The base model (LlamaModel) from a LlamaForCausalLM checkpoint: the
+    stored names lose their ``model.`` prefix, as in transformers; the head
+    is unexpected there, so strict=True refuses it and strict=False skips it."""
+    import warnings
+
+    import torch
+    from transformers import LlamaModel
+
+    import annot
+
+    _quiet(cache)
+    with pytest.raises(annot.CheckpointError) as err:
+        annot.from_pretrained(LlamaModel, llama_dir)
+    assert "missing none, unexpected ['lm_head.weight']" in str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = annot.from_pretrained(LlamaModel, llama_dir, strict=False)
+    plain = LlamaModel.from_pretrained(llama_dir)
+    ids = _batch()
+    got = model(ids).last_hidden_state
+    assert torch.equal(got, plain(ids).last_hidden_state)
 
 
 def test_progress_prints_on_rank_0_only_after_its_delay(capsys):
