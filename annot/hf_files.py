@@ -41,10 +41,6 @@ class Stored:
     directory: str | None
     tensors: dict[str, tuple[str, Entry]]
 
-    @property
-    def files(self) -> list[str]:
-        return sorted({f for f, _ in self.tensors.values()})
-
 
 def _weight_files(path: str) -> list[str]:
     if os.path.isfile(path):

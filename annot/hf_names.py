@@ -29,7 +29,7 @@ from torch import nn
 
 from annot.errors import CheckpointError
 
-__all__ = ["Matched", "match_names", "save_names", "tie_groups"]
+__all__ = ["Matched", "is_transformers", "match_names", "save_names", "tie_groups"]
 
 
 @dataclass
@@ -51,18 +51,20 @@ def tie_groups(ref: nn.Module) -> list[list[str]]:
     return list(by_id.values())
 
 
-def _is_transformers(ref: nn.Module) -> bool:
+def is_transformers(model: object) -> bool:
+    """Whether ``model`` (a module or a class) is a transformers model."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return False
-    return isinstance(ref, PreTrainedModel)
+    cls = model if isinstance(model, type) else type(model)
+    return issubclass(cls, PreTrainedModel)
 
 
 def _transforms(ref: nn.Module, *, saving: bool) -> tuple[list, list]:
     """(renamings, converters) transformers applies to ``ref``'s checkpoints
     (reversed for saving, as its ``revert_weight_conversion`` does)."""
-    if not _is_transformers(ref):
+    if not is_transformers(ref):
         return [], []
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter
@@ -93,7 +95,7 @@ def match_names(ref: nn.Module, stored: dict[str, tuple[int, ...]]) -> Matched:
     unexpected: set[str] = set()
     state = ref.state_dict(keep_vars=True)
     renamings, converters = _transforms(ref, saving=False)
-    prefix = getattr(ref, "base_model_prefix", None) if _is_transformers(ref) else None
+    prefix = getattr(ref, "base_model_prefix", None) if is_transformers(ref) else None
     for key in stored:
         name = key
         if renamings or converters or prefix:
@@ -129,7 +131,7 @@ def match_names(ref: nn.Module, stored: dict[str, tuple[int, ...]]) -> Matched:
 def _ignored_by_transformers(ref: nn.Module, missing: set[str], unexpected: set[str]):
     """``(missing, unexpected)`` less what transformers' ``from_pretrained``
     ignores for this model (its own rule, run on the two sets)."""
-    if not _is_transformers(ref):
+    if not is_transformers(ref):
         return missing, unexpected
     info = types.SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
     ref._adjust_missing_and_unexpected_keys(info)

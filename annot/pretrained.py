@@ -43,7 +43,7 @@ from torch import nn
 
 from annot.errors import CheckpointError
 from annot.hf_files import Stored, open_stored
-from annot.hf_names import Matched, match_names
+from annot.hf_names import Matched, is_transformers, match_names
 
 __all__ = ["PretrainedWeights", "Progress", "Source", "from_pretrained"]
 
@@ -89,21 +89,13 @@ def from_pretrained(
     from annot.build import parallelize
 
     stored = open_stored(path)
-    if not args and _is_transformers_class(model):
+    if not args and is_transformers(model):
         args = (_config(model, stored),)
     weights = PretrainedWeights(stored, model, args, options, dtype=dtype, strict=strict)
     options.setdefault("seed", 0)  # nothing is drawn: every rank starts alike without a check
     built = parallelize(model, *args, weights=weights, **options)
     built.report.pretrained = Source(stored.directory, dict(weights.matched.load))
     return built
-
-
-def _is_transformers_class(model: Any) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, type) and issubclass(model, PreTrainedModel)
 
 
 def _config(model: type, stored: Stored):
@@ -221,7 +213,7 @@ class PretrainedWeights:
 
         model, args, kwargs = self.build
         quiet = contextlib.nullcontext()
-        if _is_transformers_class(model) and not self.matched.missing:
+        if is_transformers(model) and not self.matched.missing:
             from transformers.initialization import no_init_weights
 
             quiet = no_init_weights()
