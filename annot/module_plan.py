@@ -423,7 +423,9 @@ class UnitFigures:
     (:class:`annot.runtime.saved_bytes.SavedBytes`), of which ``*_split`` tp
     divides; ``kept``: what it keeps with the blocks checkpointed;
     ``recompute``: for a block's first unit, the whole block's saved bytes
-    (what backward recomputes at once)."""
+    (what backward recomputes at once); ``backward``: the most bytes backward
+    holds at once in what it makes while it is in this unit (gradients on
+    their way, :class:`annot.runtime.saved_bytes.BackwardPeak`)."""
 
     flops: int = 0
     saved: int = 0
@@ -432,6 +434,13 @@ class UnitFigures:
     kept_split: int = 0
     recompute: int = 0
     recompute_split: int = 0
+    backward: int = 0
+
+    def transient(self, tp: int) -> int:
+        """:attr:`backward` at ``tp``, split in the unit's own share."""
+        if not self.saved:
+            return self.backward
+        return self.backward * _at_tp(self.saved, self.saved_split, tp) // self.saved
 
     def activations(self, tp: int, checkpoint: bool) -> int:
         """Bytes kept per microbatch at ``tp``."""
@@ -443,9 +452,11 @@ class UnitFigures:
         return _at_tp(self.recompute, self.recompute_split, tp)
 
     def __add__(self, other: UnitFigures) -> UnitFigures:
-        return UnitFigures(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
-        )
+        joined = {
+            f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+        }
+        joined["backward"] = max(self.backward, other.backward)  # one unit at a time
+        return UnitFigures(**joined)
 
 
 def _at_tp(total: int, split: int, tp: int) -> int:
@@ -498,7 +509,7 @@ def _measure(
         remove_activation_checkpointing,
     )
     from annot.runtime.replay import call_with, meta_values
-    from annot.runtime.saved_bytes import SavedBytes, real_paths_on_meta
+    from annot.runtime.saved_bytes import BackwardPeak, SavedBytes, real_paths_on_meta
 
     modules = dict(model.named_modules(remove_duplicate=False))
     params = list(model.parameters())
@@ -506,9 +517,16 @@ def _measure(
     saved = SavedBytes(params, layers, float_size)
     saved.key = 0  # glue before the first unit's call is the first unit's
     active = [saved]
+    peak = BackwardPeak(float_size)
+    peak.key = len(found) - 1  # backward begins in the last unit
+    hooked: set[int] = set()
 
     def enter(i: int, module, args) -> None:
         active[0].key = i
+        t = _first_grad_input(args, {}) if torch.is_grad_enabled() else None
+        if t is not None and i not in hooked and active[0] is saved:
+            hooked.add(i)  # backward past unit i's start: it is in unit i - 1
+            t.register_hook(lambda g, i=i: setattr(peak, "key", max(i - 1, 0)))
 
     handles = [
         modules[u.path].register_forward_pre_hook(functools.partial(enter, i))
@@ -521,7 +539,11 @@ def _measure(
                 out = call_with(model, sample)
             loss = _output_scalar(out)
             if loss is not None:
-                loss.backward()
+                for p in params:  # gradients accumulate in place, as after a first step
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                with peak:
+                    loss.backward()
         del out, loss
         if checkpoint:
             blocks = block_paths(model)
@@ -558,6 +580,7 @@ def _measure(
             kept_split=kept.split_bytes(i) if kept is not None else 0,
             recompute=recompute[i],
             recompute_split=recompute_split[i],
+            backward=peak.of(i),
         )
         for i in range(len(found))
     ]
@@ -852,8 +875,10 @@ def _plan_level(
             base = [sum(measures.timed[i] for i in g) for g in groups]
         costs = [b * f for b, f in zip(base, share)]
     recompute = [f.recomputed(tp) for f in figures] if figures and setup.checkpoint else None
+    transient = [f.transient(tp) for f in figures] if figures else None
     args = {**partition_args(costs_of), "costs": costs}
-    budget = memory - max(recompute) if memory is not None and recompute else memory
+    most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
+    budget = memory - most_extra if memory is not None and most_extra else memory
     if fit:
         part = fit_stages(memory_budget=budget, max_stages=n_stages, **args)
         pp = part.n_stages
@@ -865,7 +890,8 @@ def _plan_level(
             if memory is None:
                 raise
             part = partition(n_stages=n_stages, memory_budget=None, **args)
-    detail = _stage_detail(measures, found, owned, part, per_mb, recompute, flight, tp, dp, sharded)
+    extra = Extra(recompute, transient)
+    detail = _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded)
     plan = ModulePlan(
         boundaries=[found[b].path for b in part.boundaries],
         units=found,
@@ -884,7 +910,16 @@ def _plan_level(
     return plan
 
 
-def _stage_detail(measures, found, owned, part, per_mb, recompute, flight, tp, dp, sharded):
+@dataclass(frozen=True)
+class Extra:
+    """Per unit, what a stage holds once besides its microbatches in flight:
+    the block backward recomputes (checkpointing) and backward's transient."""
+
+    recompute: Optional[list[int]]
+    transient: Optional[list[int]]
+
+
+def _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded):
     """Each stage's :class:`annot.runtime.memory_model.StageMemory`."""
     from annot.runtime.memory_model import stage_memory
 
@@ -907,11 +942,12 @@ def _stage_detail(measures, found, owned, part, per_mb, recompute, flight, tp, d
                 shares,
                 sum(buffers.values()),
                 sum(per_mb[a:b]) if per_mb else 0,
-                max(recompute[a:b]) if recompute else 0,
+                max(extra.recompute[a:b]) if extra.recompute else 0,
                 flight[s] if per_mb else 0,
                 measures.setup,
                 dp=dp,
                 pp=part.n_stages,
+                transient=max(extra.transient[a:b]) if extra.transient else 0,
             )
         )
     return out

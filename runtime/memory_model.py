@@ -28,7 +28,9 @@ A stage's memory is
   pp on stage 0, GPipe all of them). With activation checkpointing each
   block keeps only what its checkpoint saves (its inputs) per microbatch in
   flight, plus the full activations of one block while backward recomputes
-  it.
+  it. Plus, once, the most bytes backward holds at once in the tensors it
+  makes (gradients on their way: for the loss, those of the logits),
+  measured on meta as well (:class:`annot.runtime.saved_bytes.BackwardPeak`).
 
 Communication buffers, the allocator's slack, temporaries within an op and
 the framework's own memory are left out.
@@ -137,14 +139,16 @@ def param_bytes(
 @dataclass(frozen=True)
 class StageMemory:
     """One stage's bytes on a device; ``activations`` for ``in_flight``
-    microbatches (``recompute``: the one block backward recomputes at a time
-    under activation checkpointing, included)."""
+    microbatches, with ``recompute`` (the one block backward recomputes at a
+    time under activation checkpointing) and ``transient`` (the most
+    backward holds at once in the gradients on their way) included."""
 
     params: ParamBytes
     buffers: int
     activations: int
     in_flight: int
     recompute: int = 0
+    transient: int = 0
 
     @property
     def total(self) -> int:
@@ -176,18 +180,21 @@ def stage_memory(
     setup: Training,
     dp: int = 1,
     pp: int = 1,
+    transient: int = 0,
 ) -> StageMemory:
     """A stage's bytes: ``params`` as (elements on this device, trainable) per
     parameter tensor, ``buffers`` bytes, activations ``per_microbatch`` times
     ``n_in_flight`` plus ``recompute`` (the block backward recomputes, under
-    activation checkpointing)."""
+    activation checkpointing) plus ``transient`` (what backward holds at once
+    in the tensors it makes)."""
     total = ParamBytes()
     for numel, trainable in params:
         total = total + param_bytes(numel, 1, trainable, setup, dp, pp)
     return StageMemory(
         params=total,
         buffers=buffers,
-        activations=per_microbatch * n_in_flight + recompute,
+        activations=per_microbatch * n_in_flight + recompute + transient,
         in_flight=n_in_flight,
         recompute=recompute,
+        transient=transient,
     )

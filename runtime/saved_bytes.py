@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any, Optional
 
@@ -34,7 +35,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SavedBytes", "real_paths_on_meta"]
+__all__ = ["BackwardPeak", "SavedBytes", "real_paths_on_meta"]
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
@@ -181,6 +182,50 @@ class SavedBytes:
         self.seen.clear()
         if self.marks is not None:
             self.marks.marked.clear()
+
+
+class BackwardPeak(TorchDispatchMode):
+    """The most bytes backward holds at once in the tensors it makes
+    (gradients on their way, a kernel's outputs), per key: set ``key`` to
+    where backward is. Each new storage an op makes (not one of its inputs')
+    counts from the op until it is freed, by identity, on meta as on real
+    tensors. Give the parameters their ``.grad`` before backward, so that
+    gradients accumulate in place as in a training step after the first.
+    ``float_size``: as for :class:`SavedBytes`."""
+
+    def __init__(self, float_size: Optional[int] = None):
+        super().__init__()
+        self.float_size = float_size
+        self.key: Hashable = None
+        self.live = 0
+        self.peak: dict[Hashable, int] = {}
+        self.tracked: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {id(s) for a in leaves if isinstance(a, torch.Tensor) and (s := _storage(a))}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = _storage(t)
+            if s is None or id(s) in inputs or id(s) in self.tracked:
+                continue
+            n = s.nbytes()
+            if self.float_size is not None and t.is_floating_point():
+                n = n // t.element_size() * self.float_size
+            self.tracked.add(id(s))
+            self.live += n
+            weakref.finalize(s, self._freed, id(s), n)
+        self.peak[self.key] = max(self.peak.get(self.key, 0), self.live)
+        return out
+
+    def _freed(self, key: int, n: int) -> None:
+        self.live -= n
+        self.tracked.discard(key)
+
+    def of(self, key: Hashable) -> int:
+        return self.peak.get(key, 0)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
