@@ -354,6 +354,29 @@ def test_lone_safetensors_file_of_a_plain_module(cache, tmp_path):
     )
 
 
+def test_save_replaces_a_directory_only_when_asked(cache, llama_dir, tmp_path):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    _quiet(cache)
+    model = annot.from_pretrained(_cls("llama"), llama_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("the user's")
+    with pytest.raises(annot.CheckpointError) as err:
+        annot.save_pretrained(model, out)
+    assert str(err.value) == (
+        f"{out}: exists; save_pretrained does not replace it unless asked: pass "
+        "overwrite=True, or pick a new path"
+    )
+    assert os.listdir(out) == ["mine.txt"]
+    annot.save_pretrained(model, out, overwrite=True)
+    assert sorted(os.listdir(out)) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json",
+    ]  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary directory left
+
+
 def test_base_model_prefix(cache, llama_dir):
     """The base model (LlamaModel) from a LlamaForCausalLM checkpoint: the
     stored names lose their ``model.`` prefix, as in transformers; the head
