@@ -497,7 +497,8 @@ def _measure(
     checkpoint: bool = False,
 ) -> list[UnitFigures]:
     """Per unit, from one forward and backward on ``sample``: its FLOPs
-    (forward + backward: ``FlopCounterMode``'s counts of the modules it owns)
+    (forward + backward: ``FlopCounterMode``'s counts of the ops run while
+    the run is in it, :class:`annot.runtime.flops.SpanFlops`)
     and the bytes its forward saves for backward (each storage once, by
     identity, parameters left out; on a meta model as on a real one), split
     as tp would split them; with ``checkpoint`` also what a second forward,
@@ -508,6 +509,7 @@ def _measure(
         apply_activation_checkpointing,
         remove_activation_checkpointing,
     )
+    from annot.runtime.flops import SpanFlops
     from annot.runtime.replay import call_with, meta_values
     from annot.runtime.saved_bytes import BackwardPeak, SavedBytes, real_paths_on_meta
 
@@ -518,23 +520,31 @@ def _measure(
     saved.key = 0  # glue before the first unit's call is the first unit's
     active = [saved]
     peak = BackwardPeak(float_size)
-    peak.key = len(found) - 1  # backward begins in the last unit
     hooked: set[int] = set()
+    counter = FlopCounterMode(display=False)
+    spans = SpanFlops(counter, len(found))
 
-    def enter(i: int, module, args) -> None:
+    def passed(i: int) -> None:  # backward past unit i's start: it is in unit i - 1
+        spans.back(i)
+        peak.key = spans.key
+
+    def enter(i: int, module, args, kwargs) -> None:
         active[0].key = i
-        t = _first_grad_input(args, {}) if torch.is_grad_enabled() else None
-        if t is not None and i not in hooked and active[0] is saved:
-            hooked.add(i)  # backward past unit i's start: it is in unit i - 1
-            t.register_hook(lambda g, i=i: setattr(peak, "key", max(i - 1, 0)))
+        if active[0] is not saved:
+            return
+        spans.enter(i)
+        t = _first_grad_input(args, kwargs) if torch.is_grad_enabled() else None
+        if t is not None and i not in hooked:
+            hooked.add(i)
+            t.register_hook(lambda g, i=i: passed(i))
 
     handles = [
-        modules[u.path].register_forward_pre_hook(functools.partial(enter, i))
+        modules[u.path].register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
         for i, u in enumerate(found)
     ]
     kept = None
     try:
-        with FlopCounterMode(display=False) as counter, meta_values(), real_paths_on_meta():
+        with counter, meta_values(), real_paths_on_meta():
             with saved.counting():
                 out = call_with(model, sample)
             loss = _output_scalar(out)
@@ -542,8 +552,12 @@ def _measure(
                 for p in params:  # gradients accumulate in place, as after a first step
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
+                spans.charge()  # forward's end: backward begins in the unit called last
+                peak.key = spans.key
                 with peak:
                     loss.backward()
+            spans.charge()
+            spans.on = False
         del out, loss
         if checkpoint:
             blocks = block_paths(model)
@@ -559,7 +573,7 @@ def _measure(
         for h in handles:
             h.remove()
     model.zero_grad(set_to_none=True)
-    flops = _unit_flops(model, found, counter.get_flop_counts())
+    flops = spans.flops
     recompute = [0] * len(found)
     recompute_split = [0] * len(found)
     if checkpoint:
@@ -594,29 +608,6 @@ def _measured(flops: int, activations: int) -> Any:
     return SimpleNamespace(
         flops=flops, forward_flops=0, activations=activations, time=0.0, output_bytes=0
     )
-
-
-def _unit_flops(model: nn.Module, found: list[Unit], counts: dict) -> list[int]:
-    """Each unit's FLOPs from ``FlopCounterMode``'s per-module counts: its
-    modules' counts. Units inside a block part (``self_attn.q_proj``) leave out
-    what the part computes in its own forward (attention's matmuls): the
-    part's count less its units' goes to its first unit, so the units of a
-    part add up to the part."""
-    root = type(model).__name__
-
-    def count(paths) -> int:
-        return sum(sum(counts.get(f"{root}.{p}", {}).values()) for p in paths)
-
-    flops = [count(u.owns) for u in found]
-    if any(u.level > 1 for u in found):
-        for g in _groups(found, 1):
-            parts = {p.rpartition(".")[0] for i in g[1:] for p in found[i].owns}
-            whole = count(parts)
-            rest = whole - sum(
-                count([p]) for i in g for p in found[i].owns if p.rpartition(".")[0] in parts
-            )
-            flops[g[0]] = max(0, flops[g[0]] + rest)  # (its counts in backward overlap)
-    return flops
 
 
 def tp_sharded(model: nn.Module, tp: int) -> set[int]:
