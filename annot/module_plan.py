@@ -819,7 +819,7 @@ def _plan_level(
     from annot.runtime.cost import partition_args
     from annot.runtime.memory_model import in_flight
     from annot.runtime.partition import fit as fit_stages
-    from annot.runtime.partition import partition
+    from annot.runtime.partition import least_memory, partition
 
     model, fine, setup, cost = measures.model, measures.fine, measures.setup, measures.cost
     groups = _groups(fine, level)
@@ -880,7 +880,10 @@ def _plan_level(
         except PartitionError:
             if memory is None:
                 raise
-            part = partition(n_stages=n_stages, memory_budget=None, **args)
+            # no split fits as charged: the split whose largest stage is least,
+            # checked stage by stage at its own figures below
+            least = least_memory(args["memories"], n_stages, shared=args["shared"])
+            part = partition(n_stages=n_stages, memory_budget=least, **args)
     extra = Extra(recompute, transient)
     detail = _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded)
     plan = ModulePlan(

@@ -21,6 +21,7 @@ gradient reduction) and how well each kernel runs at its size.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -128,6 +129,16 @@ def what_if(
     return sorted(out, key=lambda c: (not c.fits, c.plan is None, c.score, c.pp, c.tp))
 
 
+def _compact(boundaries: list[str]) -> str:
+    """``model.layers.{10, 20, 30.mlp}`` for boundaries that share a prefix."""
+    if not boundaries:
+        return "(one stage)"
+    prefix = os.path.commonprefix(boundaries).rpartition(".")[0]
+    if len(boundaries) < 2 or not prefix:
+        return ", ".join(boundaries)
+    return f"{prefix}.{{{', '.join(b[len(prefix) + 1 :] for b in boundaries)}}}"
+
+
 def format_what_if(choices: list[Choice], world: int, memory: int, cost: str) -> str:
     """The table: one row per choice, then each stage's memory and the split."""
     from annot.runtime.cost_table import format_bytes, format_count
@@ -161,7 +172,7 @@ def format_what_if(choices: list[Choice], world: int, memory: int, cost: str) ->
             f"{format_bytes(mem[top]) + f' (s{top})':>17}  {'yes' if c.fits else 'no'}"
         )
         rows.append(f"      stage memory ({unit}): " + " ".join(f"{b / scale:.1f}" for b in mem))
-        rows.append("      split: " + (", ".join(c.plan.boundaries) or "(one stage)"))
+        rows.append("      split: " + _compact(c.plan.boundaries))
     rows.append(
         "slowest x (1 + bubble) leaves out communication (tp all-reduces, pipeline sends, "
         "dp gradient reduction) and kernel efficiency at each size; compare choices with it, "

@@ -47,7 +47,7 @@ import numpy as np
 from annot.errors import PartitionError
 from annot.runtime.partition_chain import Chain
 
-__all__ = ["Partition", "partition", "fit", "evaluate"]
+__all__ = ["Partition", "partition", "fit", "evaluate", "least_memory"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,19 @@ def fit(
             "raise max_stages or memory_budget"
         )
     return _solve(chain, need)
+
+
+def least_memory(
+    memories: Sequence[float],
+    n_stages: int,
+    *,
+    shared: Optional[Sequence[tuple[float, Iterable[int]]]] = None,
+) -> int:
+    """The smallest memory budget some split into exactly ``n_stages`` stages
+    fits: the least possible memory of its largest stage (``partition`` with
+    this budget then balances among the splits that reach it)."""
+    chain = Chain([0.0] * len(memories), memories, None, None, None, shared)
+    return chain.best_memory(_check_stages(chain, n_stages))
 
 
 def evaluate(
