@@ -870,6 +870,14 @@ def _plan_level(
     args = {**partition_args(costs_of), "costs": costs}
     most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
     budget = memory - most_extra if memory is not None and most_extra else memory
+    if budget is not None and budget <= 0:
+        from annot.runtime.cost_table import format_bytes
+
+        raise PartitionError(
+            f"the memory budget of {format_bytes(memory)} per device is less than what "
+            f"backward holds at once in one stage ({format_bytes(most_extra)}: gradients on "
+            "their way, a recomputed block); raise the budget or use a smaller microbatch"
+        )
     if fit:
         part = fit_stages(memory_budget=budget, max_stages=n_stages, **args)
         pp = part.n_stages

@@ -256,3 +256,46 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
         assert boundaries == expected.boundaries
         assert 16 * held <= 400 * 1024  # what this rank holds: weights, grads, 2 AdamW states
     assert max(expected.stage_memory) <= 400 * 1024
+
+
+# ---- the README's 70B commands: their output as shown, in seconds, in little memory ------
+
+
+def _readme_plans() -> list[tuple[str, str]]:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Plans beyond the machine", 1)[1].split("\n## ", 1)[0]
+    pairs = re.findall(r"```bash\n(annot plan .*?)\n```\n\n```\n(.*?)\n```", section, flags=re.S)
+    return pairs
+
+
+def test_the_readme_shows_two_plans_of_the_70b_shape():
+    assert len(_readme_plans()) == 2
+
+
+@pytest.mark.slow  # two ~12 s plans of the 70B shape
+@pytest.mark.parametrize("command, shown", _readme_plans(), ids=["world-size-64", "pp8-tp8"])
+def test_a_70b_plan_runs_as_the_readme_shows_in_seconds_and_little_memory(command, shown):
+    import shlex
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = (
+        "import sys; from annot.cli import main; rc = main(sys.argv[1:]); "
+        "peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]; "
+        "print(peak.split()[1], file=sys.stderr); sys.exit(rc)"
+    )
+    argv = [sys.executable, "-c", run, *shlex.split(command)[1:]]
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip("\n") == shown
+    assert seconds < 30
+    peak_kib = int(done.stderr.split()[-1])  # the process's peak RSS (VmHWM)
+    assert peak_kib < 2 * 1024**2
