@@ -287,3 +287,33 @@ def test_a_model_that_needs_arguments_is_told_about_init(tmp_path, capsys):
     assert rc == 2 and out == ""
     assert "building Needs raised TypeError" in err
     assert "say how to build it with --init, e.g. --init 'Config(n_layer=8)'" in err
+
+
+def test_world_size_prints_every_pp_tp_dp_fitting_first(capsys):
+    cfg = (
+        '{"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}'
+    )
+    argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM"]
+    argv += ["--config-json", cfg, "--world-size", "4", "--memory", "1MiB", "--seq-len", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("assuming: microbatch 1 x 16 tokens; 8 microbatches, schedule 1f1b")
+    rows = [line.split() for line in out if line[:3].strip().isdigit()]
+    assert sorted((int(r[0]), int(r[1]), int(r[2])) for r in rows) == [
+        (1, 1, 4),
+        (1, 2, 2),
+        (1, 4, 1),
+        (2, 1, 2),
+        (2, 2, 1),
+        (4, 1, 1),
+    ]
+    fits = [r[-1] == "yes" for r in rows if "refused:" not in r]
+    assert fits == sorted(fits, reverse=True)  # fitting choices first
+    assert ["1", "4", "1", "refused:", "tp=4", "does", "not", "divide"] == rows[-1][:8]
+    assert "leaves out communication" in out[-1]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["choices"]) == 6 and doc["assuming"] == out[0]
+    assert main([*argv, "--pp", "2"]) == 2  # one or the other
+    assert "not both" in capsys.readouterr().err
