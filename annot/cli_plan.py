@@ -298,6 +298,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             source_path=module.__file__,
             progress=True,
             tp=args.tp,
+            setup=setup,
         )
         try:
             if args.fit:
@@ -322,6 +323,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         print(json.dumps(plan.to_json(), indent=2))
     else:
+        print(_settings(args, None if made else sample, False))
         print(plan.table())
     return 0
 

@@ -923,33 +923,20 @@ class Extra:
 
 def _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded):
     """Each stage's :class:`annot.runtime.memory_model.StageMemory`."""
-    from annot.runtime.memory_model import stage_memory
+    from annot.runtime.memory_model import Activations, stage_memory
 
     out = []
     for s, (a, b) in enumerate(part.bounds):
-        params: dict[int, nn.Parameter] = {}
-        buffers: dict[int, int] = {}
-        for ms in owned[a:b]:
-            for m in ms:
-                for p in m.parameters():
-                    params.setdefault(id(p), p)
-                for t in m.buffers():
-                    buffers[id(t)] = t.numel() * t.element_size()
-        shares = [
-            (-(-p.numel() // tp) if pid in sharded else p.numel(), p.requires_grad)
-            for pid, p in params.items()
-        ]
+        acts = Activations(
+            per_microbatch=sum(per_mb[a:b]) if per_mb else 0,
+            in_flight=flight[s] if per_mb else 0,
+            recompute=max(extra.recompute[a:b]) if extra.recompute else 0,
+            transient=max(extra.transient[a:b]) if extra.transient else 0,
+        )
+        modules = [m for ms in owned[a:b] for m in ms]
         out.append(
             stage_memory(
-                shares,
-                sum(buffers.values()),
-                sum(per_mb[a:b]) if per_mb else 0,
-                max(extra.recompute[a:b]) if extra.recompute else 0,
-                flight[s] if per_mb else 0,
-                measures.setup,
-                dp=dp,
-                pp=part.n_stages,
-                transient=max(extra.transient[a:b]) if extra.transient else 0,
+                modules, acts, measures.setup, tp=tp, sharded=sharded, dp=dp, pp=part.n_stages
             )
         )
     return out

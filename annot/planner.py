@@ -85,6 +85,9 @@ class _Measured:
     costs: list[Any]
     cost: str
     measured: bool
+    modules: list[Any]  # per segment, the modules it owns
+    setup: Any  # annot.runtime.memory_model.Training
+    sharded: Any  # ids of the parameters tp splits
 
 
 def _read(cls: type, source_path: Optional[str]) -> tuple[str, str]:
@@ -107,8 +110,11 @@ def _measure(
     repeats: int = 1,
     rounds: int = 5,
     points: Optional[Sequence[str]] = None,
+    setup: Any = None,
 ) -> _Measured:
+    from annot.planner_costs import sharded_ids
     from annot.runtime.cost_segments import Segment
+    from annot.runtime.memory_model import Training
 
     if not isinstance(model, cls):
         raise PartitionError(
@@ -172,8 +178,53 @@ def _measure(
             for i, (m, mods) in enumerate(zip(methods, modules))
         ]
         measured = profile(segs, inputs, optimizer, progress, cache_dir, repeats, rounds)
-    costs = segment_costs(model, names, modules, measured, optimizer=optimizer, cost=cost, tp=tp)
-    return _Measured(cls.__name__, names, costs, cost, sample is not None)
+    if setup is None:
+        setup = Training(optimizer=optimizer)
+    sharded = sharded_ids(model) if tp > 1 else set()
+    costs = segment_costs(
+        model,
+        names,
+        modules,
+        measured,
+        optimizer=optimizer,
+        cost=cost,
+        tp=tp,
+        sharded=sharded,
+        setup=setup,
+    )
+    return _Measured(cls.__name__, names, costs, cost, sample is not None, modules, setup, sharded)
+
+
+def _partition_args(m: _Measured, n_stages: int, bandwidth: Optional[float]) -> dict:
+    """The partitioner's arguments: every segment's activations charged for
+    the most microbatches any stage keeps in flight (never less than a
+    stage holds; each stage's own figure is :func:`_stage_detail`'s)."""
+    from dataclasses import replace
+
+    from annot.runtime.cost import partition_args
+    from annot.runtime.memory_model import in_flight
+
+    most = max(in_flight(m.setup.schedule, n_stages, m.setup.microbatches))
+    costs = [replace(c, activations=c.activations * most) for c in m.costs]
+    return partition_args(costs, bandwidth=bandwidth)
+
+
+def _stage_detail(m: _Measured, part: Any, tp: int) -> tuple:
+    """Each stage's :class:`annot.runtime.memory_model.StageMemory`: its
+    weights, gradients and optimizer state, its activations for the
+    microbatches the schedule keeps in flight on it."""
+    from annot.runtime.memory_model import Activations, in_flight, stage_memory
+
+    flight = in_flight(m.setup.schedule, part.n_stages, m.setup.microbatches)
+    out = []
+    for s, (a, b) in enumerate(part.bounds):
+        acts = Activations(
+            per_microbatch=sum(c.activations for c in m.costs[a:b]),
+            in_flight=flight[s] if m.measured else 0,
+        )
+        modules = [mod for mods in m.modules[a:b] for mod in mods]
+        out.append(stage_memory(modules, acts, m.setup, tp=tp, sharded=m.sharded, pp=part.n_stages))
+    return tuple(out)
 
 
 def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePlanResult:
@@ -189,6 +240,7 @@ def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePla
                 f"cut inside {c.name}: split its forward by hand, or use fewer stages"
             )
     return StagePlanResult(
+        stage_detail=_stage_detail(m, part, tp),
         class_name=m.class_name,
         boundaries=tuple(m.segments[a] for a in starts),
         partition=part,
@@ -229,6 +281,7 @@ def plan_stages(
     bandwidth: Optional[float] = None,
     repeats: int = 1,
     rounds: int = 5,
+    setup: Any = None,
 ) -> StagePlanResult:
     """The best split of ``cls.forward`` (``model`` is a built ``cls``) into
     ``n_stages`` pipeline stages::
@@ -246,8 +299,10 @@ def plan_stages(
     ``rounds`` rounds over all the segments, a round timing the median of
     ``repeats`` runs of each: on a busy machine a run is often preempted, and
     the fastest is the closest to its cost. Profiles are cached in ``cache_dir``.
+    ``setup``: how the model trains (:class:`annot.runtime.memory_model.Training`:
+    precision, optimizer, the schedule's microbatches in flight; default
+    ``optimizer`` in float32 under 1F1B over 8 microbatches), for memory.
     """
-    from annot.runtime.cost import partition_args
     from annot.runtime.partition import partition
 
     m = _measure(
@@ -262,9 +317,10 @@ def plan_stages(
         tp=tp,
         repeats=repeats,
         rounds=rounds,
+        setup=setup,
     )
     _check_count(m, n_stages, "n_stages")
-    args = partition_args(m.costs, bandwidth=bandwidth)
+    args = _partition_args(m, n_stages, bandwidth)
     part = partition(n_stages=n_stages, memory_budget=memory, **args)
     return _result(m, part, memory, tp)
 
@@ -285,11 +341,11 @@ def fit_stages(
     bandwidth: Optional[float] = None,
     repeats: int = 1,
     rounds: int = 5,
+    setup: Any = None,
 ) -> StagePlanResult:
     """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
     default one per segment) whose every stage fits ``memory`` bytes, split
     as :func:`plan_stages` would; ``.n_stages`` is the count."""
-    from annot.runtime.cost import partition_args
     from annot.runtime.partition import fit
 
     m = _measure(
@@ -304,10 +360,11 @@ def fit_stages(
         tp=tp,
         repeats=repeats,
         rounds=rounds,
+        setup=setup,
     )
     cap = len(m.segments) if max_stages is None else max_stages
     _check_count(m, cap, "max_stages")
-    args = partition_args(m.costs, bandwidth=bandwidth)
+    args = _partition_args(m, cap, bandwidth)
     part = fit(memory_budget=memory, max_stages=cap, **args)
     return _result(m, part, memory, tp)
 

@@ -39,6 +39,8 @@ class StagePlanResult:
     tp: int = 1
     memory_budget: Optional[int] = None
     warnings: tuple[str, ...] = field(default=())
+    # each stage's annot.runtime.memory_model.StageMemory (activations in flight)
+    stage_detail: tuple[Any, ...] = field(default=())
 
     @property
     def n_stages(self) -> int:
@@ -52,7 +54,9 @@ class StagePlanResult:
     def stages(self) -> list[dict[str, Any]]:
         """Per stage: its segments, first/last segment names, parameters
         (shared ones counted once per stage), FLOPs, measured seconds, memory
-        (as the partitioner charged it), bytes it sends on, balanced cost."""
+        (:attr:`stage_detail`: weights, gradients, optimizer state and the
+        activations of the microbatches in flight there), bytes it sends on,
+        balanced cost."""
         out = []
         part = self.partition
         for s, (a, b) in enumerate(part.bounds):
@@ -73,7 +77,9 @@ class StagePlanResult:
                     "params": n_params,
                     "flops": sum(c.flops for c in seg) if self.measured else None,
                     "time": sum(c.time for c in seg) if self.measured else None,
-                    "memory": part.stage_memory[s],
+                    "memory": self.stage_detail[s].total
+                    if self.stage_detail
+                    else part.stage_memory[s],
                     "sends": None if last or not self.measured else seg[-1].output_bytes,
                     "cost": part.stage_costs[s],
                 }

@@ -283,7 +283,14 @@ def choose_boundaries(
 
     # profiles are cached next to the rewritten sources
     memory = budget.bytes if budget is not None else auto.memory
-    kw = dict(cost=cost, memory=memory, source_path=path, tp=tp, cache_dir=cache_dir() / "profiles")
+    kw = dict(
+        cost=cost,
+        memory=memory,
+        source_path=path,
+        tp=tp,
+        cache_dir=cache_dir() / "profiles",
+        setup=budget.training if budget is not None else None,
+    )
     if (
         cost == "time"
     ):  # needs real weights and a clock: rank 0 measures, every rank gets its answer

@@ -39,13 +39,16 @@ the framework's own memory are left out.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+
+import torch.nn as nn
 
 from annot.errors import AnnotError, PartitionError
 
 __all__ = [
     "OPTIMIZER_STATES",
+    "Activations",
     "PRECISIONS",
     "ParamBytes",
     "StageMemory",
@@ -171,30 +174,47 @@ def in_flight(schedule: str, pp: int, microbatches: int) -> list[int]:
     return [peak_in_flight(sched, r) for r in range(pp)]
 
 
+@dataclass(frozen=True)
+class Activations:
+    """A stage's activation figures: bytes kept ``per_microbatch`` for
+    backward, the microbatches ``in_flight``, the block backward
+    ``recompute``-s under checkpointing, backward's ``transient``."""
+
+    per_microbatch: int = 0
+    in_flight: int = 0
+    recompute: int = 0
+    transient: int = 0
+
+
 def stage_memory(
-    params: Iterable[tuple[int, bool]],
-    buffers: int,
-    per_microbatch: int,
-    recompute: int,
-    n_in_flight: int,
+    modules: Iterable[nn.Module],
+    acts: Activations,
     setup: Training,
+    *,
+    tp: int = 1,
+    sharded: Collection[int] = frozenset(),
     dp: int = 1,
     pp: int = 1,
-    transient: int = 0,
 ) -> StageMemory:
-    """A stage's bytes: ``params`` as (elements on this device, trainable) per
-    parameter tensor, ``buffers`` bytes, activations ``per_microbatch`` times
-    ``n_in_flight`` plus ``recompute`` (the block backward recomputes, under
-    activation checkpointing) plus ``transient`` (what backward holds at once
-    in the tensors it makes)."""
+    """The bytes of a stage that holds ``modules`` (each parameter and buffer
+    once; the parameters whose ids are in ``sharded`` at ``1/tp``) with
+    ``acts``, under ``setup``."""
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            params.setdefault(id(p), p)
+        for t in m.buffers():
+            buffers[id(t)] = t.numel() * t.element_size()
     total = ParamBytes()
-    for numel, trainable in params:
-        total = total + param_bytes(numel, 1, trainable, setup, dp, pp)
+    for pid, p in params.items():
+        numel = math.ceil(p.numel() / tp) if pid in sharded else p.numel()
+        total = total + param_bytes(numel, 1, p.requires_grad, setup, dp, pp)
     return StageMemory(
         params=total,
-        buffers=buffers,
-        activations=per_microbatch * n_in_flight + recompute + transient,
-        in_flight=n_in_flight,
-        recompute=recompute,
-        transient=transient,
+        buffers=sum(buffers.values()),
+        activations=acts.per_microbatch * acts.in_flight + acts.recompute + acts.transient,
+        in_flight=acts.in_flight,
+        recompute=acts.recompute,
+        transient=acts.transient,
     )

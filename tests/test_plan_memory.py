@@ -299,3 +299,17 @@ def test_a_70b_plan_runs_as_the_readme_shows_in_seconds_and_little_memory(comman
     assert seconds < 30
     peak_kib = int(done.stderr.split()[-1])  # the process's peak RSS (VmHWM)
     assert peak_kib < 2 * 1024**2
+
+
+def test_the_stage_planner_counts_the_microbatches_in_flight_per_stage():
+    from annot.planner import plan_stages
+    from examples.gpt.model import GPT
+
+    setup = Training(microbatches=8, schedule="1f1b")
+    plan = plan_stages(_gpt("meta"), GPT, 3, sample=_gpt_sample(2, 16, "meta"), setup=setup)
+    detail = plan.stage_detail
+    assert [d.in_flight for d in detail] == [3, 2, 1]
+    for st, d in zip(plan.stages(), detail):
+        a, b = st["segments"]
+        assert d.activations == d.in_flight * sum(c.activations for c in plan.costs[a:b])
+        assert st["memory"] == d.total

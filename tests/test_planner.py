@@ -181,12 +181,15 @@ def test_balanced_where_a_uniform_layer_split_is_not():
 
 
 def test_memory_budget_is_respected_and_infeasible_budgets_raise_with_numbers():
+    from annot.runtime.memory_model import Training
+
     m = model()
-    free = plan_stages(m, Uneven, 3, cost="flops", sample=sample())
+    one = Training(microbatches=1)  # one microbatch in flight: activations counted once
+    free = plan_stages(m, Uneven, 3, cost="flops", sample=sample(), setup=one)
     # the smallest possible largest stage memory of any 3-stage split
     budget = int(partition([c.memory for c in free.costs], None, 3).bottleneck)
     assert budget < max(free.partition.stage_memory)  # the budget binds
-    plan = plan_stages(m, Uneven, 3, cost="flops", sample=sample(), memory=budget)
+    plan = plan_stages(m, Uneven, 3, cost="flops", sample=sample(), memory=budget, setup=one)
     assert max(plan.partition.stage_memory) <= budget
     assert plan.boundaries != free.boundaries
     assert plan.partition.bottleneck > free.partition.bottleneck  # the price of fitting
