@@ -179,13 +179,14 @@ def parallelize(
     stage, its memory and the budget.
     Returns a :class:`ParallelModel`.
     """
+    # first, before any option is rebound: the options as the caller gave them
+    given = {k: v for k, v in locals().items() if k in _OPTION_DEFAULTS}
     from annot.compile import compile_options
     from annot.precision import parse_precision
 
     autocast = parse_precision(precision)
     mesh = _check_options(mesh, chunks, overlap_grad_reduce, bucket_cap_mb)
     compile_kw = compile_options(compile)
-    given = {k: v for k, v in locals().items() if k in _OPTION_DEFAULTS}
     _check_option_names(model, given, model_kwargs or {})
     kwargs = {**kwargs, **(model_kwargs or {})}
     instance, cls = _model_and_class(model, args, kwargs)

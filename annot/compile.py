@@ -25,14 +25,21 @@ specialise every length (a recompile each).
 Exactness: dropout inside a compiled block draws its mask from the
 compiler's own generator (inductor), not torch's, and annot's exact
 per-rank masks (:mod:`annot.runtime.tp_dropout`) are not applied inside a
-traced graph, so an ``nn.Dropout`` with ``p > 0`` in a block to compile is
-refused, naming it.
+traced graph. So a compiled forward's first call in training mode (and in
+eval mode) runs eagerly under :class:`~annot.runtime.tp_dropout.Recorder`:
+a dropout that draws a mask there (``nn.Dropout``, ``F.dropout``,
+``torch.dropout``, SDPA's ``dropout_p``), whichever API made it, is refused
+with a :class:`~annot.errors.HintError` naming its module and line, before
+the compiled code ever runs; otherwise later calls run compiled. A copy of
+the model (``copy.deepcopy``, the pre-flight's meta twin) runs eagerly.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -40,7 +47,7 @@ import torch.nn as nn
 from annot.errors import HintError
 from annot.runtime.stage_prune import Absent
 
-__all__ = ["compile_options", "compile_blocks", "compiled_paths"]
+__all__ = ["CompiledForward", "check_no_dropout", "compile_options", "compile_blocks"]
 
 log = logging.getLogger("annot")
 
@@ -62,6 +69,53 @@ def compile_options(compile: Union[bool, dict, None]) -> Optional[dict]:
     )
 
 
+def check_no_dropout(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what: str):
+    """``fn(*args, **kwargs)`` run eagerly, refused (:class:`HintError`) if it
+    drew a dropout mask: ``what`` cannot compile it exactly."""
+    from annot.runtime.tp_dropout import Recorder
+
+    recorder = Recorder(module)
+    with recorder:
+        out = fn(*args, **kwargs)
+    drawn = [c for c in recorder.calls if c.draws]
+    if drawn:
+        call = drawn[0]
+        raise HintError(
+            f"{what}: {call.where()} draws a dropout mask (p={call.p}); compiled, it would "
+            "draw from the compiler's generator, not the single-device model's masks (nor, "
+            "at tp > 1, each rank's slice of them), so the run could not equal it. Build the "
+            "model with dropout 0 to compile it (or train it in eval mode), or leave compile off"
+        )
+    return out
+
+
+class CompiledForward:
+    """What a compiled module's ``forward`` attribute becomes: its first call
+    in each mode (training, eval) runs eagerly and refuses a drawn dropout
+    mask (:func:`check_no_dropout`); later calls run ``torch.compile``'s."""
+
+    def __init__(self, module: nn.Module, path: str, options: dict):
+        self.eager = module.forward  # bound: a checkpointing wrapper, or the class's
+        self.compiled = torch.compile(self.eager, **options)
+        self.module = module
+        self.path = path
+        self.checked: set[bool] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mode = self.module.training
+        if mode in self.checked:
+            return self.compiled(*args, **kwargs)
+        what = f"torch.compile of {self.path or type(self.module).__name__}"
+        out = check_no_dropout(self.module, self.eager, args, kwargs, what)
+        self.checked.add(mode)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy of the module (the pre-flight's meta twin, a meta copy) runs
+        its own forward eagerly, never this module's compiled code."""
+        return copy.deepcopy(self.eager, memo)
+
+
 def compile_blocks(
     module: nn.Module,
     options: dict,
@@ -73,28 +127,31 @@ def compile_blocks(
     """Compile ``module``'s own forward where ``whole`` (one stage, no
     FSDP2: its embedding, head and loss are worth compiling too), else the
     ``forward`` of each block of ``container`` (a path under ``module``) that
-    this rank holds and that no boundary cuts. Returns the paths compiled
-    ("" for the whole module)."""
+    this rank holds and that no boundary cuts. Returns the paths
+    compiled ("" for the whole module); a module compiled already is left
+    as it is."""
     targets = _targets(module, container, boundaries, whole)
-    _check_dropout(targets)
-    for _, block in targets:
-        block.forward = torch.compile(block.forward, **options)
-        block.annot_compiled = True
+    for path, block in targets:
+        block.forward = CompiledForward(block, path, options)
     paths = [p for p, _ in targets]
-    log.info("annot: torch.compile on %s", ", ".join(p or "the model" for p in paths) or "nothing")
+    if not paths:
+        log.warning(
+            "annot: torch.compile: nothing to compile here (no block list, and the model "
+            "runs in several stages or under FSDP2); it runs eagerly"
+        )
+    log.info("annot: torch.compile on %s", ", ".join(p or "the model" for p in paths))
     return paths
 
 
-def compiled_paths(module: nn.Module) -> list[str]:
-    """The paths under ``module`` whose forward :func:`compile_blocks` compiled."""
-    return [p for p, m in module.named_modules() if getattr(m, "annot_compiled", False)]
+def _compiled(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), CompiledForward)
 
 
 def _targets(
     module: nn.Module, container: Optional[str], boundaries: tuple[str, ...], whole: bool
 ) -> list[tuple[str, nn.Module]]:
     if whole and not boundaries:
-        return [("", module)]
+        return [] if _compiled(module) else [("", module)]
     if container is None:
         return []
     out = []
@@ -105,23 +162,6 @@ def _targets(
         if any(b.startswith(path + ".") for b in boundaries):  # cut by a boundary: eager
             log.info("annot: %s is cut by a pipeline boundary; it runs eagerly", path)
             continue
-        if getattr(block, "annot_compiled", False):
-            continue
-        out.append((path, block))
+        if not _compiled(block):
+            out.append((path, block))
     return out
-
-
-def _check_dropout(targets: list[tuple[str, nn.Module]]) -> None:
-    """Refuse a dropout with ``p > 0`` in a block to compile (see the module
-    docstring), naming it."""
-    for path, block in targets:
-        for name, m in block.named_modules():
-            p = getattr(m, "p", 0.0)
-            if isinstance(m, nn.modules.dropout._DropoutNd) and p > 0:
-                where = ".".join(x for x in (path, name) if x) or type(block).__name__
-                raise HintError(
-                    f"torch.compile: {where} is a dropout with p={p}; in a compiled block its "
-                    "masks would not be the ones the single-device model draws (nor, at "
-                    "tp > 1, each rank's slice of them), so the run could not equal it. "
-                    "Build the model with dropout 0 to compile it, or leave compile off"
-                )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.errors import PipelineError
+from annot.runtime.tp_comm import compiling
 
 __all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
 
@@ -53,6 +54,7 @@ class ParallelModel(nn.Module):
         self.fsdp = None  # annot.runtime.fsdp.ShardedData with parallelize(fsdp=True) at dp > 1
         self.compiled_blocks: list[str] = []  # paths whose forward torch.compile compiled
         self._warned_outer_compile = False
+        self._no_dropout: set[bool] = set()  # modes an eager call drew no dropout mask in
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -91,7 +93,7 @@ class ParallelModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from annot.runtime.tp_layers import forget_shared_inputs
 
-        if torch.compiler.is_compiling() and not self._traceable():
+        if compiling() and not self._traceable():
             return self._eager_forward(*args, **kwargs)
         try:
             return self._forward(*args, **kwargs)
@@ -101,17 +103,30 @@ class ParallelModel(nn.Module):
     def _traceable(self) -> bool:
         """Whether ``torch.compile(model)`` may trace this forward whole: a
         model in one stage, its pre-flight done, no pipeline step, FSDP2 or
-        sharded dropout around it. Otherwise annot's part runs eagerly and
-        only the blocks compiled by :meth:`compile` run compiled."""
-        return self._traced_whole() and self.preflight is None
+        sharded dropout around it, and an eager call in this mode (training
+        or eval) that drew no dropout mask. Otherwise annot's part runs
+        eagerly and only what :meth:`compile` compiled runs compiled."""
+        checked = self.module.training in self._no_dropout
+        return self._traced_whole() and self.preflight is None and checked
 
     def _traced_whole(self) -> bool:
         """Whether annot's part of forward can ever be traced (see _traceable)."""
         one_stage = self.pipeline is None or self.pipeline.num_stages == 1
         return one_stage and self._step is None and self.fsdp is None and not self.dropout
 
-    @torch.compiler.disable
+    @torch.compiler.disable(
+        reason="annot runs a model's first calls eagerly (the pre-flight, a check for "
+        "dropout), and its pipelines, FSDP2 and sharded dropout always: use "
+        "model.compile(fullgraph=True), which compiles the model in one stage (or each "
+        "block) as one graph, or torch.compile(model) without fullgraph=True"
+    )
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._traced_whole() and self.preflight is None:  # traced from the next call on
+            from annot.compile import check_no_dropout
+
+            out = check_no_dropout(self.module, self.forward, args, kwargs, "torch.compile(model)")
+            self._no_dropout.add(self.module.training)
+            return out
         quiet = self.compiled_blocks or self._traced_whole()  # (the pre-flight: once)
         if not quiet and not self._warned_outer_compile:
             self._warned_outer_compile = True

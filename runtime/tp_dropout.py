@@ -53,9 +53,13 @@ __all__ = [
     "Recorder",
     "ShardedDropout",
     "active",
+    "Site",
     "module_names",
+    "paired",
     "recompute_context",
+    "shard_dim",
     "sharded_sites",
+    "site",
 ]
 
 # (input, p=0.5, training=True, inplace=False)
@@ -73,10 +77,11 @@ def _is_dropout(func) -> bool:
     return func in FUNCTIONAL or func in ATEN or func in ALPHA or func is SDPA
 
 
-def _site(names: Mapping[int, str]) -> Site:
-    """The module whose method made the current dropout call (the nearest frame
-    whose ``self`` is one of ``names``' modules) and the line of model code
-    (outside torch and annot) that made it."""
+def site(names: Mapping[int, str]) -> Site:
+    """The module whose method made the current call (dropout, or a reshape:
+    :mod:`annot.runtime.tp_reshape`), the nearest frame whose ``self`` is one of
+    ``names``' modules, and the line of model code (outside torch and annot)
+    that made it."""
     frame = sys._getframe(2)
     line: Optional[tuple[str, int]] = None
     while frame is not None:
@@ -115,10 +120,21 @@ class Call:
     site: Site
     shape: tuple[int, ...]
     p: float
+    training: bool = True
+
+    @property
+    def draws(self) -> bool:
+        """Whether the call draws a mask (``p > 0`` in training)."""
+        return self.p > 0 and self.training
+
+    def where(self) -> str:
+        """``module path (file:line)`` of the call."""
+        return _where(self.site)
 
 
 class Recorder(TorchFunctionMode):
-    """Logs every dropout-family call of a forward (run it on meta tensors)."""
+    """Logs every dropout-family call of a forward (the pre-flight runs it on
+    meta tensors; :mod:`annot.compile` on a block's first real call)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -128,8 +144,8 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _is_dropout(func) and args and isinstance(args[0], torch.Tensor):
-            p, _ = _p_and_training(func, args, kwargs)
-            self.calls.append(Call(func, _site(self.names), tuple(args[0].shape), p))
+            p, training = _p_and_training(func, args, kwargs)
+            self.calls.append(Call(func, site(self.names), tuple(args[0].shape), p, training))
         return func(*args, **kwargs)
 
 
@@ -146,12 +162,32 @@ def _where(site: Site) -> str:
     return f"{path or '<root>'} ({os.path.basename(file)}:{line})"
 
 
+def paired(local: Sequence, ref: Sequence) -> Optional[list[tuple]]:
+    """This rank's recorded calls (``local``) side by side with the single-device
+    model's (``ref``), in order; None when they are not the same calls (as many,
+    of the same functions)."""
+    if len(local) != len(ref) or any(a.func is not b.func for a, b in zip(local, ref)):
+        return None
+    return list(zip(local, ref))
+
+
+def shard_dim(local: Sequence[int], ref: Sequence[int], tp: int) -> Optional[int]:
+    """The dim along which a tensor of shape ``local`` is a tp shard of one of
+    shape ``ref``: the one dim ``tp`` times smaller, all others equal. None when
+    it is not one (the same shape, or another difference)."""
+    dims = [d for d, (a, b) in enumerate(zip(local, ref)) if a != b]
+    if len(local) != len(ref) or len(dims) != 1 or ref[dims[0]] != local[dims[0]] * tp:
+        return None
+    return dims[0]
+
+
 def sharded_sites(local: Sequence[Call], ref: Sequence[Call], tp: int) -> dict[Site, int]:
     """The sites of this rank's calls (``local``) whose input is a tp shard of the
     single-device call's (``ref``, the same calls in the same order), with the
     sharded dim. Refuses what it cannot make equal: alpha dropout on a shard, a
     shard along two dims, one site sharded two ways."""
-    if len(local) != len(ref) or any(a.func is not b.func for a, b in zip(local, ref)):
+    pairs = paired(local, ref)
+    if pairs is None:
         raise HintError(
             f"tp pre-flight: this rank's model makes {len(local)} dropout calls where the "
             f"single-device model makes {len(ref)} (or in another order), so annot cannot "
@@ -159,15 +195,11 @@ def sharded_sites(local: Sequence[Call], ref: Sequence[Call], tp: int) -> dict[S
             "model's config, or report the model"
         )
     sites: dict[Site, Optional[int]] = {}
-    for mine, theirs in zip(local, ref):
+    for mine, theirs in pairs:
         if mine.p == 0.0:
             continue
-        dims = [d for d, (a, b) in enumerate(zip(mine.shape, theirs.shape)) if a != b]
-        if (
-            len(mine.shape) != len(theirs.shape)
-            or len(dims) > 1
-            or any(theirs.shape[d] != mine.shape[d] * tp for d in dims)
-        ):
+        dim = shard_dim(mine.shape, theirs.shape, tp)
+        if dim is None and mine.shape != theirs.shape:
             raise HintError(
                 f"tp pre-flight: dropout at {_where(mine.site)} gets a tensor of shape "
                 f"{list(mine.shape)} on this rank where the single-device model's is "
@@ -175,7 +207,6 @@ def sharded_sites(local: Sequence[Call], ref: Sequence[Call], tp: int) -> dict[S
                 "this rank's part of the single-device mask. Set its dropout to 0, or hint "
                 "the module so the tensor is whole or split along one dim"
             )
-        dim = dims[0] if dims else None
         if dim is not None and mine.func in ALPHA:
             raise HintError(
                 f"tp pre-flight: {mine.func.__name__} at {_where(mine.site)} gets a tp shard "
@@ -223,7 +254,7 @@ class ShardedDropout(TorchFunctionMode):
         p, training = _p_and_training(func, args, kwargs)
         if p == 0.0 or not training:
             return func(*args, **kwargs)
-        dim = self.sites.get(_site(self.names))
+        dim = self.sites.get(site(self.names))
         if dim is None:
             return func(*args, **kwargs)
         from annot.runtime.tp_comm import tp_env

@@ -173,15 +173,78 @@ def test_compile_option_inductor_pp2_equals_eager_single_device():
     run_ranks(_compile_option, 2, "pp2", "inductor", timeout=500)
 
 
-def test_compile_refuses_active_dropout_naming_it():
+class _Block(torch.nn.Module):
+    def __init__(self, dropout: str):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.kind = dropout
+        self.drop = torch.nn.Dropout(0.1 if dropout == "module" else 0.0)
+
+    def forward(self, x):
+        x = self.drop(self.fc(x))
+        if self.kind == "functional":
+            x = torch.nn.functional.dropout(x, 0.1, self.training)
+        if self.kind == "sdpa":
+            q = x.view(2, 1, 3, 4)
+            p = 0.1 if self.training else 0.0  # as transformers passes it
+            x = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+            x = x.view(2, 3, 4)
+        return x
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, dropout: str):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(dropout), _Block(dropout)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("dropout", ["module", "functional", "sdpa"])
+def test_compile_refuses_a_drawn_dropout_mask_naming_it(dropout):
+    """Whichever API draws it, a dropout mask in compiled code is refused on
+    the first call, before the compiled code runs; in eval mode it compiles."""
     import annot
 
-    torch.manual_seed(0)
-    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([block]))
+    model = annot.parallelize(_Blocks, dropout, seed=0, compile={"backend": "eager"})
+    assert model.compiled_blocks == [""]
+    x = torch.randn(2, 3, 4)
     with pytest.raises(HintError) as err:
-        annot.parallelize(model, compile=True)
-    assert str(err.value).startswith("torch.compile: 1.0.1 is a dropout with p=0.1;")
+        model(x)
+    where = "blocks.0.drop (dropout.py:" if dropout == "module" else "blocks.0 (test_compile.py:"
+    assert str(err.value).startswith(f"torch.compile of _Blocks: {where}"), str(err.value)
+    assert "draws a dropout mask (p=0.1)" in str(err.value)
+    model.eval()
+    model(x)
+    model(x)  # compiled from the second call in eval mode
+    model.compile(backend="eager")  # a second compile leaves the first
+    assert model.compiled_blocks == [""]
+
+
+def test_torch_compile_of_a_model_with_dropout_is_refused():
+    import annot
+
+    model = annot.parallelize(_Blocks, "module", seed=0)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(HintError) as err:
+        compiled(torch.randn(2, 3, 4))
+    assert str(err.value).startswith("torch.compile(model): blocks.0.drop (dropout.py:")
+
+
+class _TakesMesh(torch.nn.Module):
+    def __init__(self, width: int, mesh=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+
+def test_an_option_left_at_its_default_is_not_refused():
+    import annot
+
+    built = annot.parallelize(_TakesMesh, 4, seed=0)  # no mesh given: nothing clashes
+    assert isinstance(built.module.fc, torch.nn.Linear)
 
 
 class _HasCompile(torch.nn.Module):
