@@ -259,8 +259,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         import torch
 
         cost = args.cost or ("time" if args.input else "params")
-        # from shapes alone: no weight is allocated unless time is measured
-        device = "cpu" if cost == "time" else "meta"
+        from annot.hints import get_stage_spec
+
+        nested = get_stage_spec(cls) is None and not os.path.isfile(path)
+        # from shapes alone: no weight is allocated, except that the @stage
+        # planner times its segments on the model built for real; the nested
+        # planner times one unit at a time, each materialized alone
+        device = "cpu" if cost == "time" and not nested and args.world_size is None else "meta"
         torch.manual_seed(0)
         try:
             with torch.device(device):
@@ -283,9 +288,6 @@ def _run_plan(args: argparse.Namespace) -> int:
             sample = _hf_sample(model, args)
         if sample is not None and device == "meta":
             sample = _to("meta", sample)
-        from annot.hints import get_stage_spec
-
-        nested = get_stage_spec(cls) is None and not os.path.isfile(path)
         if nested or args.world_size is not None:
             # a model you cannot edit (every nested block and block part), or the what-if table
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
@@ -358,6 +360,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
         stranded=stranded,
         setup=setup,
         min_units=1 if args.fit or args.pp is None else args.pp,
+        progress=progress,
     )
     settings = _settings(args, sample, made)
     if not args.json:

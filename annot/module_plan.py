@@ -459,6 +459,11 @@ class UnitFigures:
         return UnitFigures(**joined)
 
 
+def _on_meta(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.is_meta
+
+
 def _at_tp(total: int, split: int, tp: int) -> int:
     return total - split + -(-split // tp)
 
@@ -643,9 +648,13 @@ def measure_units(
     stranded: Optional[dict[str, str]] = None,
     setup: Any = None,
     min_units: int = 1,
+    progress: Any = None,
 ) -> UnitMeasures:
     """Step 1 of :func:`plan_module_boundaries`: the units, and with a sample
-    their FLOPs and saved bytes (and with ``cost="time"`` their times)."""
+    their FLOPs and saved bytes (and with ``cost="time"`` their times: on a
+    model built on the meta device, each unit materialized alone,
+    :func:`annot.unit_timing.time_units_alone`). ``progress``: an
+    :class:`annot.what_if.Progress` to note each unit timed on."""
     from annot.runtime.memory_model import Training
     from annot.runtime.stages import record_calls
 
@@ -680,7 +689,13 @@ def measure_units(
             float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
             checkpoint=setup.checkpoint,
         )
-    timed = _times(model, fine, sample, repeats) if cost == "time" else None
+    timed = None
+    if cost == "time" and _on_meta(model):  # one unit materialized at a time
+        from annot.unit_timing import time_units_alone
+
+        timed = time_units_alone(model, fine, sample, repeats, progress)
+    elif cost == "time":
+        timed = _times(model, fine, sample, repeats)
     return UnitMeasures(model, fine, figures, timed, cost, setup)
 
 

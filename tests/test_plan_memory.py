@@ -313,3 +313,31 @@ def test_the_stage_planner_counts_the_microbatches_in_flight_per_stage():
         a, b = st["segments"]
         assert d.activations == d.in_flight * sum(c.activations for c in plan.costs[a:b])
         assert st["memory"] == d.total
+
+
+# ---- cost="time" from a meta model: one unit materialized at a time -----------------------
+
+
+def test_time_on_a_meta_model_materializes_one_unit_at_a_time():
+    from annot.module_plan import units
+    from annot.unit_timing import time_units_alone
+
+    with torch.device("meta"):
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)) for _ in range(4)]
+        )
+    found = units(model, [str(i) for i in range(4)], depth=1)
+    largest = max(u.params for u in found)
+    real_at_calls = []
+
+    def count(module, args):  # the parameters with real storage, at every call
+        real_at_calls.append(sum(p.numel() for p in model.parameters() if not p.is_meta))
+
+    for m in model.modules():
+        m.register_forward_pre_hook(count)
+    times = time_units_alone(model, found, torch.zeros(8, 64, device="meta"), repeats=3)
+    assert len(times) == len(found) and all(t > 0 for t in times)
+    assert max(real_at_calls) == largest < sum(u.params for u in found)
+    assert all(p.is_meta and p.grad is None for p in model.parameters())  # left as it was
+    plan = plan_module_boundaries(model, 2, sample=torch.zeros(8, 64, device="meta"), cost="time")
+    assert plan.cost == "time" and len(plan.stage_costs) == 2
