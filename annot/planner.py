@@ -88,6 +88,7 @@ class _Measured:
     modules: list[Any]  # per segment, the modules it owns
     setup: Any  # annot.runtime.memory_model.Training
     sharded: Any  # ids of the parameters tp splits
+    timed: bool  # the segments' times mean something (not a meta model)
 
 
 def _read(cls: type, source_path: Optional[str]) -> tuple[str, str]:
@@ -192,7 +193,10 @@ def _measure(
         sharded=sharded,
         setup=setup,
     )
-    return _Measured(cls.__name__, names, costs, cost, sample is not None, modules, setup, sharded)
+    on_meta = any(p.is_meta for p in model.parameters())
+    return _Measured(
+        cls.__name__, names, costs, cost, sample is not None, modules, setup, sharded, not on_meta
+    )
 
 
 def _partition_args(m: _Measured, n_stages: int, bandwidth: Optional[float]) -> dict:
@@ -241,6 +245,7 @@ def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePla
             )
     return StagePlanResult(
         stage_detail=_stage_detail(m, part, tp),
+        timed=m.timed,
         class_name=m.class_name,
         boundaries=tuple(m.segments[a] for a in starts),
         partition=part,

@@ -41,6 +41,7 @@ class StagePlanResult:
     warnings: tuple[str, ...] = field(default=())
     # each stage's annot.runtime.memory_model.StageMemory (activations in flight)
     stage_detail: tuple[Any, ...] = field(default=())
+    timed: bool = True  # False on a meta model: its clock says nothing
 
     @property
     def n_stages(self) -> int:
@@ -76,7 +77,7 @@ class StagePlanResult:
                     "last": self.segments[b - 1],
                     "params": n_params,
                     "flops": sum(c.flops for c in seg) if self.measured else None,
-                    "time": sum(c.time for c in seg) if self.measured else None,
+                    "time": sum(c.time for c in seg) if self.measured and self.timed else None,
                     "memory": self.stage_detail[s].total
                     if self.stage_detail
                     else part.stage_memory[s],
