@@ -144,26 +144,28 @@ def preflight(
     the same sites. With ``split_root`` the root's forward runs as stage
     methods the rewriter made (other lines), so a site in it cannot be keyed:
     refused."""
-    from annot.runtime.tp_dropout import Recorder, sharded_sites
+    from annot.runtime.tp_dropout import sharded_sites
+    from annot.runtime.tp_reshape import ReshapeRecorder, check_head_splits, column_chunks
 
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     twin = _twin(whole if whole is not None else local).train()
-    mine = Recorder(twin)
+    mine = ReshapeRecorder(twin)
     failed = _failure(twin, args, kwargs, ctx, mine)
-    if failed is None and not any(c.p for c in mine.calls):
-        return {}  # nothing to compare: no failure, no dropout
-    theirs = Recorder(ref)
+    if failed is None and not mine.reshapes and not any(c.p for c in mine.calls):
+        return {}  # nothing to compare: no failure, no reshape, no dropout
+    theirs = ReshapeRecorder(ref)
     with _training(ref):
         ref_failed = _failure(ref, args, kwargs, None, theirs)
     if failed is None:
         if ref_failed is not None:
             log.warning(
                 "annot: tp pre-flight: the single-device model does not run on meta tensors "
-                "(%s), so dropout inside tp regions draws per-rank masks, not the "
-                "single-device ones",
+                "(%s), so annot cannot check how forward splits tp shards into heads, and "
+                "dropout inside tp regions draws per-rank masks, not the single-device ones",
                 ref_failed[1],
             )
             return {}
+        check_head_splits(mine.reshapes, theirs.reshapes, ctx.mesh.tp, column_chunks(twin))
         sites = sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
         in_root = [(file, line) for path, file, line in sites if not path]
         if split_root and in_root:

@@ -8,7 +8,10 @@ every rank): the parts real libraries are made of, each switched on or off.
   Sequential pairs;
 - attention (q, k, v column-parallel, out row-parallel) whose head count is
   read from the module (``self.n_head``) or from a config object the blocks
-  share (``self.config.n_head``), and an MLP;
+  share (``self.config.n_head``), split into heads with the head size named
+  or as ``-1`` (``view(B, T, n_head, -1)``: a head count left global still
+  fits the shard there, so only the pre-flight's reshape check refuses it),
+  and an MLP;
 - in-place ops on layer outputs (``y += x`` on a row-parallel output);
 - raw parameters read in the root's forward, across stages: a positional
   table added, a class token concatenated, a projection used with ``@``, a
@@ -52,6 +55,7 @@ class Recipe:
     branch: bool = False
     tied: bool = False
     factory: bool = False  # blocks built through a module-level function
+    reshape_minus_one: bool = False  # heads split / merged with -1 for the head size
     vocab: int = 32
     seq: int = 8
 
@@ -82,6 +86,7 @@ class Attention(nn.Module):
         self.head_dim = r.head_dim
         self.on_config = r.heads_on_config
         self.inplace = r.inplace
+        self.minus_one = r.reshape_minus_one
         self.q = nn.Linear(r.width, r.width)
         self.k = nn.Linear(r.width, r.width)
         self.v = nn.Linear(r.width, r.width)
@@ -90,12 +95,14 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         n_head = self.config.n_head if self.on_config else self.n_head
-        q = self.q(x).view(B, T, n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k(x).view(B, T, n_head, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, n_head, self.head_dim).transpose(1, 2)
+        hd = -1 if self.minus_one else self.head_dim
+        q = self.q(x).view(B, T, n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, n_head, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, n_head, hd).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         y = att.softmax(-1) @ v  # (B, nh, T, hd)
-        y = self.out(y.transpose(1, 2).reshape(B, T, n_head * self.head_dim))
+        merged = -1 if self.minus_one else n_head * self.head_dim
+        y = self.out(y.transpose(1, 2).reshape(B, T, merged))  # (B, T, C)
         if self.inplace:
             y += x  # in place on the row-parallel layer's output
             return y
@@ -214,7 +221,10 @@ class FuzzNet(nn.Module):
 def hints(r: Recipe, wrong: str = "") -> dict:
     """The right tp hints for ``r`` (path patterns); ``wrong`` draws a wrong
     one on purpose: ``"swap"`` (the MLP's Col / Row swapped), ``"global"``
-    (the head count left global)."""
+    (the head count left global: a crash in the pre-flight, or with
+    ``reshape_minus_one`` a reshape that fits and mixes heads, refused by
+    the pre-flight's reshape check). The head size is never named in
+    ``Local``: with the head count local, ``-1`` and ``self.head_dim`` agree."""
     from annot import Col, Local, Row
 
     out = {}

@@ -97,6 +97,7 @@ def recipes():
         branch=flag,
         tied=flag,
         factory=flag,
+        reshape_minus_one=flag,
     )
 
 
@@ -124,6 +125,7 @@ def _features(r: Recipe) -> list[str]:
         "branch",
         "tied",
         "factory",
+        "reshape_minus_one",
     ]
     return [f"container={r.container}"] + [f for f in flags if getattr(r, f)]
 
