@@ -81,6 +81,9 @@ def _run(args: argparse.Namespace) -> int:
     except RanksFailed as exc:
         print(f"annot verify: a rank failed:\n{exc}", file=sys.stderr)
         return 1
+    if rows and rows[0][0].startswith("refused: "):
+        print(f"annot verify: {rows[0][0]}")
+        return 1
     width = max(len(r[0]) for r in rows)
     bad = [r for r in rows if not r[2]]
     print(f"  {'what':<{width}}  {'max |diff|':>10}  status")
@@ -162,12 +165,16 @@ def _rank(args: dict) -> list[tuple[str, Optional[float], bool]]:
     cls, model = _model(args)
     ref = copy.deepcopy(model)
     hints = _hints(args.hints) if args.hints else None
-    par = annot.parallelize(model, mesh=annot.Mesh(tp=args.tp), hints=hints, verify=True)
-    par.eval()
-    ref.eval()
     torch.manual_seed(args.seed + 1)
     sample = _sample(args, cls, ref)
-    out, ref_out = par(**sample), ref(**sample)
+    try:  # annot's refusals (the pre-flight's among them) come before any step
+        par = annot.parallelize(model, mesh=annot.Mesh(tp=args.tp), hints=hints, verify=True)
+        par.eval()
+        out = par(**sample)
+    except annot.AnnotError as exc:
+        return [(f"refused: {type(exc).__name__}: {exc}", None, False)]
+    ref.eval()
+    ref_out = ref(**sample)
     rows = []
     mine, theirs = _leaves(out), _leaves(ref_out)
     for i, (a, b) in enumerate(zip(mine, theirs)):

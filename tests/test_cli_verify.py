@@ -1,6 +1,7 @@
 """``annot verify``: tp=2 on real gloo ranks against the single-device model,
-from the command line. A head count left global where forward reshapes with
-``-1`` crashes nothing and is wrong: verify shows it."""
+from the command line. Good hints: every output and gradient equal. A head
+count left global where forward reshapes with ``-1`` crashes nothing and
+would be wrong: the pre-flight refuses it, and verify says so."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ ARGS = [
 ]
 
 
-def test_verify_passes_good_hints_and_shows_silently_wrong_ones(capsys):
+def test_verify_passes_good_hints_and_reports_a_refusal(capsys):
     assert main([*ARGS, f"{__file__}:GOOD"]) == 0
     out = capsys.readouterr().out
     assert "grad blocks.1.attn.proj.q.weight" in out
@@ -39,8 +40,8 @@ def test_verify_passes_good_hints_and_shows_silently_wrong_ones(capsys):
     )
     assert main([*ARGS, f"{__file__}:HEADS_GLOBAL"]) == 1
     out = capsys.readouterr().out
-    assert "output 0 ()" in out and "MISMATCH" in out
-    assert "checks differ from the single-device run" in out
+    assert "annot verify: refused: HintError: tp pre-flight: at tp=2, blocks.0.attn" in out
+    assert "splits a tp shard into heads with .view(...)" in out
 
 
 def test_verify_refuses_command_line_mistakes_before_any_rank(capsys):
