@@ -38,16 +38,32 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _params_under(module: nn.Module, paths: set[str]) -> int:
-    total = 0
-    seen = set()
+def _params_under(module: nn.Module, paths: set[str]) -> list[nn.Parameter]:
+    """The parameters (each once) of the modules at ``paths`` under ``module``."""
+    out: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
         if any(name == k or name.startswith(k + ".") for k in paths):
-            seen.add(id(p))
-            total += p.numel()
-    return total
+            out.setdefault(id(p), p)
+    return list(out.values())
+
+
+def _stage_memory(model, params: list[nn.Parameter], schedule: str, microbatches: int) -> str:
+    """What a stage's parameters take on this rank while training with AdamW
+    (weights, gradients, optimizer state; :mod:`annot.runtime.memory_model`,
+    the planner's arithmetic), e.g. ``1.2 MiB + 1.2 MiB + 2.4 MiB``."""
+    from annot.runtime.cost_table import format_bytes
+    from annot.runtime.memory_model import SCHEDULES, Training, param_bytes
+
+    trainable = [p for p in params if p.requires_grad]
+    setup = Training(
+        precision="bf16-autocast" if model.autocast_dtype is not None else "fp32",
+        schedule=schedule if schedule in SCHEDULES else "1f1b",
+        microbatches=microbatches,
+    )
+    pb = param_bytes(sum(p.numel() for p in trainable), len(trainable), True, setup)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    parts = [pb.weights + frozen, pb.grads, pb.master + pb.optimizer]
+    return " + ".join(format_bytes(b) for b in parts)
 
 
 class SourceSplitStages:
@@ -204,23 +220,35 @@ def _header(step, args, kwargs) -> list[str]:
 
 def _pipeline(step, view) -> list[str]:
     model, plan = step.model, step.model.pipeline
+
+    def memory(held: list[nn.Parameter]) -> str:
+        return _stage_memory(model, held, step.schedule, step.microbatches)
+
     rows = [
         [
             str(s),
             f"pp{plan.owner(s)}",
             view.modules(s),
             view.sends(s),
-            f"{_params_under(model.module, plan.stage_modules.get(s, set())):,}"
-            if s in plan.local_stage_ids
-            else "-",
+            *(
+                [f"{sum(p.numel() for p in held):,}", memory(held)]
+                if s in plan.local_stage_ids
+                else ["-", "-"]
+            ),
         ]
         for s in range(plan.num_stages)
+        for held in [_params_under(model.module, plan.stage_modules.get(s, set()))]
     ]
     out = [
         f"pipeline: {plan.num_stages} stages, boundaries {list(plan.boundaries)}, "
         f"schedule {step.schedule}",
         f"runner: {view.runner} ({view.how})",
-        _table(rows, ["stage", "rank", "modules", "sends", "params (this rank)"]),
+        _table(
+            rows,
+            ["stage", "rank", "modules", "sends", "params (this rank)", "memory (this rank)"],
+        ),
+        "memory: weights + gradients + AdamW state of the stage's parameters (activations "
+        "come on top: annot plan --seq-len ... estimates them)",
     ]
     if model.report is not None and model.report.plan_table:
         out.append("boundaries chosen by the planner:\n" + model.report.plan_table)
