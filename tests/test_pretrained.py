@@ -179,6 +179,7 @@ def test_llama_tp2_round_trip_reload_pp2(cache, llama_dir, tmp_path):
     _check_round_trip(res, out)
 
 
+@pytest.mark.slow  # the Llama round trip stays fast
 def test_gpt2_pp2_tied_round_trip(cache, gpt2_dir, tmp_path):
     """GPT-2 (head tied to the embedding, Conv1D) at pp2 cut at run time:
     the tied weight is stored once and read by both stages."""

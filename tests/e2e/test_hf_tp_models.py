@@ -148,7 +148,9 @@ def _parity(cache: str, name: str, hints=None, built: bool = False):
     return sorted(n for n, p in model.named_parameters() if getattr(p, "annot_grad_sum", None))
 
 
-@pytest.mark.parametrize("built", [False, True], ids=["class", "instance"])
+@pytest.mark.parametrize(
+    "built", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["class", "instance"]
+)
 def test_qwen3_tp2_sums_partial_qk_norm_gradients(tmp_path, built):
     summed = run_ranks(_parity, 2, str(tmp_path), "qwen3", None, built, timeout=300)
     assert summed[0] == summed[1]
@@ -187,11 +189,11 @@ def test_verify_names_a_missing_gradient_sum(tmp_path):
     "name, built",
     [
         ("gemma3", False),  # zero hints: the plan, and the scaled embedding kept
-        ("gemma3", True),
+        pytest.param("gemma3", True, marks=pytest.mark.slow),
         ("phi3", False),  # zero hints: rowwise_split_input
-        ("phi3", True),
+        pytest.param("phi3", True, marks=pytest.mark.slow),
         ("mixtral", False),  # zero hints: MoE experts, router replicated
-        ("mixtral", True),
+        pytest.param("mixtral", True, marks=pytest.mark.slow),
         ("falcon", False),  # FalconLinear by runtime type
         pytest.param("falcon", True, marks=pytest.mark.slow),
         ("gptj", False),  # the class path follows GPTJ_ATTENTION_CLASSES to the rewrite

@@ -866,6 +866,7 @@ def test_raw_parameters_read_between_two_towers(tmp_path):
     assert res[0] == [([(n,) for n in raw], ["text.blocks.1"])], res[0]
 
 
+@pytest.mark.slow  # the structure fuzzer's fast profile pins this case too
 def test_raw_parameter_after_the_blocks_with_a_tied_head(tmp_path):
     # self.head(self.norm(x) * self.scale.exp()), the embedding tied to the head:
     # split in the root's forward (source), by hand and automatically
@@ -908,6 +909,7 @@ def _refusals(cache: str) -> list:
     return out
 
 
+@pytest.mark.slow  # the structure fuzzer's fast profile pins this case too
 def test_raw_parameters_refused_where_annot_cannot_place_them(tmp_path):
     res = run_ranks(_refusals, 2, str(tmp_path), timeout=300)
     build = (
