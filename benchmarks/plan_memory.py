@@ -42,15 +42,9 @@ MIB = 1024**2
 def _config(args):
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        tie_word_embeddings=False,
-    )
+    from benchmarks.pretrained_memory import llama_config  # one copy of the shape options
+
+    return LlamaConfig(**llama_config(args))
 
 
 def _rss() -> int:
