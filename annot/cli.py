@@ -36,10 +36,10 @@ __all__ = ["build_parser", "main", "rewrite_source"]
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
         return version("annot")
-    except Exception:  # not installed (running from a checkout)
+    except PackageNotFoundError:  # not installed (running from a checkout)
         return "0+unknown"
 
 

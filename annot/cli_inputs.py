@@ -77,7 +77,7 @@ def _import_file(path: str):
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the user's file: whatever it raises is refused
         sys.modules.pop(name, None)
         raise Refusal(f"{path}: importing it raised {describe(exc)}") from None
     finally:

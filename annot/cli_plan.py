@@ -272,7 +272,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 model = build_model(module, cls, args.init, args.config_json)
         except (Refusal, AnnotError):
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: refused, named
             how = (
                 "; say how to build it with --init, e.g. --init 'Config(n_layer=8)' (an "
                 "argument for the class) or --init NAME --config-json cfg.json"
@@ -315,7 +315,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
         except AnnotError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the user's forward: refused, named
             raise Refusal(f"running {name} on the sample raised {describe(exc)}") from None
     except (Refusal, AnnotError, OSError) as exc:
         print(f"annot plan: {exc}", file=sys.stderr)

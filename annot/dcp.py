@@ -167,7 +167,7 @@ def save(
     torch.save(info, buf)
     try:
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - what weights_only refuses
+    except Exception as e:
         raise CheckpointError(
             "save: extra= (or an optimizer option) is not plain data that can be loaded without "
             f"unpickling code: {type(e).__name__}: {str(e).splitlines()[0]}. Use numbers, "

@@ -102,7 +102,7 @@ def _read_metadata(file: str) -> Metadata:
             md = _MetadataUnpickler(f, file).load()
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
+    except Exception as e:
         raise CheckpointError(f"{file}: corrupt DCP metadata ({type(e).__name__}: {e})") from e
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{file}: not DCP metadata (a {type(md).__name__})")
@@ -238,7 +238,7 @@ _INFO_KEYS = ("format", "step", "extra", "mesh", "order", "aliases", "optimizer"
 def _read_info(file: str) -> dict:
     try:
         info = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - weights_only refusals and corrupt zips alike
+    except Exception as e:
         raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT or set(info) != set(_INFO_KEYS):
         raise CheckpointError(f"{file}: not an {FORMAT} info file")

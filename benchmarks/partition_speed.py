@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from annot.runtime.partition import partition  # noqa: E402
+from annot.runtime.partition import partition
 
 __all__ = []
 

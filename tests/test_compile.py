@@ -17,9 +17,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.errors import HintError  # noqa: E402
-from annot.testing import run_ranks  # noqa: E402
-from tests.test_hf_gpt2 import LLAMA_KW  # noqa: E402
+from annot.errors import HintError
+from annot.testing import run_ranks
+from tests.test_hf_gpt2 import LLAMA_KW
 
 LOSS_RTOL = 1e-4
 GRAD_REL = 1e-3

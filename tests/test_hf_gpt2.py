@@ -25,7 +25,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random init from small configs: never download
 pytest.importorskip("transformers")
 
-from annot.testing import run_ranks  # noqa: E402
+from annot.testing import run_ranks
 
 GPT2_KW = dict(
     n_layer=2,

@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.testing import run_ranks  # noqa: E402
+from annot.testing import run_ranks
 
 LLAMA_KW = dict(
     vocab_size=64,

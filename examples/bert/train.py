@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model import BertConfig, BertForMaskedLM  # noqa: E402
+from model import BertConfig, BertForMaskedLM
 
-import annot  # noqa: E402
+import annot
 
 PAD, MASK, FIRST_WORD = 0, 1, 2  # ids below FIRST_WORD are special tokens
 

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig
 
-import annot  # noqa: E402
+import annot
 
 
 def batches(vocab: int, batch: int, seq: int, steps: int, seed: int):

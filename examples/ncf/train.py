@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model import NCFConfig, NeuMF  # noqa: E402
+from model import NCFConfig, NeuMF
 
-import annot  # noqa: E402
+import annot
 
 
 def interactions(users: int, items: int, rank: int, seed: int, positive: float = 0.2):

@@ -20,9 +20,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.specs import Col, Heads, Local, Row  # noqa: E402
-from annot.testing import RanksFailed, run_ranks  # noqa: E402
-from tests.test_hf_gpt2 import LLAMA_KW  # noqa: E402
+from annot.specs import Col, Heads, Local, Row
+from annot.testing import RanksFailed, run_ranks
+from tests.test_hf_gpt2 import LLAMA_KW
 
 SMALL = {**LLAMA_KW, "head_dim": 8}  # the same small decoder, any family
 

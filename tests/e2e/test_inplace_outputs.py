@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.testing import run_ranks  # noqa: E402
+from annot.testing import run_ranks
 
 
 def _falcon_parallel_block(cache: str, built: bool):
