@@ -1,8 +1,9 @@
 """Run a function on N real torch.distributed ranks (gloo) on this machine.
 
 The one multi-rank harness for annot's tests and benchmarks, on public API
-only: a random free port, one spawned process per rank with torchrun's
-environment variables, a per-rank log prefix, every rank killed on the first
+only: a rendezvous store in the parent on a port the OS picks (a rank that
+finishes first cannot take it down), one spawned process per rank with
+torchrun's environment variables, a per-rank log prefix, every rank killed on the first
 failure with every rank's traceback collected, a hard deadline, and the
 process group destroyed in ``finally``.
 
@@ -89,8 +90,17 @@ def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout):
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
+        # The parent hosts the store (see run_ranks): a rank that finishes or
+        # dies first takes nothing down that the others still use.
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=pg_timeout)
+        )
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(*args, **kwargs)
         # Pickled here, so tensors travel by value (not as shared memory that dies
@@ -128,9 +138,22 @@ def run_ranks(
     the failure). Ranks still running after ``timeout`` seconds are killed the
     same way.
     """
+    from torch.distributed import TCPStore
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives here, in the parent, on a port the OS picks:
+    # with the store on rank 0 (torch's env:// default), rank 0 returning or
+    # refusing first broke the pipe of a rank still making its process groups.
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    port = store.port
     procs = [
         ctx.Process(
             target=_child,
@@ -172,6 +195,7 @@ def run_ranks(
         for p in procs:
             p.join(timeout=10)
         queue.close()
+        del store  # the ranks are gone: nothing uses it any more
     if failures:
         first = min(failures)
         report = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
