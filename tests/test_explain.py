@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from annot.explain import held_units, runs_of_blocks
 from annot.testing import run_ranks
 
@@ -111,6 +113,7 @@ def _gpt_explain(cache: str) -> str:
     return step.explain(x, x)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_explain_a_source_split_pipeline(tmp_path):
     for rank, text in enumerate(run_ranks(_gpt_explain, 2, str(tmp_path))):
         assert "runner: source split (" in text

@@ -3,6 +3,8 @@ rewrites it: exactly 2 all-reduces forward (after attention's and the MLP's
 row-parallel projections) and 2 backward (into the column-parallel QKV and
 MLP input projections), and the block equals the single-device block."""
 
+import pytest
+
 from annot.testing import run_ranks
 
 
@@ -75,6 +77,7 @@ def _llama_backward_all_reduces(cache: str, n_layers: int) -> int:
     return dict(bwd.get_comm_counts()).get(torch.ops.c10d.allreduce_, 0)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_hf_llama_block_reduces_its_input_gradients_twice_backward(tmp_path):
     """HF Llama keeps q/k/v and gate/up as separate layers; those reading one
     input share one backward all-reduce, so a block costs 2 (as Megatron's

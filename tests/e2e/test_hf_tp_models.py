@@ -173,6 +173,7 @@ def _plan_without_sums(cache: str):
     return _parity(cache, "qwen3", hints)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_verify_names_a_missing_gradient_sum(tmp_path):
     with pytest.raises(RanksFailed) as err:
         run_ranks(_plan_without_sums, 2, str(tmp_path), timeout=300)

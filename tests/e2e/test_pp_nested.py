@@ -498,6 +498,7 @@ def _run(tmp_path, case, splits, world=2, **kw):
 # ---- pp=2, boundaries inside nested forwards ------------------------------------------
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
     # inside a block (attention | MLP), inside a part (the MLP's last linear,
     # whose input is a temporary), between blocks, and at the head
@@ -550,6 +551,7 @@ def test_hf_gpt2_bert_t5_vit(tmp_path, case, split):
     _run(tmp_path, case, [split])
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 @pytest.mark.parametrize(
     "case, splits",
     [
@@ -587,6 +589,7 @@ def test_hf_convnext_built_whole_when_deferred_init_cannot_replay_it(tmp_path):
     _run(tmp_path, "convnext", [["convnext.encoder.stages.1.layers.1"], None], pp=2)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_mixture_of_experts_replays_from_the_owners_log(tmp_path):
     # HF Qwen2-MoE: float32 grouped_mm has no meta kernel; a boundary inside a
     # block (after attention), the MoE on both sides (between blocks: below)
@@ -618,6 +621,7 @@ def test_mixture_of_experts_eager_routing_automatic_split(tmp_path):
     _run(tmp_path, "qwen2moe_eager", [None, ["lm_head"]], pp=2)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_data_dependent_control_flow_before_the_boundary(tmp_path):
     # the branch and the .item() sit before and after the boundary; a module called twice
     _run(tmp_path, "branchy", [["encoder.layers.2"], ["encoder.layers.0"], ["head"]])
@@ -743,6 +747,7 @@ def _interleaved_and_checkpoint(cache: str, ckpt: str) -> int:
     return len(state)
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_interleaved_nested_stages_and_dcp_checkpoint(tmp_path):
     res = run_ranks(
         _interleaved_and_checkpoint, 2, str(tmp_path), str(tmp_path / "ckpt"), timeout=300
@@ -851,6 +856,7 @@ def test_interleaved_stages_refuse_replaying_their_own_moe_on_meta(tmp_path):
 # ---- raw parameters read in a forward that spans the stages ---------------------------
 
 
+@pytest.mark.slow  # CI's slow set; the fast set stays under 10 minutes
 def test_raw_parameters_read_between_two_towers(tmp_path):
     # a CLIP-like model: the root reads a class token, positional embeddings,
     # projections and a temperature between and after its towers' calls. With
