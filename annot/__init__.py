@@ -1,7 +1,7 @@
 """annot: annotate a PyTorch model with ``@shard`` / ``@stage`` and run it
 tensor- and pipeline-parallel, by source rewriting."""
 
-from annot.errors import (
+from annot.core.errors import (
     AnnotError,
     CheckpointError,
     HintError,
@@ -12,9 +12,9 @@ from annot.errors import (
     RewriteError,
     VerifyError,
 )
-from annot.hints import boundary, checkpoint, shard, stage
-from annot.mesh import Mesh
-from annot.specs import Col, Heads, Local, P, Partial, Replicate, Row, Vocab
+from annot.core.hints import boundary, checkpoint, shard, stage
+from annot.core.mesh import Mesh
+from annot.core.specs import Col, Heads, Local, P, Partial, Replicate, Row, Vocab
 
 __all__ = [
     "AnnotError",
@@ -56,7 +56,7 @@ __all__ = [
 # The torch-heavy entry points load on first use, so `annot rewrite` and the
 # rewriters start without importing torch.
 _LAZY = {
-    "jit": "annot.step",
+    "jit": "annot.jit_step",
     "parallelize": "annot.build",
     "ParallelModel": "annot.parallel_model",
     "clip_grad_norm_": "annot.parallel_model",

@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 
 from annot.build_report import BuildReport
-from annot.errors import HintError
-from annot.hints import (
+from annot.core.errors import HintError
+from annot.core.hints import (
     ShardSpec,
     checkpointed_classes,
     get_shard_spec,
@@ -38,6 +38,8 @@ from annot.hints import (
     resolve_hints,
     stage_checkpoint,
 )
+from annot.core.mesh import Mesh
+from annot.hint_checks import check_shard_hints
 from annot.materialize import (
     adopt,
     check_same_rng,
@@ -45,13 +47,12 @@ from annot.materialize import (
     materialize_from,
     take_rewritten_classes,
 )
-from annot.mesh import Mesh
 from annot.parallel_model import ParallelModel
 from annot.preflight import preflight
 from annot.rewrite_cache import rewrite_classes
 from annot.rewriters.stage_split import split_stages
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
-from annot.runtime import mesh as rmesh
+from annot.runtime import process_groups as rmesh
 from annot.runtime.checkpointing import apply_activation_checkpointing
 from annot.runtime.deferred_init import meta_copy
 from annot.runtime.grad_buckets import check_bucket_options
@@ -67,7 +68,6 @@ from annot.stage_choice import (
     resplit,
     stranded_calls,
 )
-from annot.verify import verify_shard_hints
 
 __all__ = ["parallelize"]
 
@@ -413,7 +413,7 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
             "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
             "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
         )
-    verify_shard_hints(ref, specs, tp, paths)
+    check_shard_hints(ref, specs, tp, paths)
     return specs, paths
 
 
@@ -534,7 +534,7 @@ def _named_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list
 def _mark_grad_sums(local: nn.Module, paths: dict) -> None:
     """Mark the parameters hinted ``Replicate(sum_grad=True)`` (a module's or a
     raw parameter's) for the runtime: their gradients are summed over tp."""
-    from annot.specs import Replicate
+    from annot.core.specs import Replicate
 
     for path, s in paths.items():
         if not (isinstance(s, Replicate) and s.sum_grad):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from annot.hints import ShardSpec
-from annot.mesh import Mesh
+from annot.core.hints import ShardSpec
+from annot.core.mesh import Mesh
 
 __all__ = ["BuildReport"]
 

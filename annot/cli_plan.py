@@ -18,7 +18,7 @@ import sys
 from typing import Optional
 
 from annot.cli_inputs import Refusal, build_model, degree, describe, import_target, parse_inputs
-from annot.errors import AnnotError, PartitionError
+from annot.core.errors import AnnotError, PartitionError
 from annot.runtime.memory_model import PRECISIONS, SCHEDULES
 
 DEFAULT_SEQ_LEN = 2048
@@ -245,7 +245,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         setup = _training(args)
         memory = None
         if args.memory is not None:
-            from annot.hints import parse_bytes
+            from annot.core.hints import parse_bytes
 
             memory = parse_bytes(args.memory, "--memory")
         module = import_target(path)
@@ -259,7 +259,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         import torch
 
         cost = args.cost or ("time" if args.input else "params")
-        from annot.hints import get_stage_spec
+        from annot.core.hints import get_stage_spec
 
         nested = get_stage_spec(cls) is None and not os.path.isfile(path)
         # from shapes alone: no weight is allocated, except that the @stage

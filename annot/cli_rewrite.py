@@ -32,8 +32,8 @@ import tokenize
 from typing import Optional
 
 from annot.cli_inputs import Refusal, degree
-from annot.errors import AnnotError, RewriteError
-from annot.files import atomic_write
+from annot.core.errors import AnnotError, RewriteError
+from annot.core.files import atomic_write
 
 __all__ = ["add_rewrite", "rewrite_source"]
 

@@ -29,7 +29,7 @@ traced graph. So a compiled forward's first call in training mode (and in
 eval mode) runs eagerly under :class:`~annot.runtime.tp_dropout.Recorder`:
 a dropout that draws a mask there (``nn.Dropout``, ``F.dropout``,
 ``torch.dropout``, SDPA's ``dropout_p``), whichever API made it, is refused
-with a :class:`~annot.errors.HintError` naming its module and line, before
+with a :class:`~annot.core.errors.HintError` naming its module and line, before
 the compiled code ever runs; otherwise later calls run compiled. A copy of
 the model (``copy.deepcopy``, the pre-flight's meta twin) runs eagerly.
 """
@@ -44,7 +44,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.stage_prune import Absent
 
 __all__ = ["CompiledForward", "check_no_dropout", "compile_options", "compile_blocks"]

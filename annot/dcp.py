@@ -34,7 +34,7 @@ single-device model does.
 
 Atomic (:mod:`annot.dcp_publish`): ``path`` appears only once the save is
 complete; an incomplete, truncated, altered or corrupt checkpoint is refused
-with :class:`~annot.errors.CheckpointError`. Safe (:mod:`annot.dcp_read`):
+with :class:`~annot.core.errors.CheckpointError`. Safe (:mod:`annot.dcp_read`):
 nothing read from a checkpoint can run code.
 """
 
@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from annot.core.errors import CheckpointError
 from annot.dcp_adapter import (
     LoadPlanner,
     SavePlanner,
@@ -68,7 +69,6 @@ from annot.dcp_adapter import (
 )
 from annot.dcp_publish import check_replaceable, own_files, publish, seal, write_file
 from annot.dcp_read import FORMAT, INFO, Opened, SafeReader, open_checkpoint
-from annot.errors import CheckpointError
 from annot.runtime.fsdp import copy_full_into, shard_like
 
 __all__ = ["save", "load", "load_full"]

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 from annot.runtime.fsdp import full
 
 __all__ = [
@@ -138,7 +138,7 @@ class LoadPlanner(DefaultLoadPlanner):
 @dataclass
 class Target:
     module: nn.Module
-    plan: Any  # annot.runtime.stages.PipelinePlan or None
+    plan: Any  # annot.runtime.stages.PipelineLayout or None
     tp: int
     tp_rank: int
     distributed: bool
@@ -158,7 +158,7 @@ class Target:
                 ctx.rank, (m.dp, m.pp, m.tp),
             )  # fmt: skip
         if isinstance(model, nn.Module):
-            from annot.runtime.mesh import current
+            from annot.runtime.process_groups import current
 
             ctx = current()
             on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -10,7 +10,7 @@ its own files' sizes and CRC-32s, and rank 0 writes the completion marker
 older checkpoint there is moved aside first, removed after). A crash before
 that leaves no new ``path``; a directory without the marker, with a
 truncated or altered file, or with corrupt metadata is refused with
-:class:`~annot.errors.CheckpointError`. ``path`` must be on a file system
+:class:`~annot.core.errors.CheckpointError`. ``path`` must be on a file system
 every rank sees (as DCP's ``FileSystemWriter`` assumes).
 """
 
@@ -21,8 +21,8 @@ import os
 import shutil
 import uuid
 
+from annot.core.errors import CheckpointError
 from annot.dcp_read import FORMAT, MARKER, crc32
-from annot.errors import CheckpointError
 
 __all__ = ["check_replaceable", "own_files", "publish", "replace_dir", "seal", "write_file"]
 

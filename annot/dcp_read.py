@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 
 __all__ = [
     "FORMAT",

@@ -5,7 +5,7 @@ the next stage, parameters held), which runner runs them, the tied weights,
 the schedule as a table, and this rank's code for its stages.
 
 Two runners cut a pipeline (recorded once on the plan,
-:class:`annot.runtime.stages.PipelinePlan`): the *source split* (the
+:class:`annot.runtime.stages.PipelineLayout`): the *source split* (the
 rewriter cut the root's ``forward`` into stage methods; each stage's modules
 and outgoing values are known from the source) and the *replay* (the model's
 own ``forward`` runs on every rank and the stages are cut at run time at

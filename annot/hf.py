@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from annot.errors import HintError, PipelineError
+from annot.core.errors import HintError, PipelineError
 from annot.hf_tp_plan import ANNOT_PLANS, base_prefix, hints_from_hf_config, is_hf_model
 from annot.runtime.replay import register_collectors
 

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 from annot.runtime.safetensors_io import Entry, read_header
 
 __all__ = [

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 
 __all__ = ["Matched", "is_transformers", "match_names", "save_names", "tie_groups"]
 

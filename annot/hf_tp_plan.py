@@ -53,9 +53,9 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
-from annot.errors import HintError
-from annot.hints import path_matches
-from annot.specs import Col, Local, P, Partial, Replicate, Row, Spec, Vocab
+from annot.core.errors import HintError
+from annot.core.hints import path_matches
+from annot.core.specs import Col, Local, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = ["ANNOT_PLANS", "Hint", "base_prefix", "hints_from_hf_config", "is_hf_model"]
 

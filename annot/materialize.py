@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.deferred_init import meta_copy
 
 __all__ = ["adopt", "check_same_rng", "materialize", "materialize_from", "take_rewritten_classes"]
@@ -58,7 +58,7 @@ def take_rewritten_classes(model: nn.Module, mapping: dict) -> nn.Module:
 
 def materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
     """Cut this rank's shards out of a built model's own weights."""
-    from annot.runtime import mesh as rmesh
+    from annot.runtime import process_groups as rmesh
     from annot.runtime.deferred_init import materialize_, named_tensors, shard_slicers
 
     with rmesh.use(ctx):
@@ -80,7 +80,7 @@ def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     with a warning saying why. With ``seed`` the random state afterwards is
     the reference's after its construction, the same on every rank, so random
     ops in replicated regions (dropout) draw what the single-device run draws."""
-    from annot.runtime import mesh as rmesh
+    from annot.runtime import process_groups as rmesh
     from annot.runtime.deferred_init import (
         DeferredInitError,
         deferred_reference,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map, tree_unflatten
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.trees import flatten
 
 __all__ = ["StepOutput", "split_microbatches"]

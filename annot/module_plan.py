@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError, PartitionError
+from annot.core.errors import HintError, PartitionError
 
 __all__ = [
     "ModulePlan",
@@ -472,9 +472,9 @@ def split_layers(model: nn.Module) -> dict[nn.Module, str]:
     """The layers tensor parallelism splits, as ``"col"`` (output split) or
     ``"row"`` (output reduced whole): ``@shard`` hints, else a transformers
     tp plan's. A vocab-parallel embedding's output is whole, as a row's."""
+    from annot.core.hints import get_shard_spec, resolve_hints
+    from annot.core.specs import Col, Row, Vocab
     from annot.hf import hints_from_hf_config
-    from annot.hints import get_shard_spec, resolve_hints
-    from annot.specs import Col, Row, Vocab
 
     kinds = {Col: "col", Row: "row", Vocab: "row"}
     out: dict[nn.Module, str] = {}
@@ -617,8 +617,8 @@ def _measured(flops: int, activations: int) -> Any:
 
 def tp_sharded(model: nn.Module, tp: int) -> set[int]:
     """The parameters tp splits: ``@shard`` hints, else a transformers tp plan's."""
+    from annot.core.hints import resolve_hints
     from annot.hf import hints_from_hf_config
-    from annot.hints import resolve_hints
     from annot.planner_costs import sharded_ids
 
     hints = hints_from_hf_config(model, tp=tp) if tp > 1 else None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.tp_comm import compiling
 
 __all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
@@ -40,7 +40,7 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.ctx = ctx
-        self.pipeline = pipeline  # annot.runtime.stages.PipelinePlan or None
+        self.pipeline = pipeline  # annot.runtime.stages.PipelineLayout or None
         self.report = report  # annot.build_report.BuildReport: what parallelize did
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
@@ -177,7 +177,7 @@ class ParallelModel(nn.Module):
                 "        model.backward(loss)\n"
                 "        return loss"
             )
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
 
         with use(self.ctx), self.forward_context():
             return self.module(*args, **kwargs)
@@ -191,7 +191,7 @@ class ParallelModel(nn.Module):
         if self._step is not None:
             self._step.backward(loss, scale)
             return
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
 
         self.begin_grad_reduce()
         self.arm_grad_reduce()
@@ -268,14 +268,14 @@ class ParallelModel(nn.Module):
 
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
         from annot.runtime.state_dict import full_state_dict
 
         with use(self.ctx):
             return _gather_stages(full_state_dict(self.module), self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
         from annot.runtime.state_dict import full_grads
 
         with use(self.ctx):
@@ -288,7 +288,7 @@ class ParallelModel(nn.Module):
         if self.pipeline is not None:
             keep = set(self.pipeline.local_keys)
             local = {k: v for k, v in state_dict.items() if k in keep}
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
 
         with use(self.ctx):
             load_full_state_dict(self.module, local, strict=self.pipeline is None)

@@ -61,7 +61,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.errors import PartitionError, RewriteError
+from annot.core.errors import PartitionError, RewriteError
 from annot.planner_costs import STATES, profile, segment_costs
 from annot.planner_points import (
     module_at,
@@ -70,10 +70,10 @@ from annot.planner_points import (
     split_forward,
     split_points,
 )
-from annot.planner_result import StagePlanResult
+from annot.planner_result import StagePlan
 from annot.planner_segments import exec_class, stage_fn, stage_modules
 
-__all__ = ["StagePlanResult", "fit_stages", "measure_split", "plan_stages", "split_points"]
+__all__ = ["StagePlan", "fit_stages", "measure_split", "plan_stages", "split_points"]
 
 _COSTS = ("time", "flops", "params")
 
@@ -231,7 +231,7 @@ def _stage_detail(m: _Measured, part: Any, tp: int) -> tuple:
     return tuple(out)
 
 
-def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePlanResult:
+def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePlan:
     starts = [a for a, _ in part.bounds[1:]]
     total = sum(c.cost for c in m.costs)
     mean = total / part.n_stages
@@ -243,7 +243,7 @@ def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePla
                 f"(total / {part.n_stages}); no split balances better than that. annot does not "
                 f"cut inside {c.name}: split its forward by hand, or use fewer stages"
             )
-    return StagePlanResult(
+    return StagePlan(
         stage_detail=_stage_detail(m, part, tp),
         timed=m.timed,
         class_name=m.class_name,
@@ -287,7 +287,7 @@ def plan_stages(
     repeats: int = 1,
     rounds: int = 5,
     setup: Any = None,
-) -> StagePlanResult:
+) -> StagePlan:
     """The best split of ``cls.forward`` (``model`` is a built ``cls``) into
     ``n_stages`` pipeline stages::
 
@@ -347,7 +347,7 @@ def fit_stages(
     repeats: int = 1,
     rounds: int = 5,
     setup: Any = None,
-) -> StagePlanResult:
+) -> StagePlan:
     """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
     default one per segment) whose every stage fits ``memory`` bytes, split
     as :func:`plan_stages` would; ``.n_stages`` is the count."""

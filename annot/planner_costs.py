@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from annot.files import atomic_write
+from annot.core.files import atomic_write
 from annot.runtime.memory_model import OPTIMIZER_STATES
 
 __all__ = ["STATES", "profile", "segment_costs", "sharded_ids"]
@@ -30,8 +30,8 @@ def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
     """ids of the parameters a ``@shard`` spec, or a hint in ``paths`` (module
     or parameter path -> spec, e.g. from a transformers tp plan), splits
     (approximately: a Row layer's bias and Replicate entries stay whole)."""
-    from annot.hints import get_shard_spec
-    from annot.specs import Replicate, Row
+    from annot.core.hints import get_shard_spec
+    from annot.core.specs import Replicate, Row
 
     out: set[int] = set()
 

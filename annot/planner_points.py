@@ -18,7 +18,7 @@ from typing import Any, Optional
 import libcst as cst
 import torch.nn as nn
 
-from annot.errors import PartitionError, RewriteError
+from annot.core.errors import PartitionError, RewriteError
 from annot.rewriters.boundaries import Use, place_boundary, uses_in
 from annot.rewriters.forward_body import forward_statements
 

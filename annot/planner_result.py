@@ -1,4 +1,4 @@
-"""The planner's result: :class:`StagePlanResult`, a plan with its per-stage
+"""The planner's result: :class:`StagePlan`, a plan with its per-stage
 figures, printed as a terminal table or given as plain data (JSON).
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from annot.runtime.cost_table import format_bytes, format_count, format_seconds
 
-__all__ = ["StagePlanResult"]
+__all__ = ["StagePlan"]
 
 _COST_WORDS = {
     "time": "measured time (forward + backward of one sample microbatch)",
@@ -23,7 +23,7 @@ _bytes, _count, _seconds = format_bytes, format_count, format_seconds
 
 
 @dataclass(frozen=True)
-class StagePlanResult:
+class StagePlan:
     """A plan: ``boundaries`` (module paths where stages 1.. begin, for
     ``split_stages`` / ``parallelize(split=...)``), the ``partition`` over
     the ``segments`` (their names: the split point each begins at) and their

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.planner_points import module_at
 
 __all__ = ["exec_class", "stage_fn", "stage_modules"]

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 
 __all__ = ["PRECISIONS", "parse_precision", "forward_context", "backward_context"]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from annot.errors import AnnotError, HintError
+from annot.core.errors import AnnotError, HintError
 
 __all__ = ["preflight", "hints_near"]
 
@@ -41,7 +41,7 @@ def _failure(
     """``(path of the innermost module running, the exception)`` when one meta
     forward of ``root(*args, **kwargs)`` fails; None when it runs. ``record``: a
     mode that forward runs under (the dropout recorder)."""
-    from annot.runtime import mesh as rmesh
+    from annot.runtime import process_groups as rmesh
     from annot.runtime.replay import shape_run
 
     names = {id(m): path for path, m in root.named_modules()}

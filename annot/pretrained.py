@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 from annot.hf_files import Stored, open_stored
 from annot.hf_names import Matched, is_transformers, match_names
 
@@ -158,7 +158,7 @@ class PretrainedWeights:
         ``ref`` (the single-device model, on meta); give ``local`` (this
         rank's part, on meta) its storage: empty for what is read later,
         replayed from the constructor for the rest."""
-        from annot.runtime import mesh as rmesh
+        from annot.runtime import process_groups as rmesh
         from annot.runtime.deferred_init import materialize_, named_tensors, shard_slicers
 
         shapes = {k: entry.shape for k, (_, entry) in self.stored.tensors.items()}
@@ -228,7 +228,7 @@ class PretrainedWeights:
         built model (after FSDP2's sharding: its dp chunk only). Every rank
         calls it; a failure on any rank is raised on all."""
         from annot.dcp_adapter import Target, exchange
-        from annot.runtime import mesh as rmesh
+        from annot.runtime import process_groups as rmesh
         from annot.runtime.held_slices import held_slices
         from annot.runtime.safetensors_io import read_box
 

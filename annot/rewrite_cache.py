@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch.nn as nn
 
-from annot.errors import AnnotError, RewriteError
-from annot.files import atomic_write
-from annot.hints import checkpoint, get_checkpoint
+from annot.core.errors import AnnotError, RewriteError
+from annot.core.files import atomic_write
+from annot.core.hints import checkpoint, get_checkpoint
 
 __all__ = ["RewrittenModule", "cache_dir", "rewrite_classes"]
 

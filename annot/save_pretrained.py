@@ -7,7 +7,7 @@ mesh of :func:`annot.from_pretrained`) loads.
 Steps:
 
 1. every rank arrives (a collective under annot's timeout: a call made on
-   one rank alone raises :class:`~annot.errors.RankFailure` naming the
+   one rank alone raises :class:`~annot.core.errors.RankFailure` naming the
    call, instead of hanging);
 2. the ranks tell each other what they hold (names, full shapes, dtypes,
    ties across stages); every rank makes the same plan: one name per tensor
@@ -40,7 +40,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 
 __all__ = ["save_pretrained"]
 
@@ -78,7 +78,7 @@ def save_pretrained(
 
     Every rank calls it together (like :func:`annot.save`); a call on some
     ranks only fails on them after ``ANNOT_TIMEOUT_S`` with
-    :class:`~annot.errors.RankFailure`, naming the call. ``path`` appears
+    :class:`~annot.core.errors.RankFailure`, naming the call. ``path`` appears
     only once complete; an existing ``path`` is refused unless
     ``overwrite=True``, which replaces it. Returns the absolute path.
     """
@@ -161,7 +161,7 @@ def _arrive(ctx, what: str) -> None:
 def _holdings(model) -> dict:
     """What this rank holds: its pipeline rank and its state dict's names,
     grouped by tensor, each group with its full shape and dtype."""
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
     from annot.runtime.state_dict import shard_layouts
 
     with use(model.ctx):
@@ -234,7 +234,7 @@ def _write_own_files(model, planned: list[Planned], tmp: str) -> None:
     """Step 3: this stage's tensors, gathered whole one at a time; its first
     rank (dp 0, tp 0) writes them."""
     from annot.runtime.fsdp import full
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
     from annot.runtime.safetensors_io import StreamWriter
     from annot.runtime.state_dict import gather_whole, shard_layouts
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from annot.build_report import BuildReport
-from annot.errors import HintError
+from annot.core.errors import HintError
 
 __all__ = [
     "MemoryBudget",
@@ -41,7 +41,7 @@ class MemoryBudget:
 
     @staticmethod
     def of(memory: Any, precision: Optional[str], fsdp: bool, dp: int) -> MemoryBudget:
-        from annot.hints import parse_bytes
+        from annot.core.hints import parse_bytes
         from annot.runtime.memory_model import Training
 
         kind = {None: "fp32", "bf16": "bf16-autocast"}.get(precision, "fp32")
@@ -171,7 +171,7 @@ def needs_replay(ref: nn.Module, cls: type, boundaries: tuple[str, ...]) -> bool
     boundary the stage-split rewriter cannot place in the root's ``forward``
     (inside a nested forward, a helper method, a container called whole).
     Boundaries that name no submodule are refused here, listing the options."""
-    from annot.errors import RewriteError
+    from annot.core.errors import RewriteError
 
     if not boundaries:
         return False  # annot.boundary() markers: the rewriter places them
@@ -239,7 +239,7 @@ def choose_boundaries(
     or ``budget``, ``parallelize(memory=...)``)."""
     import inspect
 
-    from annot.hints import StageSpec, get_stage_spec
+    from annot.core.hints import StageSpec, get_stage_spec
     from annot.rewrite_cache import read_source
     from annot.rewriters.stage_split import split_stages
 
@@ -274,7 +274,7 @@ def choose_boundaries(
                 "or use @stage(auto=True)"
             )
         return tuple(spec.split)
-    from annot.errors import AnnotError
+    from annot.core.errors import AnnotError
     from annot.planner import plan_stages
 
     auto = spec or StageSpec(auto=True)

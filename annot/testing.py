@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from annot.errors import AnnotError
+from annot.core.errors import AnnotError
 
 __all__ = ["run_ranks", "RanksFailed", "free_port"]
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from annot.errors import AnnotError
+from annot.core.errors import AnnotError
 
 __all__ = ["Choice", "Progress", "factorisations", "format_what_if", "what_if"]
 

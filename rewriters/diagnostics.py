@@ -30,7 +30,7 @@ from typing import Union
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 
 __all__ = [
     "Locator",

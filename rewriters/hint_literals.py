@@ -8,7 +8,7 @@ Every argument must be a literal (numbers, strings, ``True``/``False``/
 arguments); anything else (a variable, a call to something else) is refused
 with a :class:`RewriteError` at its ``file:line:col``. Spec constructors are
 matched by qualified name (:data:`SPEC_NAMES`: ``a.Col(chunks=3)`` is
-``Col(chunks=3)``) and built with the real :mod:`annot.specs` classes, so a
+``Col(chunks=3)``) and built with the real :mod:`annot.core.specs` classes, so a
 hint is validated exactly as ``@shard`` validates it at import time.
 
 :func:`format_hint` is the way back: the decorator that records a spec.
@@ -22,10 +22,9 @@ from typing import Literal, Union
 
 import libcst as cst
 
-from annot.errors import HintError, RewriteError
-from annot.hints import ShardSpec, StageSpec, parse_bytes
-from annot.rewriters.diagnostics import Locator, node_source
-from annot.specs import (
+from annot.core.errors import HintError, RewriteError
+from annot.core.hints import ShardSpec, StageSpec, parse_bytes
+from annot.core.specs import (
     LOCAL_NAMES,
     SPEC_TYPES,
     Col,
@@ -37,13 +36,14 @@ from annot.specs import (
     Vocab,
     local_name_problem,
 )
+from annot.rewriters.diagnostics import Locator, node_source
 
 __all__ = ["SPEC_NAMES", "Hint", "HintArguments", "Kind", "format_hint"]
 
 SPEC_NAMES: dict[str, type] = {
     f"{mod}.{cls.__name__}": cls
     for cls in (Col, Row, Vocab, Replicate, P, Partial, Heads)
-    for mod in ("annot", "annot.specs")
+    for mod in ("annot", "annot.core.specs")
 }
 
 Kind = Literal["shard", "stage"]

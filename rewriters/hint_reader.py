@@ -5,7 +5,7 @@ runs the user's code, and the file may not even import on this machine). So
 the decorators are read from the syntax tree, matched by *qualified name*
 with libcst's ``QualifiedNameProvider``: ``from annot import shard``,
 ``import annot as a; @a.shard(...)``, ``@annot.shard`` and
-``@annot.hints.shard`` are all the same decorator. Their arguments are read
+``@annot.core.hints.shard`` are all the same decorator. Their arguments are read
 as literals into the real specs by :mod:`annot.rewriters.hint_literals`.
 
 Entry points::
@@ -35,7 +35,7 @@ from typing import Optional, Union
 import libcst as cst
 from libcst.metadata import MetadataWrapper, QualifiedName, QualifiedNameProvider
 
-from annot.hints import ShardSpec, StageSpec
+from annot.core.hints import ShardSpec, StageSpec
 from annot.rewriters.diagnostics import Locator, parse_source
 from annot.rewriters.hint_literals import Hint, HintArguments, Kind
 from annot.rewriters.scopes import ModuleScopes
@@ -51,9 +51,9 @@ __all__ = [
     "read_stage_hints",
 ]
 
-SHARD_NAMES = frozenset({"annot.shard", "annot.hints.shard"})
-STAGE_NAMES = frozenset({"annot.stage", "annot.hints.stage"})
-BOUNDARY_NAMES = frozenset({"annot.boundary", "annot.hints.boundary"})
+SHARD_NAMES = frozenset({"annot.shard", "annot.core.hints.shard"})
+STAGE_NAMES = frozenset({"annot.stage", "annot.core.hints.stage"})
+BOUNDARY_NAMES = frozenset({"annot.boundary", "annot.core.hints.boundary"})
 
 SourceLike = Union[str, bytes, cst.Module, MetadataWrapper]
 

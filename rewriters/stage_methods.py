@@ -1,11 +1,11 @@
 """The code of a stage split: one method per pipeline stage, written from a
-:class:`annot.rewriters.stage_plan.Plan`, and the transform that puts them in
+:class:`annot.rewriters.forward_stages.ForwardStages`, and the transform that puts them in
 the class.
 
 :func:`build_stages` copies each stage's statements as written (a split loop
 as its slice), gives stage ``k > 0`` the names crossing into it as parameters
 and ends every stage but the last with ``return {"name": name, ...}``; each
-comes with its :class:`StagePlan`. :class:`StageSplitTransformer` adds the
+comes with its :class:`StageMethod`. :class:`StageSplitTransformer` adds the
 methods after forward, drops those of an earlier run and replaces the
 ``@stage`` decorator with a comment. :func:`output_arity`: the tuple length
 forward returns, when every ``return`` agrees.
@@ -20,13 +20,13 @@ from typing import Optional
 import libcst as cst
 
 from annot.rewriters.boundaries import SelfPaths
-from annot.rewriters.stage_plan import Plan, Splitter
+from annot.rewriters.forward_stages import ForwardStages, Splitter
 
-__all__ = ["MethodStages", "StagePlan", "StageSplitTransformer", "build_stages", "output_arity"]
+__all__ = ["MethodStages", "StageMethod", "StageSplitTransformer", "build_stages", "output_arity"]
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageMethod:
     """One pipeline stage of ``forward``.
 
     ``inputs``: parameter names of the stage method (stage 0: forward's own
@@ -107,10 +107,10 @@ def _with_methods(found: Mapping[str, None], methods: Mapping[str, cst.FunctionD
 
 
 def build_stages(
-    sp: Splitter, plan: Plan, *, decorators: bool = True
-) -> list[tuple[cst.FunctionDef, StagePlan]]:
+    sp: Splitter, plan: ForwardStages, *, decorators: bool = True
+) -> list[tuple[cst.FunctionDef, StageMethod]]:
     """The stage methods of ``plan`` (named ``sp.prefix + k``), each with its
-    :class:`StagePlan`. ``decorators``: give each the split method's
+    :class:`StageMethod`. ``decorators``: give each the split method's
     decorators; else only the first stage has them (a nested forward's wrap
     the call as a whole: argument defaults such as HF's
     ``@merge_with_config_defaults`` apply to the call's arguments, which the
@@ -160,7 +160,7 @@ def build_stages(
             stmt.visit(paths)
         modules = _with_methods(paths.found, sp.methods)
         src = cst.Module(body=[func.with_changes(leading_lines=())]).code
-        out.append((func, StagePlan(k, func.name.value, tuple(inputs), outputs, modules, src)))
+        out.append((func, StageMethod(k, func.name.value, tuple(inputs), outputs, modules, src)))
     return out
 
 

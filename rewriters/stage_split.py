@@ -40,7 +40,7 @@ This module is the entry point; the parts live beside it:
 :mod:`~annot.rewriters.boundaries` (where a boundary can cut forward, the
 rule the planner shares), :mod:`~annot.rewriters.forward_body` (forward's
 statements and the constructs a split cannot keep),
-:mod:`~annot.rewriters.stage_plan` (placing the cuts, the refusals, what
+:mod:`~annot.rewriters.forward_stages` (placing the cuts, the refusals, what
 crosses) and :mod:`~annot.rewriters.stage_methods` (the stage methods and the
 class transform).
 """
@@ -55,21 +55,21 @@ from typing import Optional
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 from annot.rewriters.boundaries import qualified
 from annot.rewriters.diagnostics import Locator, node_source, parse_source
+from annot.rewriters.forward_stages import ForwardStages, Splitter
 from annot.rewriters.hint_literals import format_hint
 from annot.rewriters.hint_reader import STAGE_NAMES, find_hints, has_qualified_name
 from annot.rewriters.stage_methods import (
     MethodStages,
-    StagePlan,
+    StageMethod,
     StageSplitTransformer,
     build_stages,
     output_arity,
 )
-from annot.rewriters.stage_plan import Plan, Splitter
 
-__all__ = ["StagePlan", "StageSplit", "split_decorated", "split_stages"]
+__all__ = ["StageMethod", "StageSplit", "split_decorated", "split_stages"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class StageSplit:
     """
 
     source: str
-    stages: tuple[StagePlan, ...]
+    stages: tuple[StageMethod, ...]
     output_arity: Optional[int]
     boundaries: tuple[str, ...] = ()
 
@@ -151,7 +151,7 @@ class _Level:
 
     given: tuple[str, ...]
     splitter: Splitter
-    plan: Plan
+    plan: ForwardStages
     built: list
     caller: Optional[str]
 
@@ -226,7 +226,7 @@ def _chain(
             ) from None
 
 
-def _header(sp: Splitter, plan: Plan, caller: Optional[str]) -> str:
+def _header(sp: Splitter, plan: ForwardStages, caller: Optional[str]) -> str:
     labels = [c.label for c in plan.cuts]
     what = sp.method if caller is None else f"{sp.cls.name.value}.{sp.method}"
     if not labels:

@@ -116,15 +116,15 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
-from annot.errors import HintError, MeshError
-from annot.hints import ShardSpec
+from annot.core.errors import HintError, MeshError
+from annot.core.hints import ShardSpec
 from annot.rewriters.diagnostics import Locator, parse_source
 from annot.rewriters.hint_literals import format_hint
 from annot.rewriters.hint_reader import find_hints
 from annot.rewriters.scopes import ModuleScopes
+from annot.rewriters.tp_edits import Target
 from annot.rewriters.tp_local_sizes import LocalSizePlanner
 from annot.rewriters.tp_loss import LossPlanner
-from annot.rewriters.tp_plan import Target
 from annot.rewriters.tp_sharded import Sharded
 from annot.rewriters.tp_syntax import first_param, methods_of
 
@@ -290,7 +290,7 @@ class TensorParallelTransformer(LossPlanner, LocalSizePlanner):
     what cannot apply (no ``CrossEntropyLoss`` in the file: no loss module).
 
     The planning is split by concern into the classes it inherits, all on
-    :class:`~annot.rewriters.tp_plan.EditPlan` (the state, the edits, the
+    :class:`~annot.rewriters.tp_edits.TpEdits` (the state, the edits, the
     traversal): :mod:`~annot.rewriters.tp_constructors` (step 2),
     :mod:`~annot.rewriters.tp_local_sizes` (step 3) and
     :mod:`~annot.rewriters.tp_loss` (step 4), which follows sharded values

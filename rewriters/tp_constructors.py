@@ -30,11 +30,8 @@ from typing import Optional
 
 import libcst as cst
 
-from annot.hints import ShardSpec
-from annot.rewriters.diagnostics import node_source
-from annot.rewriters.tp_plan import EditPlan
-from annot.rewriters.tp_syntax import assignments, first_param, self_path, unpack, with_args
-from annot.specs import (
+from annot.core.hints import ShardSpec
+from annot.core.specs import (
     PARALLEL_LAYERS,
     Col,
     Heads,
@@ -45,6 +42,9 @@ from annot.specs import (
     Vocab,
     parallel_layer,
 )
+from annot.rewriters.diagnostics import node_source
+from annot.rewriters.tp_edits import TpEdits
+from annot.rewriters.tp_syntax import assignments, first_param, self_path, unpack, with_args
 
 __all__ = ["ConstructorPlanner"]
 
@@ -81,7 +81,7 @@ def _kwarg(name: str, value: str) -> cst.Arg:
     )
 
 
-class ConstructorPlanner(EditPlan):
+class ConstructorPlanner(TpEdits):
     """Plans the constructor swaps of a hinted class's ``__init__``."""
 
     def plan_init(

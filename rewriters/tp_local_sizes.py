@@ -23,13 +23,13 @@ import libcst.matchers as m
 
 from annot.rewriters.diagnostics import node_source
 from annot.rewriters.scope_model import LOAD
-from annot.rewriters.tp_plan import Edit, EditPlan
+from annot.rewriters.tp_edits import Edit, TpEdits
 from annot.rewriters.tp_syntax import first_param, self_path, walk
 
 __all__ = ["LocalSizePlanner"]
 
 
-class LocalSizePlanner(EditPlan):
+class LocalSizePlanner(TpEdits):
     """Plans the division by tp of the reads of per-rank sizes."""
 
     def plan_locals(self, cls: cst.ClassDef, fn: cst.FunctionDef, local: tuple[str, ...]) -> None:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import libcst as cst
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 from annot.rewriters.diagnostics import node_source
 from annot.rewriters.tp_outputs import CROSS_ENTROPY_LOSS, ShardedOutputs
 from annot.rewriters.tp_sharded import Env, Shard, Sharded, contained

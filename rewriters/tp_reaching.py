@@ -14,12 +14,12 @@ from typing import Optional
 import libcst as cst
 
 from annot.rewriters.scope_model import Assignment
-from annot.rewriters.tp_plan import EditPlan
+from annot.rewriters.tp_edits import TpEdits
 
 __all__ = ["ReachingAssignments"]
 
 
-class ReachingAssignments(EditPlan):
+class ReachingAssignments(TpEdits):
     """The assignments that may give a read its value (in the method being planned)."""
 
     def reaching(self, name: cst.Name) -> Optional[list[Assignment]]:

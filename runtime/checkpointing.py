@@ -3,7 +3,7 @@ keeping its activations (memory for compute, as in Megatron and torchtitan).
 
 Two ways in:
 
-- ``@checkpoint`` on a class (:mod:`annot.hints`):
+- ``@checkpoint`` on a class (:mod:`annot.core.hints`):
   the build calls ``apply_activation_checkpointing(model, classes)``, which
   wraps the forward of every instance of those classes;
 - ``@stage(checkpoint=True)``: :func:`checkpoint_stage` wraps each pipeline
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.tp_dropout import recompute_context
 
 __all__ = [

@@ -56,7 +56,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.runtime.cost_cache import cache_key, load, store
 from annot.runtime.cost_measure import detach, measure
 from annot.runtime.cost_segments import Segment, SegmentCost, as_segments

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from annot.files import atomic_write
+from annot.core.files import atomic_write
 from annot.runtime.cost_segments import SegmentCost, as_segments
 from annot.runtime.trees import flatten
 

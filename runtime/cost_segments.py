@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 
 __all__ = ["Segment", "SegmentCost", "as_segments"]
 

@@ -195,9 +195,9 @@ def shard_slicers(local: nn.Module) -> Wanted:
     ``shard_parameter``) give this rank's ``split_local`` slice; the rest whole.
 
     ``local`` may be on the meta device (built under ``torch.device("meta")``
-    and pruned to this rank's stages). Call inside ``annot.runtime.mesh.use(ctx)``.
+    and pruned to this rank's stages). Call inside ``annot.runtime.process_groups.use(ctx)``.
     """
-    from annot.errors import MeshError
+    from annot.core.errors import MeshError
     from annot.runtime.state_dict import shard_layouts
     from annot.runtime.tp_comm import split_local, tp_env
 
@@ -213,7 +213,7 @@ def shard_slicers(local: nn.Module) -> Wanted:
         if tp != size:
             raise MeshError(
                 f"{name} is sharded for tp={tp} but the current tp degree is {size}; call "
-                "shard_slicers inside annot.runtime.mesh.use(ctx) with the mesh the model was built for"
+                "shard_slicers inside annot.runtime.process_groups.use(ctx) with the mesh the model was built for"
             )
         table[name] = functools.partial(split_local, dim=dim, chunks=chunks, size=tp, rank=rank)
     return table.get

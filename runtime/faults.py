@@ -11,7 +11,7 @@ name the rank that failed *first*, not just its neighbour::
         wait_work(dist.irecv(buf, src), timeout_s)   # a timeout or a lost peer
                                                       # names the culprit
 
-Both raise :class:`annot.errors.RankFailure`, e.g. ``rank 3 (stage 1) failed
+Both raise :class:`annot.core.errors.RankFailure`, e.g. ``rank 3 (stage 1) failed
 during forward of microbatch 2: ValueError: boom`` or ``rank 2 (stage 1) did not
 respond within 10 s while this rank waited in recv activations of microbatch 4``.
 
@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from annot.errors import AnnotError, RankFailure
+from annot.core.errors import AnnotError, RankFailure
 from annot.runtime.comm_wait import classify
 from annot.runtime.fault_store import (
     BLAME_KEY,

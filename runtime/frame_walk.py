@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 
 __all__ = ["LIBRARY_DIRS", "frame_tensors", "model_line", "named_frame_tensors", "state_ids"]
 

@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 
 __all__ = []  # internal: annot.parallelize(..., overlap_grad_reduce=True) builds one
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from annot.errors import VerifyError
+from annot.core.errors import VerifyError
 from annot.runtime.fsdp import local
 
 __all__ = ["reduce_gradients", "check_replicated_grads", "clip_grad_norm_"]

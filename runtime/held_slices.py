@@ -10,7 +10,7 @@ one run per block). A parameter FSDP2 shards over dp (a ``DTensor``) is
 then narrowed to this rank's dp chunk, as DTensor reports it to DCP
 (``__create_chunk_list__``). Every other dim is whole::
 
-    with annot.runtime.mesh.use(ctx):
+    with annot.runtime.process_groups.use(ctx):
         for name, held in held_slices(model).items():
             for piece in held.pieces:      # full[piece.full] -> held.local[piece.local]
                 ...
@@ -75,7 +75,7 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
 def held_slices(model: nn.Module) -> dict[str, Held]:
     """Every parameter, buffer and tensor attribute of ``model`` (this rank's
     part, tied ones under each name) with the boxes of the full tensor this
-    rank holds. Call inside ``annot.runtime.mesh.use(ctx)``."""
+    rank holds. Call inside ``annot.runtime.process_groups.use(ctx)``."""
     layouts = shard_layouts(model)
     slicer = shard_slicers(model)
     out: dict[str, Held] = {}

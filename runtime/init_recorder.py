@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from annot.errors import AnnotError
+from annot.core.errors import AnnotError
 from annot.runtime.init_ops import (
     EMPTY,
     METADATA_INPLACE,

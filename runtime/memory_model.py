@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from annot.errors import AnnotError, PartitionError
+from annot.core.errors import AnnotError, PartitionError
 
 __all__ = [
     "OPTIMIZER_STATES",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.replay import StageDone
 
 if TYPE_CHECKING:

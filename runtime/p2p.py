@@ -50,7 +50,7 @@ The receiver checks the preamble (magic, version, size bounds) and the header
 (dtypes, shapes, that they add up to the payload size) before it posts the next
 receive: gloo aborts the process on a message larger than the posted buffer and
 silently corrupts on a smaller one, so only sizes that were validated are ever
-posted. A bad message raises :class:`annot.errors.PipelineError` naming the
+posted. A bad message raises :class:`annot.core.errors.PipelineError` naming the
 label, the source rank and the expected vs received values.
 
 Received tensors are views of the payload buffer with their own version
@@ -71,7 +71,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime import faults
 from annot.runtime.comm_wait import wait_work
 from annot.runtime.fault_store import report_failure

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 
 __all__ = [
     "DTYPES",

@@ -44,7 +44,7 @@ from typing import Optional
 
 import numpy as np
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.runtime.partition_chain import Chain
 
 __all__ = ["Partition", "partition", "fit", "evaluate", "least_memory"]
@@ -152,7 +152,7 @@ def partition(
     shared=[(emb_bytes, {0, len(costs) - 1})])``
 
     Interleaved schedules simply ask for ``pp * chunks`` stages. Raises
-    :class:`~annot.errors.PartitionError` when no split fits the budget, saying
+    :class:`~annot.core.errors.PartitionError` when no split fits the budget, saying
     how many stages would.
     """
     chain = Chain(costs, memories, memory_budget, cross_bytes, bandwidth, shared)

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 
 __all__ = ["Chain"]
 

@@ -35,7 +35,7 @@ order, the same on both sides of a boundary (:mod:`annot.runtime.stage_values`).
 Sends are async and waited at the end of the step (the executor's p2p:
 :class:`annot.runtime.pipeline_messages.PipelineMessages`); every p2p wait
 runs under :func:`annot.runtime.faults.guard` with the timeout, so a dead or hung peer becomes
-:class:`~annot.errors.RankFailure` instead of a hang. An exception on this
+:class:`~annot.core.errors.RankFailure` instead of a hang. An exception on this
 rank (a stage, the body, a bad value) is recorded with
 :func:`annot.runtime.fault_store.report_failure` before it propagates, so the ranks
 waiting on this one name it, its stage and the microbatch. Every message
@@ -55,7 +55,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.errors import PipelineError, RankFailure
+from annot.core.errors import PipelineError, RankFailure
 from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
 from annot.runtime.p2p_codec import tensors_requiring_grad
@@ -102,7 +102,7 @@ class PipelineExecutor(PipelineMessages):
     ``stages`` are the :class:`LocalStage` s this rank holds: with ``pp``
     ranks and ``chunks`` stages per rank, pipeline rank ``r`` holds stages
     ``r, r + pp, ...`` of ``num_stages = pp * chunks``. ``ctx`` is the
-    :class:`annot.runtime.mesh.ParallelContext` (None: one process, ``pp == 1``).
+    :class:`annot.runtime.process_groups.ParallelContext` (None: one process, ``pp == 1``).
     ``output_arity`` is how many values the model returns, so that
     ``a, b = model(...)`` unpacks on ranks without the last stage.
     ``post_receives`` posts each RECV's receive one action early under gloo
@@ -126,7 +126,7 @@ class PipelineExecutor(PipelineMessages):
         post_receives: bool = False,
     ):
         if ctx is None:
-            from annot.runtime.mesh import current
+            from annot.runtime.process_groups import current
 
             ctx = current()
         self.ctx = ctx

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.model_call import StepState
 from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, simple_signature

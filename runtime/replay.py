@@ -46,7 +46,7 @@ objects are leaves whose ``.grad`` goes back.
 The price: each stage re-runs the Python of the stages before it (on meta:
 no FLOPs), and tensors that are alive only inside an object (not a local, a
 tuple, a list, a dict or a dataclass) cannot cross; using one on a later
-stage is refused with a :class:`~annot.errors.PipelineError` that says so.
+stage is refused with a :class:`~annot.core.errors.PipelineError` that says so.
 
 Its parts: the ops on meta and their cache by signature in
 :mod:`annot.runtime.meta_ops`, the log of value reads in
@@ -67,7 +67,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.frame_walk import frame_tensors, named_frame_tensors, state_ids
 from annot.runtime.meta_ops import (
     MetaOps,

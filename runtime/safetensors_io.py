@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from annot.errors import CheckpointError
+from annot.core.errors import CheckpointError
 
 __all__ = ["DTYPES", "Entry", "Header", "StreamWriter", "read_box", "read_header"]
 

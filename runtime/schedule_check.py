@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.schedules import (
     COMPUTE,
     KINDS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.schedule_check import simulate
 from annot.runtime.schedules import COMPUTE, Schedule, W
 

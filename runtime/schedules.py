@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 
 __all__ = [
     "Action",

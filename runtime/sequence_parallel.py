@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
+from annot.core.specs import PARALLEL_LAYERS, Col, Row
 from annot.runtime import tp_layers
 from annot.runtime.state_dict import shard_layouts
 from annot.runtime.tp_comm import (
@@ -42,7 +43,6 @@ from annot.runtime.tp_comm import (
     scatter_to_tp,
 )
 from annot.runtime.tp_embedding import ColumnParallelEmbedding, VocabParallelEmbedding
-from annot.specs import PARALLEL_LAYERS, Col, Row
 
 __all__ = ["apply_sequence_parallel", "stage_runs"]
 
@@ -122,7 +122,7 @@ def apply_sequence_parallel(root: nn.Module, blocks: Sequence[str], dim: int, tp
 
 def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
     """The blocks each of this rank's pipeline stages runs (``plan``: an
-    :class:`~annot.runtime.stages.PipelinePlan`), in order. Each run enters
+    :class:`~annot.runtime.stages.PipelineLayout`), in order. Each run enters
     sequence shards at its first block and leaves them after its last, so the
     stages hand whole activations on, as without sequence parallelism. A
     block is a stage's when the stage holds weights of it."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.replay import replaying, running_live, shadow_call
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.p2p_codec import flatten, tensors_requiring_grad, unflatten
 
 __all__ = ["call_stage", "grad_pairs", "handoff", "input_grads", "keep_grads"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.schedules import stage_rank
 from annot.runtime.stage_prune import absent_paths, covered, logged_modules, prune
 
@@ -229,7 +229,7 @@ class Tie:
 
 
 @dataclass
-class PipelinePlan:
+class PipelineLayout:
     """What every rank knows about the pipeline; built by :func:`build_plan`."""
 
     split: Any  # annot.rewriters.stage_split.StageSplit; None: stages replayed at run time
@@ -305,7 +305,7 @@ def build_plan(
     boundaries: tuple[str, ...],
     calls: Optional[dict[int, set[str]]] = None,
     checkpoint: bool = False,
-) -> PipelinePlan:
+) -> PipelineLayout:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
     ``split`` is the stage-split rewriter's result, or None for stages cut at
@@ -378,7 +378,7 @@ def build_plan(
     keep, through = held(ctx.pp_rank)
     prune(model, keep, shadows=split is None, through=through)
     local_keys = tuple(model.state_dict().keys())
-    return PipelinePlan(
+    return PipelineLayout(
         split=split,
         pp=mesh.pp,
         chunks=chunks,

@@ -6,7 +6,7 @@ comes from the layers themselves (``annot_shard_layout()`` in
 ``annot.runtime.tp_layers``) and from ``shard_parameter``'s ``annot_shard_dim``:
 
     ref = GPT(config)                               # single device
-    model = build_tp_model(config)                  # under annot.runtime.mesh.use(ctx)
+    model = build_tp_model(config)                  # under annot.runtime.process_groups.use(ctx)
     load_full_state_dict(model, ref.state_dict())   # each rank takes its shard
     assert full_state_dict(model).keys() == ref.state_dict().keys()
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from annot.errors import CheckpointError, MeshError
+from annot.core.errors import CheckpointError, MeshError
 from annot.runtime.fsdp import copy_full_into, full
 from annot.runtime.tp_comm import gather_full, split_local, tp_env
 
@@ -73,7 +73,7 @@ def _env_for(tp: int, key: str):
     if size != tp:
         raise MeshError(
             f"{key} is sharded for tp={tp} but the current tp degree is {size}; call this "
-            f"inside annot.runtime.mesh.use(ctx) with the mesh the model was built for"
+            f"inside annot.runtime.process_groups.use(ctx) with the mesh the model was built for"
         )
     return group, rank
 

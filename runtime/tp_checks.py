@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from annot.errors import HintError, MeshError
-from annot.runtime.mesh import ParallelContext, current
+from annot.core.errors import HintError, MeshError
+from annot.runtime.process_groups import ParallelContext, current
 
 __all__ = ["check_degree", "check_divisible", "mesh_for", "factory"]
 
@@ -56,7 +56,7 @@ def mesh_for(layer: str, tp: int) -> Optional[ParallelContext]:
         )
         raise MeshError(
             f"{layer}(tp={tp}): this code was rewritten for tp={tp} but {where}; "
-            f"run it under a mesh with tp={tp} (inside annot.runtime.mesh.use(ctx)), "
+            f"run it under a mesh with tp={tp} (inside annot.runtime.process_groups.use(ctx)), "
             f"or rewrite the model again with --tp {have}"
         )
     return ctx

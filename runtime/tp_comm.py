@@ -1,6 +1,6 @@
 """Megatron's tensor-parallel collectives, as autograd functions over the tp group.
 
-Four conjugate pairs (forward / backward), read from ``annot.runtime.mesh.current()``:
+Four conjugate pairs (forward / backward), read from ``annot.runtime.process_groups.current()``:
 
 =====================  ==========================  ==========================
 function               forward                     backward
@@ -72,8 +72,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from annot.errors import HintError
-from annot.runtime.mesh import current
+from annot.core.errors import HintError
+from annot.runtime.process_groups import current
 
 __all__ = [
     "copy_to_tp",

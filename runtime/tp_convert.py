@@ -50,7 +50,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
+from annot.core.specs import Col, Heads, P, Partial, Row, Vocab, parallel_layer
 from annot.runtime import tp_layers as L
 from annot.runtime.state_dict import load_full_state_dict
 from annot.runtime.tp_hooks import partial_module, slice_heads
@@ -60,7 +61,6 @@ from annot.runtime.tp_subclass import (
     probe_equals_base,
     reads_super,
 )
-from annot.specs import Col, Heads, P, Partial, Row, Vocab, parallel_layer
 
 __all__ = [
     "check_layer",
@@ -207,7 +207,7 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
 
 def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn.Module:
     """The tp layer ``spec`` makes of the built ``module`` (see the module doc).
-    Call it under the mesh's context (``annot.runtime.mesh.use(ctx)``)."""
+    Call it under the mesh's context (``annot.runtime.process_groups.use(ctx)``)."""
     where = where or f"{spec!r} on a {type(module).__name__}"
     kind, keep = _plan(module, spec, where, "the layer")
     layer = _build(module, spec, kind, tp)

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.frame_walk import LIBRARY_DIRS
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import GatherFromTP, ReduceFromTP, all_reduce_
 

@@ -12,9 +12,9 @@ import inspect
 import torch
 from torch import nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
+from annot.core.specs import Heads
 from annot.runtime.tp_checks import mesh_for
-from annot.specs import Heads
 
 __all__ = ["partial_module", "slice_heads"]
 
@@ -46,7 +46,7 @@ class _PartialHooks:
 
 def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
     """``Partial()`` applied to a built module: its output is summed over tp and
-    its inputs' gradients too (see :class:`annot.specs.Partial`). Returns
+    its inputs' gradients too (see :class:`annot.core.specs.Partial`). Returns
     ``module`` itself, hooked once."""
     mesh_for("partial_module", tp)
     if tp > 1 and not getattr(module, "annot_partial", False):
@@ -59,7 +59,7 @@ def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
 def slice_heads(module: nn.Module, name: str, spec: Heads, tp: int, where: str = "") -> None:
     """``Heads()`` on argument ``name`` of a built module: a forward pre-hook
     gives its forward this rank's heads of that argument (see
-    :class:`annot.specs.Heads`). Hooked once per argument."""
+    :class:`annot.core.specs.Heads`). Hooked once per argument."""
     mesh_for("slice_heads", tp)
     done = module.__dict__.setdefault("annot_heads", set())
     if tp == 1 or name in done:

@@ -25,7 +25,7 @@ This module holds the linear and ``Conv1D`` layers. The embeddings live in
 rewritten code imports every name above from this one module.
 
 Each layer takes the same arguments as the torch layer it replaces, holds only
-this rank's shard, and reads the tp group from ``annot.runtime.mesh.current()``. It
+this rank's shard, and reads the tp group from ``annot.runtime.process_groups.current()``. It
 checks that ``tp`` equals the current mesh's tp degree (:class:`MeshError`
 otherwise) and that the sizes divide (:class:`HintError` otherwise).
 
@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.column_matmul import column_matmul, matmul
 from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
 from annot.runtime.tp_comm import (

@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.tp_checks import check_degree, mesh_for
 from annot.runtime.tp_comm import split_local
 

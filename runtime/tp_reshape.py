@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.frame_walk import LIBRARY_DIRS
 from annot.runtime.tp_dropout import Recorder, Site, paired, shard_dim, site
 from annot.runtime.tp_layers import ColumnParallelConv1D, ColumnParallelLinear

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.runtime.tp_comm import all_reduce_, tp_env
 
 __all__ = ["vocab_parallel_cross_entropy"]

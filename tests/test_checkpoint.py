@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from annot import dcp as ck
+from annot.core.errors import CheckpointError
 from annot.dcp_adapter import Shard
 from annot.dcp_publish import seal
 from annot.dcp_read import INFO, MARKER, METADATA
-from annot.errors import CheckpointError
 from annot.testing import RanksFailed, run_ranks
 
 CFG = dict(block_size=8, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0)

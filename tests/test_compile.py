@@ -17,7 +17,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.testing import run_ranks
 from tests.test_hf_gpt2 import LLAMA_KW
 

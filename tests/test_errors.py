@@ -7,10 +7,10 @@ import torch.nn as nn
 
 import annot
 from annot import Col, HintError, Local, MeshError, PipelineError, Row, Vocab
-from annot.hints import resolve_external_hints, resolve_hints, shard, stage
+from annot.core.hints import resolve_external_hints, resolve_hints, shard, stage
+from annot.hint_checks import check_shard_hints
 from annot.microbatch import split_microbatches
 from annot.testing import RanksFailed, run_ranks
-from annot.verify import verify_shard_hints
 
 
 class Attn(nn.Module):
@@ -31,9 +31,9 @@ class Net(nn.Module):
 
 def _verify(**specs):
     local = specs.pop("local", ())
-    from annot.hints import ShardSpec
+    from annot.core.hints import ShardSpec
 
-    verify_shard_hints(Net(), {Attn: ShardSpec(specs, tuple(local))}, tp=2)
+    check_shard_hints(Net(), {Attn: ShardSpec(specs, tuple(local))}, tp=2)
 
 
 def test_world_size_must_equal_the_mesh():
@@ -48,7 +48,7 @@ def test_mesh_degrees_are_positive_ints():
 
 
 def test_backend_follows_the_device_and_refuses_more_ranks_than_gpus(monkeypatch):
-    from annot.runtime.mesh import default_backend
+    from annot.runtime.process_groups import default_backend
 
     monkeypatch.delenv("ANNOT_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -118,10 +118,10 @@ def test_sizes_tp_does_not_divide():
             super().__init__()
             self.scale = nn.Parameter(torch.ones(5, 8))
 
-    from annot.hints import ShardSpec
+    from annot.core.hints import ShardSpec
 
     with pytest.raises(HintError, match=r"dim 0 of scale has size 5, not divisible by tp \(2\)"):
-        verify_shard_hints(Odd(), {Odd: ShardSpec({"scale": annot.P("tp", None)})}, tp=2)
+        check_shard_hints(Odd(), {Odd: ShardSpec({"scale": annot.P("tp", None)})}, tp=2)
 
 
 def test_bad_hint_arguments_name_class_and_argument():
@@ -155,21 +155,21 @@ def test_local_takes_attribute_paths_from_the_module():
             self.config = Config()
 
     hinted = shard(qkv=Col(chunks=3), local=("config.n_head",))(CfgAttn)
-    spec = annot.hints.get_shard_spec(hinted)
+    spec = annot.core.hints.get_shard_spec(hinted)
     assert spec.local == ("config.n_head",)
-    verify_shard_hints(CfgAttn(), {CfgAttn: spec}, tp=2)  # 4 heads divide by tp 2
+    check_shard_hints(CfgAttn(), {CfgAttn: spec}, tp=2)  # 4 heads divide by tp 2
     net = nn.ModuleDict({"a": CfgAttn(), "b": CfgAttn()})
     specs = resolve_external_hints(net, {"*": Local("config.n_head")})
     assert specs[CfgAttn].local == ("config.n_head",)
-    from annot.hints import ShardSpec
+    from annot.core.hints import ShardSpec
 
     with pytest.raises(HintError) as err:
-        verify_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.odd",))}, tp=2)
+        check_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.odd",))}, tp=2)
     assert str(err.value) == (
         "@shard on CfgAttn: local=('config.odd',): CfgAttn.config.odd=3 is not divisible by tp (2)"
     )
     with pytest.raises(HintError) as err:
-        verify_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.n_heads",))}, tp=2)
+        check_shard_hints(CfgAttn(), {CfgAttn: ShardSpec({}, ("config.n_heads",))}, tp=2)
     assert str(err.value).startswith(
         "@shard on CfgAttn: local=('config.n_heads',): CfgAttn has no config.n_heads (a dotted "
         "local name is a path of attributes from the module: self.config.n_heads)"

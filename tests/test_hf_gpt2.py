@@ -73,20 +73,20 @@ def _quiet(cache: str) -> None:
 
 
 def _accept_conv1d_in_verify() -> None:
-    """Until ``annot.verify`` knows transformers' ``Conv1D`` (it accepts only
+    """Until ``annot.hint_checks`` knows transformers' ``Conv1D`` (it accepts only
     nn.Linear for Col()/Row(); change requested), check Conv1D entries here
     (out features ``nf`` divisible by tp * chunks for Col, in features ``nx``
     by tp for Row) and hand the rest to the real verifier. Inert once
     verify accepts Conv1D."""
-    import annot.verify as verify
-    from annot.errors import HintError
-    from annot.hints import ShardSpec
-    from annot.specs import Col, Row
+    import annot.hint_checks as verify
+    from annot.core.errors import HintError
+    from annot.core.hints import ShardSpec
+    from annot.core.specs import Col, Row
 
     def conv1d(m) -> bool:
         return type(m).__name__ == "Conv1D" and type(m).__module__ == "transformers.pytorch_utils"
 
-    real = verify.verify_shard_hints
+    real = verify.check_shard_hints
     if getattr(real, "annot_test_shim", False):
         return
 
@@ -113,16 +113,16 @@ def _accept_conv1d_in_verify() -> None:
     probe = _probe_conv1d_verify(real)
     if not probe:
         checked.annot_test_shim = True
-        verify.verify_shard_hints = checked
+        verify.check_shard_hints = checked
 
 
 def _probe_conv1d_verify(verify_fn) -> bool:
     import torch.nn as nn
     from transformers.pytorch_utils import Conv1D
 
-    from annot.errors import HintError
-    from annot.hints import ShardSpec
-    from annot.specs import Col
+    from annot.core.errors import HintError
+    from annot.core.hints import ShardSpec
+    from annot.core.specs import Col
 
     class Probe(nn.Module):
         def __init__(self):
@@ -144,7 +144,7 @@ def _conv1d_gathered(ctx) -> None:
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
     from annot.runtime.state_dict import full_grads, load_full_state_dict
     from annot.runtime.tp_layers import ColumnParallelConv1D, RowParallelConv1D
     from tests.parity import assert_close
@@ -286,7 +286,7 @@ def _pp(cache: str, built: bool = False, tp: int = 1) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import annot
-    from annot.errors import AnnotError
+    from annot.core.errors import AnnotError
     from tests.parity import assert_close, compare_grads, compare_state
 
     cfg = GPT2Config(**GPT2_KW)
@@ -406,17 +406,17 @@ def test_hints_from_hf_config_llama_plan():
     assert cfg_hints["model.layers.*.self_attn.o_proj"] == Row()
     assert "lm_head" not in cfg_hints
     # the resolved hints fit annot's verifier
-    from annot.hints import resolve_external_hints
-    from annot.verify import verify_shard_hints
+    from annot.core.hints import resolve_external_hints
+    from annot.hint_checks import check_shard_hints
 
-    verify_shard_hints(model, resolve_external_hints(model, hints_from_hf_config(model)), 2)
+    check_shard_hints(model, resolve_external_hints(model, hints_from_hf_config(model)), 2)
 
 
 def test_hints_from_hf_config_gpt2_uses_annots_plan():
     import torch.nn as nn
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from annot.errors import HintError
+    from annot.core.errors import HintError
     from annot.hf import hints_from_hf_config
 
     cfg = GPT2Config(**GPT2_KW)
@@ -431,7 +431,7 @@ def test_hints_from_hf_config_refusals():
     from transformers import LlamaConfig
 
     from annot import Vocab
-    from annot.errors import HintError
+    from annot.core.errors import HintError
     from annot.hf import hints_from_hf_config
 
     cfg = LlamaConfig(**LLAMA_KW)
@@ -462,7 +462,7 @@ def test_hints_from_hf_config_refusals():
 def test_pipeline_layouts_and_call_checks():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from annot.errors import HintError, PipelineError
+    from annot.core.errors import HintError, PipelineError
     from annot.hf import pipeline_call_kwargs, stages_from_hf_config
 
     llama = _llama()
@@ -488,9 +488,9 @@ def test_rewrite_gpt2_source_uses_conv1d_layers():
     """The tp rewrite of transformers' own modeling_gpt2.py (relative imports)."""
     import transformers.models.gpt2.modeling_gpt2 as src
 
-    from annot.hints import ShardSpec
+    from annot.core.hints import ShardSpec
+    from annot.core.specs import Col, Row
     from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
-    from annot.specs import Col, Row
 
     path = src.__file__
     with open(path, encoding="utf-8") as f:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.module_plan import plan_module_boundaries
 
 NAP = 0.03  # seconds; far above this machine's timer noise

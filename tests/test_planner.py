@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from annot import Col, Row, shard
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.planner import fit_stages, measure_split, plan_stages, split_points
 from annot.rewriters.stage_split import split_stages
 from annot.runtime.partition import partition

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from annot.specs import Col, Local, Row
+from annot.core.specs import Col, Local, Row
 from annot.testing import run_ranks
 from tests.nested_models import TimmStyleViT
 

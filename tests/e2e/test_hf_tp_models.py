@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.specs import Col, Heads, Local, Row
+from annot.core.specs import Col, Heads, Local, Row
 from annot.testing import RanksFailed, run_ranks
 from tests.test_hf_gpt2 import LLAMA_KW
 
@@ -163,8 +163,8 @@ def test_qwen3_tp2_sums_partial_qk_norm_gradients(tmp_path, built):
 
 def _plan_without_sums(cache: str):
     os.environ["ANNOT_CACHE_DIR"] = cache
+    from annot.core.specs import Replicate
     from annot.hf import hints_from_hf_config
-    from annot.specs import Replicate
 
     cls, cfg = _build("qwen3")
     with __import__("torch").device("meta"):

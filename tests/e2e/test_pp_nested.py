@@ -761,7 +761,7 @@ def test_interleaved_nested_stages_and_dcp_checkpoint(tmp_path):
 def _refusal(cache: str) -> list[str]:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.errors import HintError
+    from annot.core.errors import HintError
     from tests.nested_models import TimmStyleViT, XStyleWrapper
 
     out = []
@@ -812,7 +812,7 @@ def _interleaved_moe(cache: str) -> str:
     import torch
 
     import annot
-    from annot.errors import AnnotError
+    from annot.core.errors import AnnotError
 
     cls, args = _qwen2_moe()
     model = annot.parallelize(

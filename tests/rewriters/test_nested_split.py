@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 from annot.rewriters.stage_split import split_stages
 
 CHAIN_SRC = """\

@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 from annot.rewriters.liveness import Crossing
 from annot.rewriters.stage_split import split_decorated, split_stages
 from annot.rewriters.statement_effects import function_crossings

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from annot.errors import HintError, MeshError, RewriteError
-from annot.hints import ShardSpec, StageSpec
+from annot.core.errors import HintError, MeshError, RewriteError
+from annot.core.hints import ShardSpec, StageSpec
+from annot.core.specs import Col, P, Replicate, Row, Vocab
 from annot.rewriters.diagnostics import unified_diff
 from annot.rewriters.hint_literals import format_hint
 from annot.rewriters.hint_reader import read_shard_hints, read_stage_hints
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
-from annot.specs import Col, P, Replicate, Row, Vocab
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpt_model.py"
 
@@ -262,7 +262,7 @@ def test_aliased_imports():
     assert_rewrite(
         """
         import annot as a
-        import annot.hints
+        import annot.core.hints
         import torch
         from torch import nn
         import torch.nn.functional as G
@@ -278,7 +278,7 @@ def test_aliased_imports():
                 self.c_proj = torch.nn.Linear(32, 8)
 
 
-        @annot.hints.shard(emb=annot.Vocab(), out=annot.specs.Col())
+        @annot.core.hints.shard(emb=annot.Vocab(), out=annot.core.specs.Col())
         class LM(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -291,7 +291,7 @@ def test_aliased_imports():
         """,
         """
         import annot as a
-        import annot.hints
+        import annot.core.hints
         import torch
         from torch import nn
         import torch.nn.functional as G
@@ -1887,7 +1887,7 @@ def test_read_stage_hints():
             """
             import annot
             from annot import stage
-            from annot.hints import stage as st
+            from annot.core.hints import stage as st
 
             @stage(split=["h.4", "h.8"], checkpoint=True)
             class A: pass
@@ -1952,7 +1952,7 @@ def _rewritten_fixture_step(tmpdir: str) -> float:
     import torch
 
     from annot import Mesh
-    from annot.runtime import mesh as rmesh
+    from annot.runtime import process_groups as rmesh
     from annot.runtime.state_dict import full_grads, load_full_state_dict
     from tests.fixtures import gpt_model as ref_module
     from tests.parity import assert_close, gather_last_dim

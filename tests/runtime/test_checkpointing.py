@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from annot.errors import HintError
-from annot.hints import checkpoint, checkpointed_classes, get_checkpoint
+from annot.core.errors import HintError
+from annot.core.hints import checkpoint, checkpointed_classes, get_checkpoint
 from annot.runtime.checkpointing import (
     apply_activation_checkpointing,
     checkpoint_stage,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.runtime.cost import partition_args, profile_segments
 from annot.runtime.cost_cache import cache_key
 from annot.runtime.cost_segments import Segment, SegmentCost

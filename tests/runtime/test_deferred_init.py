@@ -311,7 +311,7 @@ def _deferred_equals_parallelize(cache: str) -> int:
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.runtime import mesh as rmesh
+    from annot.runtime import process_groups as rmesh
     from annot.runtime.stages import build_plan
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=4, n_embd=16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from annot.errors import AnnotError, RankFailure
+from annot.core.errors import AnnotError, RankFailure
 from annot.runtime import comm_wait, fault_store, faults
 from annot.runtime.faults import abort_process_group, guard
 from annot.testing import RanksFailed, run_ranks

@@ -83,9 +83,9 @@ class _Chain(nn.Module):
 def _direct() -> dict:
     import torch.distributed as dist
 
-    from annot.mesh import Mesh
+    from annot.core.mesh import Mesh
     from annot.runtime.grad_buckets import GradBuckets
-    from annot.runtime.mesh import init
+    from annot.runtime.process_groups import init
 
     ctx = init(Mesh(dp=2))
     rank = ctx.dp_rank

@@ -12,9 +12,9 @@ from annot.testing import run_ranks
 
 def _grads_over_dp():
     """dp=2: every gradient becomes the mean of the ranks' gradients."""
-    from annot.mesh import Mesh
+    from annot.core.mesh import Mesh
     from annot.runtime.grads import reduce_gradients
-    from annot.runtime.mesh import init
+    from annot.runtime.process_groups import init
 
     ctx = init(Mesh(dp=2))
     model = nn.Linear(3, 2)
@@ -26,10 +26,10 @@ def _grads_over_dp():
 
 
 def _replicated_disagreement():
-    from annot.errors import VerifyError
-    from annot.mesh import Mesh
+    from annot.core.errors import VerifyError
+    from annot.core.mesh import Mesh
     from annot.runtime.grads import check_replicated_grads, reduce_gradients
-    from annot.runtime.mesh import init
+    from annot.runtime.process_groups import init
 
     ctx = init(Mesh(tp=2))
     model = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
@@ -60,16 +60,18 @@ def test_a_partial_gradient_is_named_then_summed():
 def _tied_across_stages():
     """pp=2: stage 0's ``emb.weight`` is stage 1's ``head.weight`` (one weight, a
     copy on each stage, each copy with the gradient of its own stage's use)."""
-    from annot.mesh import Mesh
+    from annot.core.mesh import Mesh
     from annot.runtime.grads import clip_grad_norm_, reduce_gradients
-    from annot.runtime.mesh import init
-    from annot.runtime.stages import PipelinePlan, Tie
+    from annot.runtime.process_groups import init
+    from annot.runtime.stages import PipelineLayout, Tie
 
     ctx = init(Mesh(pp=2))
     tied = "emb" if ctx.pp_rank == 0 else "head"
     model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "body": nn.Linear(2, 2)})
     tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
-    plan = PipelinePlan(split=None, pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie])
+    plan = PipelineLayout(
+        split=None, pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+    )
     model[tied].weight.grad = torch.full((2, 3), float(ctx.rank + 1))  # 1 and 2
     for p in model["body"].parameters():
         p.grad = torch.full_like(p, 2.0 if ctx.rank == 0 else -1.0)

@@ -5,7 +5,7 @@ ranks, pipeline peers are tp ranks apart and dp replicas pp * tp apart."""
 import itertools
 
 from annot import Mesh
-from annot.runtime.mesh import ParallelContext
+from annot.runtime.process_groups import ParallelContext
 
 
 def test_peer_ranks_on_a_dp_pp_tp_mesh():

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.meta_ops import pack, recipe, unpack
 from annot.runtime.p2p_codec import flatten, unflatten
 from annot.runtime.replay import (

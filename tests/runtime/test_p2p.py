@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.p2p import (
     FIRST_BYTES,
     MAGIC,

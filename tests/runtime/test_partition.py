@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from annot.errors import PartitionError
+from annot.core.errors import PartitionError
 from annot.runtime.partition import Partition, evaluate, fit, partition
 
 SETTINGS = settings(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.pipeline import LocalStage, PipelineExecutor
 from annot.testing import run_ranks
 
@@ -173,8 +173,8 @@ def _executors(pp, pp_rank, ctx, trace=False, post_receives=False):
 
 
 def _parity_rank(pp, cases, tp=1, post_receives=False):
-    from annot.mesh import Mesh
-    from annot.runtime.mesh import init, use
+    from annot.core.mesh import Mesh
+    from annot.runtime.process_groups import init, use
 
     ctx = init(Mesh(pp=pp, tp=tp))  # tp > 1: replicas, so pp peers are tp ranks apart
     out = []
@@ -268,8 +268,8 @@ def test_parity_pp4_and_non_adjacent_peers():
 
 
 def _fault_rank(schedule, bad_return=False):
-    from annot.mesh import Mesh
-    from annot.runtime.mesh import init
+    from annot.core.mesh import Mesh
+    from annot.runtime.process_groups import init
 
     ctx = init(Mesh(pp=2))
     stages = _local_stages(_model(), 2, ctx.pp_rank, 1)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from annot.errors import PipelineError
+from annot.core.errors import PipelineError
 from annot.runtime.schedule_check import peak_in_flight, simulate, validate
 from annot.runtime.schedule_table import format_table
 from annot.runtime.schedules import (

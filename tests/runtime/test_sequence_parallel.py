@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import annot
-from annot.errors import HintError
+from annot.core.errors import HintError
 from annot.testing import RanksFailed, run_ranks
 from tests.runtime.test_tp_dropout import HINTS, Net, _batch
 from tests.test_hf_gpt2 import LLAMA_KW

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from annot.errors import CheckpointError, MeshError
-from annot.mesh import Mesh
-from annot.runtime.mesh import ParallelContext, use
+from annot.core.errors import CheckpointError, MeshError
+from annot.core.mesh import Mesh
+from annot.runtime.process_groups import ParallelContext, use
 from annot.runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
 from annot.runtime.tp_layers import (
     ColumnParallelLinear,
@@ -82,7 +82,7 @@ class Tiny(nn.Module):
 
 
 def _round_trip_and_step(mesh):
-    from annot.runtime.mesh import init
+    from annot.runtime.process_groups import init
 
     ctx = init(mesh)
     tp = mesh.tp

@@ -75,7 +75,7 @@ def test_hf_llama_strands_only_up_proj_among_its_calls():
 
 
 def test_check_stranded_names_an_enclosing_module_or_the_variable_fix():
-    from annot.errors import HintError
+    from annot.core.errors import HintError
     from annot.stage_choice import check_stranded
 
     x = torch.randn(2, 8)

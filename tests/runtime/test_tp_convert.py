@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annot.errors import HintError
+from annot.core.errors import HintError
+from annot.core.specs import Col, Local, Row, Vocab
 from annot.runtime.tp_convert import check_layer, layer_kind, to_parallel
-from annot.specs import Col, Local, Row, Vocab
 from annot.testing import run_ranks
 from tests.layer_styles_models import FusedLinear, ScaledEmbedding, StyledLM
 
@@ -50,7 +50,7 @@ class ReadsWeight(nn.Embedding):
 
 
 def test_two_patterns_giving_one_path_different_specs_are_refused():
-    from annot.hints import resolve_hints
+    from annot.core.hints import resolve_hints
 
     with pytest.raises(HintError) as err:
         resolve_hints(StyledLM(), {"blocks.*.mlp.fc[12]": Col(), "blocks.*.mlp.fc2": Row()})
@@ -61,23 +61,23 @@ def test_two_patterns_giving_one_path_different_specs_are_refused():
 
 
 def test_heads_names_a_forward_argument():
-    from annot.hints import resolve_hints
-    from annot.specs import Heads
-    from annot.verify import verify_shard_hints
+    from annot.core.hints import resolve_hints
+    from annot.core.specs import Heads
+    from annot.hint_checks import check_shard_hints
 
     model = StyledLM()
     specs, paths = resolve_hints(model, {"blocks.*.attn.x": Heads(dim=1)})
     assert paths["blocks.0.attn.x"] == Heads(dim=1)
-    verify_shard_hints(model, specs, 2, paths)
+    check_shard_hints(model, specs, 2, paths)
     specs, paths = resolve_hints(model, {"blocks.*.attn.mask": Heads(dim=1)})
     with pytest.raises(HintError) as err:
-        verify_shard_hints(model, specs, 2, paths)
+        check_shard_hints(model, specs, 2, paths)
     assert "Attention.forward has no argument 'mask' (its arguments: x); Heads() names" in str(
         err.value
     )
     specs, paths = resolve_hints(model, {"blocks.*.attn.x": Heads(dim=0, heads=3)})
     with pytest.raises(HintError, match=r"heads=3 is not divisible by tp \(2\)"):
-        verify_shard_hints(model, specs, 2, paths)
+        check_shard_hints(model, specs, 2, paths)
 
 
 def test_kind_is_the_runtime_type():

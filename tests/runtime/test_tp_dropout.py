@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from annot.errors import HintError
+from annot.core.errors import HintError
+from annot.core.specs import Col, Local, Row
 from annot.runtime.tp_dropout import Call, sharded_sites
-from annot.specs import Col, Local, Row
 from annot.testing import run_ranks
 
 

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from annot.errors import HintError, MeshError
-from annot.mesh import Mesh
-from annot.runtime.mesh import ParallelContext, use
+from annot.core.errors import HintError, MeshError
+from annot.core.mesh import Mesh
+from annot.runtime.process_groups import ParallelContext, use
 from annot.runtime.tp_comm import (
     copy_to_tp,
     gather_from_tp,
@@ -172,7 +172,7 @@ def test_split_local_takes_each_ranks_slice_of_every_chunk(lead, tp, chunks, loc
 
 
 def _setup(mesh):
-    from annot.runtime.mesh import init
+    from annot.runtime.process_groups import init
 
     ctx = init(mesh)
     torch.manual_seed(1234)  # the same reference weights and inputs on every rank
@@ -208,7 +208,7 @@ def _run_linear(ref, layer, x, *, in_split, out_chunks, ctx):
 
 
 def _linear_cases(tp):
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
 
     ctx = _setup(Mesh(tp=tp))
     rng = random.Random(tp)
@@ -520,7 +520,7 @@ def test_input_grad_reduction_bookkeeping_one_rank():
 def _mlp_and_embedding(tp):
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
     from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     ctx = _setup(Mesh(tp=tp))
@@ -586,8 +586,8 @@ def _mlp_and_embedding(tp):
             _close(full_grads(emb)["weight"], ref.weight.grad, f"column embedding grad ({gather})")
 
         # Heads(): a per-head argument made for all heads outside the module.
+        from annot.core.specs import Heads
         from annot.runtime.tp_hooks import slice_heads
-        from annot.specs import Heads
 
         class Scores(nn.Module):
             def forward(self, x, bias=None):
@@ -638,7 +638,7 @@ def test_mlp_block_and_embedding_padding_idx_tp2():
 
 
 def _cross_entropy(tp):
-    from annot.runtime.mesh import use
+    from annot.runtime.process_groups import use
     from annot.runtime.state_dict import full_grads, load_full_state_dict
 
     ctx = _setup(Mesh(tp=tp))

@@ -13,11 +13,11 @@ from typing import Optional
 
 import torch.nn as nn
 
-from annot.errors import HintError
-from annot.hints import ShardSpec, hinted_paths
-from annot.specs import Col, Heads, P, Partial, Replicate, Row, Spec, Vocab
+from annot.core.errors import HintError
+from annot.core.hints import ShardSpec, hinted_paths
+from annot.core.specs import Col, Heads, P, Partial, Replicate, Row, Spec, Vocab
 
-__all__ = ["verify_shard_hints"]
+__all__ = ["check_shard_hints"]
 
 
 def _fmt_names(names) -> str:
@@ -44,7 +44,7 @@ def _hint_owner(full: str, modules: dict, class_specs: dict) -> tuple[str, nn.Mo
     return parent_path, modules[parent_path]
 
 
-def verify_shard_hints(
+def check_shard_hints(
     model: nn.Module,
     class_specs: dict[type, ShardSpec],
     tp: int,
@@ -54,7 +54,7 @@ def verify_shard_hints(
 
     ``class_specs`` maps each hinted class to its spec (decorator or external);
     ``paths`` every hint by the path it applies to (default: the class specs
-    at every instance, :func:`annot.hints.hinted_paths`).
+    at every instance, :func:`annot.core.hints.hinted_paths`).
     """
     from annot.runtime.tp_convert import check_layer, layer_kind
 

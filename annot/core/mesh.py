@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from annot.errors import MeshError
+from annot.core.errors import MeshError
 
 __all__ = ["Mesh"]
 

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from annot.errors import MeshError
-from annot.mesh import Mesh
+from annot.core.errors import MeshError
+from annot.core.mesh import Mesh
 
 __all__ = []  # internal: use annot.parallelize
 

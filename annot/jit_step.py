@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
-from annot.errors import HintError, PipelineError
+from annot.core.errors import HintError, PipelineError
 from annot.microbatch import StepOutput, split_microbatches
 from annot.parallel_model import ParallelModel, unwrap
 from annot.runtime.schedules import schedule_name
@@ -102,7 +102,7 @@ class Step:
         mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
         if self.executor_builds == 0:
             self._build()
-        from annot.runtime.mesh import use
+        from annot.runtime.process_groups import use
 
         self.model._step = self
         self.model.begin_grad_reduce()

@@ -1,14 +1,14 @@
 """The edit plan of the tensor-parallel rewrite, and the transform that applies it.
 
-:class:`EditPlan` is the base of
+:class:`TpEdits` is the base of
 :class:`~annot.rewriters.tensor_parallel.TensorParallelTransformer` and of the
 planners it is made of (constructors, local sizes, sharded values, losses).
 It holds the rewrite's state (``tp``, the module's scopes, the locator for
 refusals, the imports the result needs) and the edits, keyed by original
-node: :meth:`EditPlan.edit` records one for the class and method being
-planned (:attr:`EditPlan.at`). The transform then enters only the nodes that
-hold an edit (:meth:`EditPlan.holding_edits`), and ``on_leave`` applies the
-edits to the updated nodes. :meth:`EditPlan.qualified` matches a node by
+node: :meth:`TpEdits.edit` records one for the class and method being
+planned (:attr:`TpEdits.at`). The transform then enters only the nodes that
+hold an edit (:meth:`TpEdits.holding_edits`), and ``on_leave`` applies the
+edits to the updated nodes. :meth:`TpEdits.qualified` matches a node by
 qualified name, names from relative imports resolved against the file's
 package.
 """
@@ -21,12 +21,12 @@ from typing import Optional
 import libcst as cst
 from libcst.codemod import CodemodContext
 
-from annot.hints import ShardSpec
+from annot.core.hints import ShardSpec
 from annot.rewriters.diagnostics import Locator, children
 from annot.rewriters.scope_model import Assignment
 from annot.rewriters.scopes import ModuleScopes
 
-__all__ = ["Edit", "EditPlan", "Target"]
+__all__ = ["Edit", "TpEdits", "Target"]
 
 Edit = Callable[[cst.CSTNode], cst.CSTNode]
 # (class node, its hints, the @shard decorator or None when from extra_hints)
@@ -50,7 +50,7 @@ def _absolute(name: str, package: Optional[str]) -> str:
     return ".".join(base + ([rest] if rest else []))
 
 
-class EditPlan(cst.CSTTransformer):
+class TpEdits(cst.CSTTransformer):
     """The state and the edits of a tensor-parallel rewrite, and their application.
 
     ``visit_Module`` (in the subclass) plans; the transform then enters only

@@ -2,7 +2,7 @@
 
 They only *record* a validated spec on the class and return it unchanged, so
 an annotated model still runs single-device with plain PyTorch. Checking the
-hints against a built model happens separately (:mod:`annot.verify`).
+hints against a built model happens separately (:mod:`annot.hint_checks`).
 
 Hints can also be given from outside the source, keyed by module-path
 patterns (:func:`resolve_external_hints`), for a model the user cannot edit.
@@ -14,8 +14,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from annot.errors import HintError
-from annot.specs import LOCAL_NAMES, SPEC_TYPES, Heads, Local, Spec, local_name_problem
+from annot.core.errors import HintError
+from annot.core.specs import LOCAL_NAMES, SPEC_TYPES, Heads, Local, Spec, local_name_problem
 
 __all__ = [
     "ShardSpec",

@@ -8,7 +8,7 @@ split safely (a :class:`RewriteError` at ``file:line:col`` that says how to
 fix it), cuts forward into units (top-level statements, and the pieces of a
 loop split across stages) and computes with :mod:`annot.rewriters.liveness`
 (over the effects of :mod:`annot.rewriters.statement_effects`) the names that
-cross each boundary: a :class:`Plan`.
+cross each boundary: a :class:`ForwardStages`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Optional
 import libcst as cst
 from libcst.metadata import MetadataWrapper, QualifiedNameProvider
 
-from annot.errors import RewriteError
+from annot.core.errors import RewriteError
 from annot.rewriters.boundaries import Use, Uses, loop_breaks, piece_iter, place_boundary, uses_in
 from annot.rewriters.diagnostics import Locator, node_source
 from annot.rewriters.forward_body import (
@@ -41,7 +41,7 @@ from annot.rewriters.statement_effects import (
     target_effects,
 )
 
-__all__ = ["STAGE_PREFIX", "Inner", "Plan", "Splitter"]
+__all__ = ["STAGE_PREFIX", "Inner", "ForwardStages", "Splitter"]
 
 STAGE_PREFIX = "_annot_stage_"
 
@@ -94,7 +94,7 @@ class _Unit:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class ForwardStages:
     """Stage ``k`` runs ``units[ranges[k][0]:ranges[k][1]]`` and, unless it is
     the last, hands ``crossings[k]`` to stage ``k + 1``, which begins at
     ``cuts[k]``. ``moved``: comments of removed ``boundary()`` lines, by the
@@ -505,7 +505,7 @@ class Splitter:
         if loop.asynchronous is not None:
             raise self.error(loop, "an `async for` loop cannot be split into stages")
 
-    def plan(self, boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]]) -> Plan:
+    def plan(self, boundaries: Sequence[tuple[str, Optional[cst.CSTNode]]]) -> ForwardStages:
         """Check forward, place the boundaries and compute what crosses each."""
         scope = ForwardScope()
         self.forward.body.visit(scope)
@@ -570,7 +570,7 @@ class Splitter:
                         "after the split it would still see the old value. Pass it as an "
                         "argument, or define the function after the last boundary",
                     )
-        return Plan(
+        return ForwardStages(
             units,
             ranges,
             [cross[s] for s in starts],

@@ -38,7 +38,7 @@ from typing import Optional, Union
 
 from typeguard import TypeCheckError, check_type
 
-from annot.errors import HintError
+from annot.core.errors import HintError
 
 __all__ = [
     "Col",
