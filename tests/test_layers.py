@@ -117,3 +117,46 @@ def test_the_installed_names_are_under_annot():
     out = rewrite_tensor_parallel(src, tp=2)
     assert "from annot.runtime.tp_layers import" in out
     assert "\nfrom runtime" not in out
+
+
+# Tests mirror the layout: tests/<folder>/test_<name>.py tests the module <name>
+# of the package in that folder (or a topic of it: test_<module>_<topic>.py).
+TEST_FOLDERS = {"tests": "annot", "tests/core": "annot/core"} | {
+    f"tests/{folder}": folder for folder in ("rewriters", "runtime")
+}
+# folders of tests that span the layers, and top-level files that do
+CROSS_MODULE_FOLDERS = {"tests/e2e", "tests/fixtures"}
+CROSS_MODULE = {
+    "tests/test_errors.py": "the errors users see, raised by every layer before any rank works",
+    "tests/test_examples.py": "examples/ run against their single-device models",
+    "tests/test_external_hints.py": "hints from outside: hint_checks, build and hf together",
+    "tests/test_fsdp.py": "parallelize(fsdp=True) composed with tp and pp",
+    "tests/test_fuzz_structures.py": "the fuzzer of model structures, through every layer",
+    "tests/test_layers.py": "the layers, read off every module's imports",
+    "tests/test_plan_memory.py": "planner and runtime.memory_model on the meta device",
+    "tests/test_printed_stages.py": "what `annot rewrite --pp` prints, run on ranks",
+    "tests/test_readme.py": "the README's commands and code, run as written",
+    "tests/test_runners.py": "the two stage runners on one plan, through build and explain",
+}
+
+
+def test_tests_mirror_the_layout():
+    """Every test_*.py names a module of the package its folder mirrors, or is
+    listed as a test that spans modules."""
+    wrong = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = path.relative_to(ROOT)
+        folder, name = rel.parent.as_posix(), path.stem.removeprefix("test_")
+        if rel.as_posix() in CROSS_MODULE or folder in CROSS_MODULE_FOLDERS:
+            continue
+        if folder not in TEST_FOLDERS:
+            wrong.append(f"{rel}: tests/ has no folder {folder!r} (mirror {sorted(TEST_FOLDERS)})")
+            continue
+        modules = {p.stem for p in (ROOT / TEST_FOLDERS[folder]).glob("*.py")}
+        if not any(name == m or name.startswith(f"{m}_") for m in modules):
+            wrong.append(
+                f"{rel}: no module {TEST_FOLDERS[folder]}/{name}.py; name the file after the "
+                "module it tests (test_<module>.py or test_<module>_<topic>.py), or list it in "
+                "CROSS_MODULE with the reason it spans modules"
+            )
+    assert not wrong, "\n".join(wrong)
