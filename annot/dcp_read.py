@@ -225,7 +225,7 @@ def _check_metadata(ck: Opened) -> None:
                 "this checkpoint"
             )
         if not (isinstance(info.offset, int) and isinstance(info.length, int)) or not (
-            0 <= info.offset and 0 <= info.length and info.offset + info.length <= entry["size"]
+            info.offset >= 0 and info.length >= 0 and info.offset + info.length <= entry["size"]
         ):
             raise CheckpointError(
                 f"{where}: {index.fqn} lies outside {info.relative_path} ({entry['size']} bytes)"

@@ -16,6 +16,7 @@ process group destroyed in ``finally``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -110,10 +111,8 @@ def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout):
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a peer may be gone already
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a peer may be gone already
-                pass
         sys.stdout.flush()
         sys.stderr.flush()
 

@@ -365,9 +365,8 @@ class ConstructorPlanner(TpEdits):
                 extra.append(_kwarg("chunks", str(s.chunks)))
             if s.gather:
                 extra.append(_kwarg("gather", "True"))
-        elif isinstance(s, Row):
-            if s.split_input:
-                extra.append(_kwarg("split_input", "True"))
+        elif isinstance(s, Row) and s.split_input:
+            extra.append(_kwarg("split_input", "True"))
         extra.append(tp)
         self.needed_imports.add((TP_LAYERS, layer))
         self.edit(call, lambda n: with_args(n, cst.Name(layer), extra))

@@ -91,9 +91,13 @@ class ShardedOutputs(ShardedValues, ConstructorPlanner):
             if len(built) == 1 and None not in built:
                 info.children[path] = built.pop()
             v = vals[0]
-            if len(path) == 1 and len(vals) == 1 and isinstance(v, cst.Call):
-                if self.qualified(v.func, CROSS_ENTROPY_LOSS):
-                    info.loss_attrs[path[0]] = v
+            if (
+                len(path) == 1
+                and len(vals) == 1
+                and isinstance(v, cst.Call)
+                and self.qualified(v.func, CROSS_ENTROPY_LOSS)
+            ):
+                info.loss_attrs[path[0]] = v
         return info
 
     def sources(

@@ -43,7 +43,8 @@ class ReachingAssignments(TpEdits):
         return self.reached[id(name)]
 
     def _reaching_uncached(self, name: cst.Name) -> Optional[list[Assignment]]:
-        assert self.scopes is not None and self.at is not None
+        assert self.scopes is not None
+        assert self.at is not None
         self.scopes.prepare(*self.at)
         scope = self.scopes.scope(name)
         if scope is None:

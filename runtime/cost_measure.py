@@ -55,9 +55,8 @@ def fwd_bwd(fn, state):
 def measure(seg: Segment, state: Any, params: list[nn.Parameter], repeats: int, warmup: int):
     """(forward flops, total flops, activation bytes, output, median seconds)."""
     saved = SavedBytes(params)
-    with FlopCounterMode(display=False) as fwd_counter, real_paths_on_meta():
-        with saved.counting():
-            out = call(seg.fn, state)
+    with FlopCounterMode(display=False) as fwd_counter, real_paths_on_meta(), saved.counting():
+        out = call(seg.fn, state)
     outs = [t for t in tensors(out) if t.requires_grad]
     with FlopCounterMode(display=False) as bwd_counter:
         if outs:

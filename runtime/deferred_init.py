@@ -114,9 +114,10 @@ def _cut(view: torch.Tensor, slicer: Slicer, flat: torch.Tensor, name: str) -> t
             f"deferred init: wanted({name!r}) returned a slicer that gave "
             f"{type(local).__name__}, expected a tensor (e.g. lambda t: t.narrow(0, 0, n))"
         )
-    if local.untyped_storage()._cdata == flat.untyped_storage()._cdata:
-        if not (local.numel() == flat.numel() and local.is_contiguous()):
-            local = local.clone(memory_format=torch.contiguous_format)
+    if local.untyped_storage()._cdata == flat.untyped_storage()._cdata and not (
+        local.numel() == flat.numel() and local.is_contiguous()
+    ):
+        local = local.clone(memory_format=torch.contiguous_format)
     return local.detach()
 
 

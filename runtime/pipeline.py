@@ -278,12 +278,10 @@ class PipelineExecutor(PipelineMessages):
         if self.ctx is None or not self.ctx.distributed:
             return
         op = CATEGORY.get(a.kind, str(a))
-        try:
+        with contextlib.suppress(Exception):  # reporting must not hide the real error
             report_failure(
                 self.rank, a.stage, op, a.microbatch, f"{type(exc).__name__}: {exc}", kind="error"
             )
-        except Exception:  # noqa: BLE001 - reporting must not hide the real error
-            pass
 
     def _run_forward_action(self, st: StepState, s: int, i: int) -> None:
         if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already

@@ -225,7 +225,7 @@ class StreamWriter:
         header = json.dumps(table, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
         self.path = path
-        self.file = open(path, "wb")
+        self.file = open(path, "wb")  # noqa: SIM115 - the writer holds it until close()
         self.file.write(struct.pack("<Q", len(header)) + header)
         self.next = 0
 

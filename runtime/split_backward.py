@@ -20,6 +20,7 @@ the first rank's weight gradients.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -184,7 +185,5 @@ def backward_weight(work: Optional[WeightWork]) -> list[torch.nn.Parameter]:
 def release(t: torch.Tensor) -> None:
     """Cut ``t`` from its graph in place, so that holding ``t`` no longer
     keeps the graph (retained by the input pass) alive."""
-    try:
+    with contextlib.suppress(RuntimeError):  # a view: its graph goes with its last reference
         t.detach_()
-    except RuntimeError:  # a view: its graph goes when the last reference does
-        pass

@@ -36,8 +36,23 @@ __all__ = ["stranded"]
 
 # reads a meta tensor answers as the real one would
 _METADATA = frozenset(
-    "shape dtype ndim layout size dim numel nelement stride is_contiguous "
-    "is_floating_point is_complex element_size names __len__".split()
+    [
+        "shape",
+        "dtype",
+        "ndim",
+        "layout",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "names",
+        "__len__",
+    ]
 )
 
 

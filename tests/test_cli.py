@@ -241,7 +241,8 @@ def test_pipeline_split_from_decorator(tmp_path, capsys):
     assert main(["rewrite", str(src), "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert '# annot: @stage(split=["blocks.1"]) applied: 2 stages' in out
-    assert "for blk in self.blocks[:1]:" in out and "for blk in self.blocks[1:]:" in out
+    assert "for blk in self.blocks[:1]:" in out
+    assert "for blk in self.blocks[1:]:" in out
     compile(out, "net.py", "exec")
     assert src.read_text() == PIPELINE_MODEL
 
@@ -347,7 +348,7 @@ def test_installed_class_split_in_nested_forwards_goes_to_outdir(tmp_path, capsy
     from annot.cli import main
 
     spec = "transformers.models.llama.modeling_llama:LlamaForCausalLM"
-    before = open(llama.__file__, "rb").read()
+    before = Path(llama.__file__).read_bytes()
     assert main(["rewrite", spec, "--pp", "2", "--split", "model.layers.1", "--in-place"]) == 2
     err = capsys.readouterr().err
     assert "is an installed file; annot does not rewrite it in place" in err, err
@@ -361,7 +362,7 @@ def test_installed_class_split_in_nested_forwards_goes_to_outdir(tmp_path, capsy
     assert (
         "        for decoder_layer in self.layers[: self.config.num_hidden_layers][1:]:\n" in text
     )
-    assert open(llama.__file__, "rb").read() == before
+    assert Path(llama.__file__).read_bytes() == before
     assert main(["rewrite", spec, "--pp", "2", "--split", "model.layers.1,lm_head"]) == 2
     err = capsys.readouterr().err
     assert "splits into 3 stages but --pp is 2" in err, err

@@ -92,7 +92,8 @@ def test_json_has_the_boundaries(net, capsys):
     )
     assert rc == 0, err
     data = json.loads(out)
-    assert data["n_stages"] == 3 and data["cost"] == "flops"
+    assert data["n_stages"] == 3
+    assert data["cost"] == "flops"
     assert len(data["boundaries"]) == 2
     names = [s["name"] for s in data["segments"]]
     assert names == ["inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out"]
@@ -104,14 +105,16 @@ def test_json_has_the_boundaries(net, capsys):
 def test_without_input_parameters_are_balanced(net, capsys):
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2)
     assert rc == 0, err
-    assert "balanced cost: parameter bytes" in out and "no sample input" in out
+    assert "balanced cost: parameter bytes" in out
+    assert "no sample input" in out
 
 
 def test_infeasible_memory_exits_2_with_the_numbers(net, capsys):
     rc, out, err = plan(
         capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--memory", "1KiB"
     )
-    assert rc == 2 and out == ""
+    assert rc == 2
+    assert out == ""
     assert re.search(
         r"annot plan: segment \d+ alone needs \d+ bytes .* > memory budget 1024 bytes", err
     )
@@ -138,7 +141,8 @@ def test_fit_finds_the_stage_count(net, capsys):
 def test_bad_init_is_refused_never_evaluated(net, capsys, tmp_path, expr, refused):
     marker = tmp_path / "PWNED"
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--init", expr.format(marker=marker))
-    assert rc == 2 and out == ""
+    assert rc == 2
+    assert out == ""
     assert f"refused {refused!r}" in err
     assert not marker.exists()
 
@@ -156,7 +160,8 @@ def test_init_calls_classes_of_the_file_with_literals(net, capsys):
         ]
         assert data["segments"][1]["params"] == 8 * 8 + 8
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--init", "Config(width=x)")
-    assert rc == 2 and "'x' is not a literal" in err
+    assert rc == 2
+    assert "'x' is not a literal" in err
 
 
 def test_config_json(net, capsys, tmp_path):
@@ -181,7 +186,8 @@ def test_int_inputs_take_a_range(net, capsys):
     rc, out, err = plan(capsys, *args[:-1], "idx=int64[2,5]")  # ints in [0, 2)
     assert rc == 0, err
     rc, out, err = plan(capsys, *args[:-1], "idx=int64[2,5]:100000")  # past the vocab
-    assert rc == 2 and "running Tokens on the sample raised IndexError" in err
+    assert rc == 2
+    assert "running Tokens on the sample raised IndexError" in err
 
 
 @pytest.mark.parametrize(
@@ -198,7 +204,8 @@ def test_int_inputs_take_a_range(net, capsys):
 )
 def test_bad_specs_exit_2(net, capsys, argv, message):
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, *argv)
-    assert rc == 2 and out == ""
+    assert rc == 2
+    assert out == ""
     assert message in err
 
 
@@ -208,9 +215,11 @@ def test_bad_targets_exit_2(net, capsys, tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('top level ran')\n")
     rc, _, err = plan(capsys, f"{broken}:Net", "--pp", 2)
-    assert rc == 2 and "importing it raised RuntimeError: top level ran" in err
+    assert rc == 2
+    assert "importing it raised RuntimeError: top level ran" in err
     rc, _, err = plan(capsys, f"{net}:Net", "--pp", 9)
-    assert rc == 2 and "fewer than the 9 stages" in err
+    assert rc == 2
+    assert "fewer than the 9 stages" in err
 
 
 def test_tp_is_noted(net, capsys):
@@ -220,12 +229,13 @@ def test_tp_is_noted(net, capsys):
 
 
 def test_help_says_the_file_runs(capsys):
-    with pytest.raises(SystemExit):
-        from annot.cli import build_parser
+    from annot.cli import build_parser
 
+    with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--help"])
     out = capsys.readouterr().out
-    assert "top-level code runs" in out and "--init is read, not evaluated" in out
+    assert "top-level code runs" in out
+    assert "--init is read, not evaluated" in out
 
 
 # ---- models whose blocks sit below forward: annot.module_plan -------------------------
@@ -239,7 +249,8 @@ def test_installed_hf_class_planned_over_nested_blocks(capsys):
     argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM", "--pp", "2"]
     assert main([*argv, "--config-json", cfg, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["cost"] == "params" and len(doc["boundaries"]) == 1
+    assert doc["cost"] == "params"
+    assert len(doc["boundaries"]) == 1
     assert doc["boundaries"][0].startswith("model.layers.")  # inside LlamaModel.forward
     assert doc["units"][:3] == ["model.embed_tokens", "model.layers.0", "model.layers.0.self_attn"]
     assert doc["imbalance"] < 1.2
@@ -254,14 +265,16 @@ def test_installed_hf_class_module_plan_takes_flops_memory_fit_and_tp(capsys):
     argv += ["--config-json", cfg, "--json", "--input", "input_ids=int64[2,16]:64"]
     assert main([*argv, "--cost", "flops"]) == 0
     flops = json.loads(capsys.readouterr().out)
-    assert flops["cost"] == "flops" and len(flops["boundaries"]) == 3
+    assert flops["cost"] == "flops"
+    assert len(flops["boundaries"]) == 3
     assert main([*argv, "--cost", "params", "--tp", "2"]) == 0
     tp2 = json.loads(capsys.readouterr().out)
     # every stage within 300 KiB at tp=2 (the weights split in two), fewer stages
     fit_argv = ["--cost", "params", "--tp", "2", "--memory", "300KiB", "--fit"]
     assert main([*argv, *fit_argv, "--microbatches", "1"]) == 0
     fit = json.loads(capsys.readouterr().out)
-    assert len(fit["boundaries"]) < 3 and max(fit["stage_memory"]) <= 300 * 1024
+    assert len(fit["boundaries"]) < 3
+    assert max(fit["stage_memory"]) <= 300 * 1024
     # the same model at tp=2: its linears and embeddings in halves (and what they compute)
     assert sum(tp2["stage_memory"]) < 0.75 * sum(flops["stage_memory"])
 
@@ -272,7 +285,8 @@ def test_file_whose_forward_cannot_be_cut_falls_back_to_its_modules(capsys):
     path = os.path.join(os.path.dirname(__file__), "nested_models.py")
     assert main(["plan", f"{path}:TimmStyleViT", "--pp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "blocks." in out and out.strip().splitlines()[-1].startswith("split=['blocks.")
+    assert "blocks." in out
+    assert out.strip().splitlines()[-1].startswith("split=['blocks.")
 
 
 def test_a_model_that_needs_arguments_is_told_about_init(tmp_path, capsys):
@@ -285,7 +299,8 @@ def test_a_model_that_needs_arguments_is_told_about_init(tmp_path, capsys):
         "        self.lin = nn.Linear(config.width, config.width)\n"
     )
     rc, out, err = plan(capsys, f"{src}:Needs", "--pp", 2)
-    assert rc == 2 and out == ""
+    assert rc == 2
+    assert out == ""
     assert "building Needs raised TypeError" in err
     assert "say how to build it with --init, e.g. --init 'Config(n_layer=8)'" in err
 
@@ -311,10 +326,11 @@ def test_world_size_prints_every_pp_tp_dp_fitting_first(capsys):
     ]
     fits = [r[-1] == "yes" for r in rows if "refused:" not in r]
     assert fits == sorted(fits, reverse=True)  # fitting choices first
-    assert ["1", "4", "1", "refused:", "tp=4", "does", "not", "divide"] == rows[-1][:8]
+    assert rows[-1][:8] == ["1", "4", "1", "refused:", "tp=4", "does", "not", "divide"]
     assert "leaves out communication" in out[-1]
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["choices"]) == 6 and doc["assuming"] == out[0]
+    assert len(doc["choices"]) == 6
+    assert doc["assuming"] == out[0]
     assert main([*argv, "--pp", "2"]) == 2  # one or the other
     assert "not both" in capsys.readouterr().err

@@ -267,4 +267,5 @@ def test_an_option_the_constructor_also_takes_is_refused():
         "model_kwargs={'compile': ...})"
     )
     built = annot.parallelize(_HasCompile, 4, model_kwargs={"compile": True}, seed=0)
-    assert built.module.fast is True and not built.compiled_blocks
+    assert built.module.fast is True
+    assert not built.compiled_blocks

@@ -436,7 +436,8 @@ def test_save_load_plain_model_in_one_process(tmp_path):
             p.add_(1.0)
     other_opt.state.clear()
     info = ck.load(other, other_opt, path)
-    assert info["step"] == 1 and info["extra"]["lr"] == [1, 2.5]
+    assert info["step"] == 1
+    assert info["extra"]["lr"] == [1, 2.5]
     assert torch.equal(info["extra"]["t"], torch.ones(2))
     _same_state(_np(other.state_dict()), _np(plain.state_dict()), "reloaded")
     for p, q in zip(plain.parameters(), other.parameters()):

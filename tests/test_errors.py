@@ -212,7 +212,8 @@ def test_external_hint_matching_nothing():
     specs = resolve_external_hints(
         Net(), {"blocks.*.qkv": Col(chunks=3), "blocks.*": Local("n_head")}
     )
-    assert specs[Attn].specs == {"qkv": Col(chunks=3)} and specs[Attn].local == ("n_head",)
+    assert specs[Attn].specs == {"qkv": Col(chunks=3)}
+    assert specs[Attn].local == ("n_head",)
 
 
 def _unhinted_tp2(cache):
@@ -252,7 +253,8 @@ def test_microbatch_errors():
     with pytest.raises(PipelineError, match="must share the batch size"):
         split_microbatches(_step, (x, torch.zeros(8)), {}, 2)
     parts = split_microbatches(_step, (x, torch.zeros(8)), {}, 2, non_split=("y",))
-    assert [a[0].shape[0] for a, _ in parts] == [5, 5] and parts[0][0][1].shape[0] == 8
+    assert [a[0].shape[0] for a, _ in parts] == [5, 5]
+    assert parts[0][0][1].shape[0] == 8
 
 
 def test_jit_refuses_bad_settings():

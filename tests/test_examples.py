@@ -97,8 +97,10 @@ def _ncf_case():
     users = torch.cat([d[0] for d in data])
     items = torch.cat([d[1] for d in data])
     # every tp rank's block of every table is looked up (and trained)
-    assert (users < 8).any() and (users >= 8).any(), "the users do not span both shards"
-    assert (items < 12).any() and (items >= 12).any(), "the items do not span both shards"
+    assert (users < 8).any(), "the users do not span both shards"
+    assert (users >= 8).any(), "the users do not span both shards"
+    assert (items < 12).any(), "the items do not span both shards"
+    assert (items >= 12).any(), "the items do not span both shards"
 
     def call(model, users, items, labels):
         return model(users, items, labels=labels)
@@ -145,7 +147,8 @@ def _parity(example: str, tp: int, pp: int, cache: str) -> tuple[list[float], tu
     boundaries: tuple = ()
     if pp > 1:  # this rank holds its stage only
         plan = model.pipeline
-        assert plan is not None and plan.num_stages == pp
+        assert plan is not None
+        assert plan.num_stages == pp
         assert set(plan.local_keys) < set(full_shapes), "a stage holds the whole model"
         boundaries = plan.boundaries
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -57,7 +57,8 @@ def _fsdp(cache: str, tp: int, pp: int, schedule: str) -> dict:
     model = annot.parallelize(GPT, cfg, mesh=annot.Mesh(dp=dp, tp=tp, pp=pp), seed=3, fsdp=True)
     torch.manual_seed(3)
     ref = GPT(cfg)
-    assert model.fsdp is not None and all(isinstance(p, DTensor) for p in model.parameters())
+    assert model.fsdp is not None
+    assert all(isinstance(p, DTensor) for p in model.parameters())
     opt = annot.zero_optimizer(model, torch.optim.AdamW, lr=1e-2)  # plain: FSDP2 shards
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     step = gpt_step(model, schedule)

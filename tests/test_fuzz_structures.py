@@ -224,7 +224,8 @@ def _compare(model, ref, loss, ref_loss, compiled: bool, what: str) -> None:
     for name, p in ref.named_parameters():
         if p.grad is None:
             continue
-        assert name in grads and grads[name] is not None, f"{what}: no gradient for {name}"
+        assert name in grads, f"{what}: no gradient for {name}"
+        assert grads[name] is not None, f"{what}: no gradient for {name}"
         scale = p.grad.abs().max().item()
         got = grads[name].to(p.grad.dtype)
         err = (got - p.grad).abs().max().item()

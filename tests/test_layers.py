@@ -93,7 +93,8 @@ def test_every_module_is_in_a_layer():
         "annot.core.mesh",
     }
     top = [m for m, path in MODULES.items() if path.parent == ROOT / "annot" and m != "annot"]
-    assert top and all(layer(m) == "orchestration" for m in top)
+    assert top
+    assert all(layer(m) == "orchestration" for m in top)
     assert {layer(m) for m in MODULES} == set(ALLOWED)
 
 

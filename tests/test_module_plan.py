@@ -80,7 +80,8 @@ def test_flops_are_the_units_forward_and_backward_counts():
     per_block = [sum(counts[f"Sequential.{i}"].values()) for i in range(4)]
     # the blocks' parts (the last block's two linears) sum to the block
     assert [u.path for u in plan.units] == ["0", "1", "2", "3", "3.1"]
-    assert plan.costs[:3] == per_block[:3] and sum(plan.costs[3:]) == per_block[3]
+    assert plan.costs[:3] == per_block[:3]
+    assert sum(plan.costs[3:]) == per_block[3]
     # min-bottleneck: [0, 1, 2, 3 (its first linear)] | [3.1] beats [0, 1, 2] | [3]
     assert plan.boundaries == ["3.1"]
     assert plan.stage_costs == [sum(plan.costs[:4]), plan.costs[4]]
@@ -100,7 +101,8 @@ def test_fit_takes_the_fewest_stages_within_the_budget():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     block = sum(p.numel() * 4 for p in model[0].parameters()) * 4 + 8  # with AdamW (+ steps)
     plan = plan_module_boundaries(model, 4, memory=2 * block, fit=True)
-    assert plan.boundaries == ["2"] and plan.stage_memory == [2 * block, 2 * block]
+    assert plan.boundaries == ["2"]
+    assert plan.stage_memory == [2 * block, 2 * block]
     with pytest.raises(PartitionError, match="needs more than max_stages=2"):
         plan_module_boundaries(model, 2, memory=block, fit=True)  # 4 would fit
 
@@ -168,12 +170,14 @@ def test_without_a_sample_an_embedding_weighs_nothing_and_a_tied_head_in_full(ti
         model = LlamaForCausalLM(cfg)
     plan = plan_module_boundaries(model, 4)
     work = {u.path: u.work for u in plan.units}
-    assert work["model.embed_tokens"] == 0 and work["lm_head"] == 4096 * 64
+    assert work["model.embed_tokens"] == 0
+    assert work["lm_head"] == 4096 * 64
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     assert sum(work.values()) == 8 * layer + 4096 * 64 + 64  # the final norm's weight
     # the head (7 layers of work) is a stage of its own, the bottleneck no
     # split avoids; the layers share the other three stages
-    assert plan.boundaries[0] != "model.layers.0" and plan.boundaries[-1] == "lm_head"
+    assert plan.boundaries[0] != "model.layers.0"
+    assert plan.boundaries[-1] == "lm_head"
     assert max(plan.stage_costs) == work["lm_head"], plan.stage_costs
 
 
@@ -296,11 +300,13 @@ def test_units_inside_a_part_are_its_parts_in_call_order_never_through_a_list():
     fine = units(net, order, depth=2)
     level = {u.path: u.level for u in fine}
     # fc1 begins its part, the part begins... after the norm, which begins the block
-    assert level["blocks.0"] == 0 and level["blocks.0.mlp"] == 1
+    assert level["blocks.0"] == 0
+    assert level["blocks.0.mlp"] == 1
     assert level["blocks.0.mlp.fc2"] == level["blocks.0.mlp.fc3"] == 2
     assert "blocks.0.mlp.fc1" not in level
     # the experts are reached through a list: their part stays whole
-    assert level["blocks.0.moe"] == 1 and not any(".moe." in p for p in level)
+    assert level["blocks.0.moe"] == 1
+    assert not any(".moe." in p for p in level)
     assert [(u.path, u.params, u.work) for u in coarser(fine, 1)] == [
         (u.path, u.params, u.work) for u in units(net, order, depth=1)
     ]
@@ -318,7 +324,8 @@ def test_a_measured_split_begins_inside_a_part_only_where_it_pays():
     assert plan_module_boundaries(_Net(2), 2, sample=(x,), cost="flops").boundaries == ["blocks.1"]
     # parameter counts are too rough a proxy to go inside the parts
     coarse = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="params")
-    assert all(u.level < 2 for u in coarse.units) and coarse.imbalance > 1.3
+    assert all(u.level < 2 for u in coarse.units)
+    assert coarse.imbalance > 1.3
 
 
 class _Gated(_Chain):

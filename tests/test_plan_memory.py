@@ -69,7 +69,8 @@ def test_a_plan_on_meta_equals_the_plan_on_real_weights(which, cost):
     ]
     real, meta = plans
     assert [u.path for u in meta.units] == [u.path for u in real.units]
-    assert meta.costs == real.costs and meta.boundaries == real.boundaries
+    assert meta.costs == real.costs
+    assert meta.boundaries == real.boundaries
     assert meta.stage_memory == real.stage_memory
     assert min(d.activations for d in real.stage_detail) > 0
 
@@ -192,7 +193,8 @@ def test_what_if_table_of_four_mlp_blocks_by_hand():
         assert c.slowest == per_stage * cost[c.tp]
         assert c.bubble == (c.pp - 1) / (8 + c.pp - 1)
     table = format_what_if(choices, 4, 18000, "params")
-    assert "  1   4   1" in table.splitlines()[3] and table.splitlines()[3].endswith("yes")
+    assert "  1   4   1" in table.splitlines()[3]
+    assert table.splitlines()[3].endswith("yes")
     assert "leaves out communication" in table
     assert sorted(factorisations(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1)] + [
         (4, 1, 1)
@@ -336,8 +338,10 @@ def test_time_on_a_meta_model_materializes_one_unit_at_a_time():
     for m in model.modules():
         m.register_forward_pre_hook(count)
     times = time_units_alone(model, found, torch.zeros(8, 64, device="meta"), repeats=3)
-    assert len(times) == len(found) and all(t > 0 for t in times)
+    assert len(times) == len(found)
+    assert all(t > 0 for t in times)
     assert max(real_at_calls) == largest < sum(u.params for u in found)
     assert all(p.is_meta and p.grad is None for p in model.parameters())  # left as it was
     plan = plan_module_boundaries(model, 2, sample=torch.zeros(8, 64, device="meta"), cost="time")
-    assert plan.cost == "time" and len(plan.stage_costs) == 2
+    assert plan.cost == "time"
+    assert len(plan.stage_costs) == 2

@@ -164,7 +164,8 @@ def test_params_plan_equals_partition_of_hand_counted_parameters():
     assert names == ("emb", *(f"blocks.{k}" for k in range(len(HIDDENS))), "norm", "head")
     assert plan.boundaries == tuple(names[b] for b in expected.boundaries)
     assert plan.partition.bounds == expected.bounds
-    assert not plan.measured and "no sample input" in plan.table()
+    assert not plan.measured
+    assert "no sample input" in plan.table()
 
 
 def test_balanced_where_a_uniform_layer_split_is_not():
@@ -228,7 +229,8 @@ def test_tied_weights_are_charged_once_per_stage_that_holds_them():
     assert sum(two.partition.stage_memory) == unique + tied  # in both end stages
     stages = two.stages()
     assert sum(s["params"] for s in stages) == sum(segment_params())
-    assert stages[0]["first"] == "emb" and stages[-1]["last"] == "head"
+    assert stages[0]["first"] == "emb"
+    assert stages[-1]["last"] == "head"
 
 
 def test_a_dominating_segment_is_named():
@@ -276,7 +278,8 @@ def test_time_plan_measures_and_its_stages_compose_to_forward():
     m = model(tie=True)
     idx, targets = sample()
     plan = plan_stages(m, Uneven, 3, sample=(idx, targets), cost="time")
-    assert plan.measured and plan.cost == "time"
+    assert plan.measured
+    assert plan.cost == "time"
     assert all(c.time > 0 for c in plan.costs)
     assert all(c.flops > 0 for c in [*plan.costs[1:-2], plan.costs[-1]])  # blocks, head
     assert [c.cost for c in plan.costs] == [c.time for c in plan.costs]

@@ -77,7 +77,8 @@ def test_swapped_col_row_refused_on_every_pipeline_stage():
     # waiting for its activations, stops with an error naming it
     first, _, second, _ = run_ranks(_build_and_call, 4, SWAPPED, False, False, 2)
     assert first.startswith(f"HintError: {refusal}")
-    assert second.startswith("RankFailure: rank ") and f"HintError: {refusal}" in second
+    assert second.startswith("RankFailure: rank ")
+    assert f"HintError: {refusal}" in second
     assert run_ranks(_build_and_call, 4, GOOD, True, False, 2)[2:] == ["ran: (2, 5)"] * 2
 
 

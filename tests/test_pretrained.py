@@ -164,7 +164,8 @@ def _check_round_trip(res, path):
     assert got_keys == want_keys
     assert res[0]["max_diff"] <= 1e-6
     files = res[0]["files"]
-    assert "model.safetensors.index.json" in files and "config.json" in files
+    assert "model.safetensors.index.json" in files
+    assert "config.json" in files
     assert "tokenizer_config.json" in files  # copied from beside the weights read
 
 
@@ -191,7 +192,8 @@ def test_gpt2_pp2_tied_round_trip(cache, gpt2_dir, tmp_path):
     _check_round_trip(res, out)
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         stored = json.load(f)["weight_map"]
-    assert "lm_head.weight" not in stored and "transformer.wte.weight" in stored
+    assert "lm_head.weight" not in stored
+    assert "transformer.wte.weight" in stored
 
 
 def _saved_equals(model, plain, out) -> bool:
@@ -323,7 +325,8 @@ def test_dtype_converts_what_is_stored(cache, llama_dir):
     got, want = model.full_state_dict(), plain.state_dict()
     assert got.keys() == want.keys()
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_lone_safetensors_file_of_a_plain_module(cache, tmp_path):
@@ -616,4 +619,5 @@ def test_finetune_example_tp2_pp2_then_resume_on_tp2(tmp_path):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "last batch: annot loss" in proc.stdout
-    assert "resumed from" in proc.stdout and "step   7 |" in proc.stdout
+    assert "resumed from" in proc.stdout
+    assert "step   7 |" in proc.stdout

@@ -104,10 +104,10 @@ def test_source_less_class_is_refused():
 
     ns: dict = {"nn": nn}
     exec("class Dyn(nn.Module):\n    def forward(self, x):\n        return x\n", ns)
-    with pytest.raises(annot.AnnotError, match="has no source file"):
-        from annot.rewrite_cache import rewrite_classes
+    from annot.rewrite_cache import rewrite_classes
 
-        ns["Dyn"].__module__ = "not_a_module_anywhere"
+    ns["Dyn"].__module__ = "not_a_module_anywhere"
+    with pytest.raises(annot.AnnotError, match="has no source file"):
         rewrite_classes([ns["Dyn"]], key="k", transform=lambda s, p, m: s)
 
 

@@ -205,7 +205,8 @@ def _dynamic(cache):
     model = annot.parallelize(Branchy, mesh=mesh, seed=5, split=["blocks.2"])
     torch.manual_seed(5)
     ref = Branchy()
-    assert len(model.pipeline.ties) == 1 and model.pipeline.ties[0].stages == (0, 1)
+    assert len(model.pipeline.ties) == 1
+    assert model.pipeline.ties[0].stages == (0, 1)
     # the prefix loop is cut in source (not at run time), and each stage holds its blocks only
     assert not model.report.replay, "self.blocks[: self.depth] is cut by the rewriter"
     held = {n.split(".")[1] for n, p in model.module.named_parameters() if n.startswith("blocks.")}

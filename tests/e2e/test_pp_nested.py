@@ -454,7 +454,8 @@ def _parity(
         ref.train()
         if case == "llama_ckpt":  # this rank's decoder layers recompute in backward
             layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-            assert layers and all(repr(m.forward).startswith("checkpointed(") for m in layers)
+            assert layers
+            assert all(repr(m.forward).startswith("checkpointed(") for m in layers)
 
         @annot.jit(model, microbatches=MICRO, schedule=schedule)
         def step(b):
@@ -571,7 +572,8 @@ def test_layers_that_are_module_lists_split_automatically(tmp_path):
     # element (called), never at the layer's ModuleList (never called)
     res = _run(tmp_path, "xstyle", [None], pp=2, sample=True)
     (boundary,) = res[0][0][1]
-    assert boundary.startswith("net.layers.") and boundary.count(".") == 3, boundary
+    assert boundary.startswith("net.layers."), boundary
+    assert boundary.count(".") == 3, boundary
     # a subclass that inherits forward (only its __init__ is its own): cut at run time
     _run(tmp_path, "xsubclass", [None, ["layers.2.0"]], pp=2, sample=True)
 

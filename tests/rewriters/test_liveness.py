@@ -83,7 +83,8 @@ def test_liveness_loop_carried_and_loop_defined():
     cuts = function_crossings(
         "def f(self, n):\n    for i in range(n):\n        last = i\n    return last\n"
     )
-    assert cuts[1].names == ("last",) and cuts[1].maybe_unbound == {"last"}
+    assert cuts[1].names == ("last",)
+    assert cuts[1].maybe_unbound == {"last"}
 
 
 def test_liveness_while_and_break_with_del():
@@ -122,7 +123,8 @@ def test_liveness_comprehension_scope():
     cuts = function_crossings(
         "def f(self, xs):\n    ys = [(m := v) for v in xs]\n    return m, ys\n"
     )
-    assert cuts[1].names == ("m", "ys") and cuts[1].maybe_unbound == {"m"}
+    assert cuts[1].names == ("m", "ys")
+    assert cuts[1].maybe_unbound == {"m"}
 
 
 def test_liveness_closures_read_free_names():

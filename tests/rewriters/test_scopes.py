@@ -145,7 +145,8 @@ def test_aliases_comprehensions_lambdas_and_class_scope(tmp_path):
     path = tmp_path / "cases.py"
     path.write_text(CASES * 40)  # the same corners, enough names to compare
     seen, bad = _mismatches(path)
-    assert seen > 100 and not bad, bad
+    assert seen > 100, bad
+    assert not bad, bad
 
 
 NESTED = """
@@ -188,7 +189,8 @@ def test_classes_at_any_depth_with_what_encloses_them():
     assert [d.name.value for d in scopes.enclosing(by_name["B"])] == ["make"]
     assert scopes.enclosing(by_name["C"]) == ()  # an if is not a scope
     chain = scopes.ancestors(by_name["C"])
-    assert chain[0] is module and isinstance(chain[-1], cst.IndentedBlock)
+    assert chain[0] is module
+    assert isinstance(chain[-1], cst.IndentedBlock)
     assert any(isinstance(n, cst.If) for n in chain)
 
 
@@ -244,7 +246,8 @@ def test_global_and_nonlocal_resolve_as_libcst_resolves_them(tmp_path):
     path = tmp_path / "globals.py"
     path.write_text(GLOBALS * 20)
     seen, bad = _mismatches(path)
-    assert seen > 100 and not bad, bad
+    assert seen > 100, bad
+    assert not bad, bad
     names = _names(GLOBALS, "M", "forward")
     assert names["torch.sigmoid"] == {"torch.sigmoid"}
     assert names["nn.functional.gelu"] == {"torch.nn.functional.gelu"}

@@ -41,7 +41,8 @@ def assert_same(a, b):
         assert isinstance(b, torch.Tensor)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     elif isinstance(a, (tuple, list)):
-        assert type(a) is type(b) and len(a) == len(b)
+        assert type(a) is type(b)
+        assert len(a) == len(b)
         for x, y in zip(a, b):
             assert_same(x, y)
     else:
@@ -241,13 +242,15 @@ def test_rewrite_is_idempotent():
     assert split_stages(once, "GPT", ["transformer.h.2"]).source == once
     # a class without @stage is left alone by split_decorated
     again, splits = split_decorated(once)
-    assert again == once and splits == {}
+    assert again == once
+    assert splits == {}
 
 
 def test_split_decorated_reads_the_decorator():
     out, splits = split_decorated(GPT_SRC, path="gpt.py")
     assert out == split_stages(GPT_SRC, "GPT", ["transformer.h.2"]).source
-    assert list(splits) == ["GPT"] and splits["GPT"].boundaries == ("transformer.h.2",)
+    assert list(splits) == ["GPT"]
+    assert splits["GPT"].boundaries == ("transformer.h.2",)
     # runtime-chosen boundaries override the decorator's
     out2, splits2 = split_decorated(GPT_SRC, boundaries={"GPT": ["transformer.ln_f"]})
     assert (
@@ -477,7 +480,8 @@ def test_direct_element_call_and_reused_module():
 
 def test_single_stage_and_whole_list_boundary():
     split = split_stages(GPT_SRC, "GPT", [])
-    assert len(split.stages) == 1 and split.stages[0].outputs is None
+    assert len(split.stages) == 1
+    assert split.stages[0].outputs is None
     assert "(one stage: no boundaries)" in split.source
     # naming the list itself: the stage begins before the loop
     split = split_stages(GPT_SRC, "GPT", ["transformer.h"])
@@ -721,7 +725,8 @@ def test_refuse_missing_class_and_forward_and_syntax():
     with pytest.raises(RewriteError, match="class Nope is not defined"):
         split_stages(GPT_SRC, "Nope", [])
     err = refused("class M:\n    def other(self):\n        pass\n", [])
-    assert "class M has no forward method" in err.reason and (err.line, err.col) == (1, 1)
+    assert "class M has no forward method" in err.reason
+    assert (err.line, err.col) == (1, 1)
     with pytest.raises(RewriteError, match="syntax error"):
         split_stages("def (:\n", "M", [])
 

@@ -40,9 +40,11 @@ def test_flops_params_and_bytes_of_a_linear_stack():
         assert c.optimizer == 2 * n_params * F32  # AdamW: exp_avg, exp_avg_sq
         assert c.activations == N * i * F32  # the saved input; the weight is not counted
         assert c.output_bytes == N * o * F32
-        assert c.buffers == 0 and c.shared == {}
+        assert c.buffers == 0
+        assert c.shared == {}
         assert c.memory == c.params + c.grads + c.optimizer + c.activations
-        assert c.time > 0 and c.cost == c.time
+        assert c.time > 0
+        assert c.cost == c.time
 
 
 @pytest.mark.parametrize("optimizer, states", [("adamw", 2), ("adam", 2), ("sgd", 1), ("none", 0)])
@@ -110,7 +112,8 @@ def test_tied_weights_are_shared_and_charged_once_per_stage():
     assert costs[0].shared == {key: weight * 4}  # param + grad + 2 AdamW states
     assert costs[2].shared == {key: weight * 4}
     assert costs[1].shared == {}
-    assert costs[2].params == weight and costs[2].n_params == 50 * 16
+    assert costs[2].params == weight
+    assert costs[2].n_params == 50 * 16
     args = partition_args(costs)
     assert args["shared"] == [(weight * 4, {0, 2})]
     assert args["memories"][0] == costs[0].memory - weight * 4
@@ -160,11 +163,13 @@ def test_cache_hit_does_not_profile_again(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 1
     calls.clear()
     again = profile_segments([Segment(seg, (lin,), "lin")], x, cache_dir=tmp_path, progress=False)
-    assert calls == [] and again == first
+    assert calls == []
+    assert again == first
     flops = profile_segments(
         [Segment(seg, (lin,), "lin")], x, cache_dir=tmp_path, progress=False, cost="flops"
     )
-    assert calls == [] and flops[0].cost == float(first[0].flops)
+    assert calls == []
+    assert flops[0].cost == float(first[0].flops)
     # Another input shape is another key, and is profiled.
     assert cache_key([Segment(seg, (lin,), "lin")], torch.randn(5, 8)) != cache_key(
         [Segment(seg, (lin,), "lin")], x
@@ -197,7 +202,8 @@ def test_gradients_rng_and_mode_are_left_alone():
     x = torch.randn(3, 4)
     state = torch.get_rng_state()
     profile_segments([drop], x, progress=False, repeats=2)
-    assert lin.weight.grad is marker and lin.bias.grad is None
+    assert lin.weight.grad is marker
+    assert lin.bias.grad is None
     assert torch.equal(torch.get_rng_state(), state)
     assert drop.training
 

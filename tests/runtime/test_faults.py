@@ -33,7 +33,6 @@ def store():
 @pytest.fixture
 def no_store():
     fault_store.set_store(None)
-    yield
 
 
 # -- one process ------------------------------------------------------------
@@ -69,15 +68,16 @@ def test_classify_gloo_messages():
 
 
 def test_local_failure_is_reported_and_named(store):
-    with pytest.raises(RankFailure) as info:
-        with guard("forward", rank=3, stage=1, microbatch=2):
-            raise ValueError("boom")
+    with pytest.raises(RankFailure) as info, guard("forward", rank=3, stage=1, microbatch=2):
+        raise ValueError("boom")
     err = info.value
     assert str(err) == "rank 3 (stage 1) failed during forward of microbatch 2: ValueError: boom"
     assert (err.rank, err.stage, err.op, err.microbatch) == (3, 1, "forward", 2)
     assert isinstance(err.__cause__, ValueError)
     first = fault_store.first_failure()
-    assert first["rank"] == 3 and first["kind"] == "error" and first["error"] == "ValueError: boom"
+    assert first["rank"] == 3
+    assert first["kind"] == "error"
+    assert first["error"] == "ValueError: boom"
 
 
 def test_first_writer_wins_and_own_report_beats_blame(store):
@@ -93,11 +93,13 @@ def test_first_writer_wins_and_own_report_beats_blame(store):
 
 def test_timeout_without_store_blames_the_peer(no_store):
     timed = RuntimeError("Timed out waiting 10000ms for recv operation to complete")
-    with pytest.raises(RankFailure) as info:
-        with guard(
+    with (
+        pytest.raises(RankFailure) as info,
+        guard(
             "recv activations", rank=1, stage=0, microbatch=4, peer=2, peer_stage=1, timeout_s=10
-        ):
-            raise timed
+        ),
+    ):
+        raise timed
     text = str(info.value)
     assert text.splitlines()[0] == (
         "rank 2 (stage 1) did not respond within 10 s while this rank waited in"
@@ -126,10 +128,13 @@ def test_lost_peer_follows_the_waiting_chain(store):
             }
         ),
     )
-    with pytest.raises(RankFailure) as info:
-        with guard("recv grads", rank=0, stage=0, microbatch=0, peer=1, grace_s=0.1):
-            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
-    assert info.value.rank == 2 and info.value.stage == 2
+    with (
+        pytest.raises(RankFailure) as info,
+        guard("recv grads", rank=0, stage=0, microbatch=0, peer=1, grace_s=0.1),
+    ):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    assert info.value.rank == 2
+    assert info.value.stage == 2
     assert str(info.value).startswith(
         "rank 2 (stage 2) exited or closed its connection while rank 1 waited in recv grads"
         " of microbatch 0; this rank (0) stopped in recv grads of microbatch 0"
@@ -139,9 +144,11 @@ def test_lost_peer_follows_the_waiting_chain(store):
 
 def test_a_live_rank_replaces_a_blame_naming_it(store):
     fault_store.report_failure(1, 1, "recv grads", 0, "timeout", kind="timeout", reporter=0)
-    with pytest.raises(RankFailure) as info:
-        with guard("recv grads", rank=1, stage=1, microbatch=0, peer=2, grace_s=0.1):
-            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    with (
+        pytest.raises(RankFailure) as info,
+        guard("recv grads", rank=1, stage=1, microbatch=0, peer=2, grace_s=0.1),
+    ):
+        raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
     assert info.value.rank == 2
     assert fault_store.first_failure()["rank"] == 2
 
@@ -164,20 +171,23 @@ def test_waiting_cycle_is_a_deadlock(store):
             }
         ),
     )
-    with pytest.raises(RankFailure, match=r"ranks 0 -> 1 -> 0 all wait on the next one"):
-        with guard("recv activations", rank=0, stage=0, microbatch=0, peer=1, grace_s=0.1):
-            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    with (
+        pytest.raises(RankFailure, match=r"ranks 0 -> 1 -> 0 all wait on the next one"),
+        guard("recv activations", rank=0, stage=0, microbatch=0, peer=1, grace_s=0.1),
+    ):
+        raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
 
 
 def test_rank_failure_passes_through_and_non_comm_errors_are_local(store):
     inner = RankFailure("rank 7 failed", rank=7)
-    with pytest.raises(RankFailure) as info:
-        with guard("recv x", rank=0, peer=1):
-            raise inner
+    with pytest.raises(RankFailure) as info, guard("recv x", rank=0, peer=1):
+        raise inner
     assert info.value is inner
-    with pytest.raises(RankFailure, match=r"^rank 0 failed during recv x: KeyError: 'k'"):
-        with guard("recv x", rank=0, peer=1):
-            raise KeyError("k")
+    with (
+        pytest.raises(RankFailure, match=r"^rank 0 failed during recv x: KeyError: 'k'"),
+        guard("recv x", rank=0, peer=1),
+    ):
+        raise KeyError("k")
 
 
 def test_abort_without_process_group_returns():

@@ -184,12 +184,14 @@ def test_buckets_reduce_each_gradient_exactly_once_whatever_happened():
         assert (last["armed"].before_finish, last["armed"].at_finish) == (5, 1)
         assert last["armed"].again == 0
         # a jit step: the first (unarmed) microbatch launched none, the last all it could
-        assert res["accumulate"]["seen"][0] == 0 and res["accumulate"]["seen"][1] >= 1
+        assert res["accumulate"]["seen"][0] == 0
+        assert res["accumulate"]["seen"][1] >= 1
         assert last["accumulate"].before_finish == 5
         assert last["twice"].again == 5  # each early launch missed the second gradient
         assert (last["never"].before_finish, last["never"].at_finish) == (0, 6)
         # out + upper.1 armed; upper.0 made ready by hand; the branch was never armed
-        assert last["by_hand"].before_finish == 2 and last["by_hand"].again == 0
+        assert last["by_hand"].before_finish == 2
+        assert last["by_hand"].again == 0
     # the branch's bucket (2) was ready in rank 0's backward, never in rank 1's
     assert ranks[0]["uneven"]["last"].before_finish == 5
     assert ranks[1]["uneven"]["last"].before_finish == 2
@@ -301,8 +303,11 @@ def test_overlapped_dp2_equals_single_device_with_unused_parameters(tmp_path):
         assert jit.order == direct.order == list(range(n))
         # the jit step armed its last microbatch only: inp's first gradient landed with
         # nothing launched, its second after some bucket's all-reduce had started
-        assert res["seen"][0] == 0 and res["seen"][1] >= 1 and res["seen"][2] >= 1
-        assert jit.before_finish >= 1 and direct.before_finish >= 1
+        assert res["seen"][0] == 0
+        assert res["seen"][1] >= 1
+        assert res["seen"][2] >= 1
+        assert jit.before_finish >= 1
+        assert direct.before_finish >= 1
     # the branch's bucket: ready in the last backward where the branch ran
     assert ranks[0]["stats"][0].before_finish > ranks[1]["stats"][0].before_finish
     assert ranks[1]["stats"][1].before_finish > ranks[0]["stats"][1].before_finish

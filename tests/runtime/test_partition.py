@@ -93,7 +93,8 @@ def reference_dp(c, k):
 
 def check_shape(p: Partition, n: int, k: int) -> None:
     assert p.n_stages == k
-    assert p.bounds[0][0] == 0 and p.bounds[-1][1] == n
+    assert p.bounds[0][0] == 0
+    assert p.bounds[-1][1] == n
     assert all(a < b for a, b in p.bounds), "every stage is non-empty"
     assert all(p.bounds[i][1] == p.bounds[i + 1][0] for i in range(k - 1)), "contiguous"
     assert p.boundaries == [a for a, _ in p.bounds[1:]]
@@ -304,7 +305,8 @@ def test_bad_arguments_teach_the_fix(call, message):
 def test_exactly_n_stages_even_with_zero_costs():
     p = partition([0.0] * 7, None, 5)
     check_shape(p, 7, 5)
-    assert p.bottleneck == 0.0 and p.imbalance == 1.0
+    assert p.bottleneck == 0.0
+    assert p.imbalance == 1.0
 
 
 def test_deterministic():

@@ -34,7 +34,9 @@ def _data(sizes, seq):
 
 def _stage_fn(blocks: nn.Module, s: int, n: int):
     def check(mask, count, h):
-        assert mask is None and isinstance(count, int) and count == h.shape[0], (mask, count)
+        assert mask is None, (mask, count)
+        assert isinstance(count, int), (mask, count)
+        assert count == h.shape[0], (mask, count)
 
     def first(x, y):
         return {"h": blocks(x), "mask": None, "n": x.shape[0], "y": y}
@@ -304,7 +306,8 @@ def test_failing_stage_names_rank_stage_and_microbatch():
     """Rank 1 raises in its forward of microbatch 1; rank 0, waiting for it,
     stops with a RankFailure that names rank 1, its stage and the microbatch."""
     first, last = run_ranks(_fault_rank, 2, "1f1b", timeout=120)
-    assert last[:2] == ("ValueError", None) and "boom in the last stage" in last[3]
+    assert last[:2] == ("ValueError", None)
+    assert "boom in the last stage" in last[3]
     kind, rank, stage, message = first
     assert (kind, rank, stage) == ("RankFailure", 1, 1), first
     assert "rank 1 (stage 1) failed during forward of microbatch 1" in message

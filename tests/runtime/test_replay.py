@@ -89,7 +89,8 @@ def test_new_shapes_make_new_entries_and_a_full_cache_starts_over():
     ops = MetaOps(size=2)
     for n in (3, 4, 3, 5):
         y = ops(torch.Tensor.transpose, (torch.empty(2, n, device="meta"), 0, 1), {})
-        assert y.shape == (n, 2) and y.stride() == (1, n)
+        assert y.shape == (n, 2)
+        assert y.stride() == (1, n)
     assert len(ops.entries) == 1  # 3, 4 filled it; 5 started over
 
 

@@ -130,13 +130,13 @@ def test_a_data_dependent_output_shape_replays_from_the_log():
         keys = [(e[0], e[1]) for e in first]
         # stage 0's modules, the embedding's two calls counted apart, the value
         # read inside drop spanned by its entry
-        assert ("body.embed", 0) in keys and ("body.embed", 1) in keys
+        assert ("body.embed", 0) in keys
+        assert ("body.embed", 1) in keys
         drop = next(e for e in first if e[0] == "body.drop")
         assert drop[3] - drop[2] == 1
         # the middle stage forwards stage 0's entries and adds its block's
-        assert second[: len(first)] == first and ("body.blocks.2", 0) in [
-            (e[0], e[1]) for e in second
-        ]
+        assert second[: len(first)] == first
+        assert ("body.blocks.2", 0) in [(e[0], e[1]) for e in second]
 
 
 def test_without_the_log_the_replay_cannot_compute_the_shape():
@@ -180,7 +180,8 @@ def test_recipes_cross_the_wire_as_one_string():
     hit = recipe(out, {id(y): 0})
     text = pack(hit)
     tree, tensors = flatten(text)
-    assert not tensors and unpack(unflatten(tree, [])) == hit
+    assert not tensors
+    assert unpack(unflatten(tree, [])) == hit
     # values JSON does not carry: the module runs on meta instead of being logged
     assert pack(recipe((x, torch.channels_last), {})) is None
     assert pack(recipe({(1, 2): x}, {})) is None
@@ -191,7 +192,8 @@ def test_the_shape_probe_runs_ops_meta_cannot_on_zeros():
     with torch.device("meta"):
         net = Net()
     out = shape_run(net, (torch.randn(5, 4),))
-    assert out.is_meta and tuple(out.shape) == (2,)
+    assert out.is_meta
+    assert tuple(out.shape) == (2,)
 
 
 def test_a_tensor_of_another_shape_at_the_boundary_is_refused_naming_its_variable():

@@ -78,7 +78,8 @@ def test_split_equals_one_backward(depth, shared, batch, seed):
     stage = Stage(depth=depth, shared=shared)
     x, mask = torch.randn(batch, 6), (torch.rand(batch, 6) > 0.3).float()
     work = _compare(stage, x, mask, torch.randn(batch, 6), torch.randn(batch))
-    assert work is not None and work.groups, "the weights' half is left for W"
+    assert work is not None, "the weights' half is left for W"
+    assert work.groups, "the weights' half is left for W"
 
 
 def test_weight_off_the_input_path_gets_its_gradient_at_once():
@@ -96,7 +97,8 @@ def test_inputs_without_gradient_leave_the_whole_backward_to_w():
     x = torch.randn(2, 6)  # the first stage: token ids, images, nothing requiring grad
     h, side = stage(x, torch.ones(2, 6))
     in_grads, work = backward_input([(h * h).sum() + side.sum()], None, [x], stage.parameters())
-    assert in_grads == [None] and not work.retains_graph
+    assert in_grads == [None]
+    assert not work.retains_graph
     assert all(p.grad is None for p in stage.parameters()), "nothing runs at I"
     assert backward_weight(work) == []  # autograd accumulated them
     h, side = other(x, torch.ones(2, 6))

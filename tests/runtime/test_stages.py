@@ -31,12 +31,15 @@ def test_a_block_of_another_stage_is_held_whole_by_that_stage():
         for block in mine:
             assert f"{block}.mlp.act_fn" in held[stage]
             assert not any(p == block or p.startswith(block + ".") for p in held[other])
-    assert "model.rotary_emb" in held[0] and "model.rotary_emb" not in held[1]
+    assert "model.rotary_emb" in held[0]
+    assert "model.rotary_emb" not in held[1]
     # without a probe: a block's activation goes with its block, a module
     # without weights that the shared forward calls (rotary table) everywhere
     blind = call_order_stage_modules(model, boundaries)
-    assert "model.layers.0.mlp.act_fn" in blind[0] and "model.layers.0.mlp.act_fn" not in blind[1]
-    assert "model.layers.3.mlp.act_fn" in blind[1] and "model.layers.3.mlp.act_fn" not in blind[0]
+    assert "model.layers.0.mlp.act_fn" in blind[0]
+    assert "model.layers.0.mlp.act_fn" not in blind[1]
+    assert "model.layers.3.mlp.act_fn" in blind[1]
+    assert "model.layers.3.mlp.act_fn" not in blind[0]
     assert all("model.rotary_emb" in blind[s] for s in (0, 1))
     # a boundary inside a block: the activation goes with its MLP's weights
     cut = call_order_stage_modules(model, ("model.layers.1.mlp",))
@@ -63,4 +66,5 @@ def test_the_call_order_probe_sees_weights_read_directly():
     order = [c[0] for c in calls]
     assert order.index("table") < order.index("layers.0"), order
     held = call_order_stage_modules(model, ("layers.1",), stage_calls(calls, ("layers.1",)))
-    assert "table" in held[0] and "table" not in held[1]
+    assert "table" in held[0]
+    assert "table" not in held[1]

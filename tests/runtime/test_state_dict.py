@@ -170,7 +170,8 @@ def test_strict_keys_and_shapes_are_checked_before_writing():
         "unexpected ['extra']; pass strict=False to load the keys that do match"
     )
     result = load_full_state_dict(model, sd, strict=False)
-    assert result.missing_keys == ["ln.bias"] and result.unexpected_keys == ["extra"]
+    assert result.missing_keys == ["ln.bias"]
+    assert result.unexpected_keys == ["extra"]
     assert torch.equal(model.ln.bias, before["ln.bias"])
 
     model = Tiny(tp=1)
@@ -192,11 +193,11 @@ def test_meta_device_and_mesh_mismatch():
     ):
         load_full_state_dict(model, Tiny().state_dict())
     layer = ColumnParallelLinear(4, 4)
-    with use(ParallelContext(mesh=Mesh(tp=2))):
-        with pytest.raises(
-            MeshError, match="weight is sharded for tp=1 but the current tp degree is 2"
-        ):
-            full_state_dict(layer)
+    with (
+        use(ParallelContext(mesh=Mesh(tp=2))),
+        pytest.raises(MeshError, match="weight is sharded for tp=1 but the current tp degree is 2"),
+    ):
+        full_state_dict(layer)
 
 
 def test_tied_tensor_with_two_layouts_is_refused():
@@ -208,9 +209,11 @@ def test_tied_tensor_with_two_layouts_is_refused():
 
 def test_sharded_parameter_keeps_its_layout_through_deepcopy_and_save():
     p = shard_parameter(nn.Parameter(torch.randn(4, 6)), dim=-1)
-    assert isinstance(p, ShardedParameter) and (p.annot_shard_dim, p.annot_tp) == (1, 1)
+    assert isinstance(p, ShardedParameter)
+    assert (p.annot_shard_dim, p.annot_tp) == (1, 1)
     q = copy.deepcopy(p)
-    assert (q.annot_shard_dim, q.annot_tp) == (1, 1) and torch.equal(q, p)
+    assert (q.annot_shard_dim, q.annot_tp) == (1, 1)
+    assert torch.equal(q, p)
     buf = io.BytesIO()
     torch.save(p, buf)
     buf.seek(0)

@@ -118,6 +118,7 @@ def test_the_named_walk_collects_the_same_tensors():
         return inner(t, (torch.zeros(1), t), {"k": [torch.ones(3)]})
 
     plain, (named, names) = outer()
-    assert [id(t) for t in plain] == [id(t) for t in named] and len(plain) == 3
+    assert [id(t) for t in plain] == [id(t) for t in named]
+    assert len(plain) == 3
     tails = [n.rpartition("inner: ")[2] for n in names]
     assert tails == ["a", "pair[0]", "box['k'][0]"], names

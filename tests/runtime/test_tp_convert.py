@@ -122,7 +122,8 @@ def test_converted_layers_keep_values_buffers_and_forward():
     assert type(conv).__name__ == "VocabParallelEmbedding_ScaledEmbedding"
     assert dict(conv.state_dict()).keys() == dict(emb.state_dict()).keys()
     torch.testing.assert_close(conv(ids), emb(ids), rtol=0, atol=0)
-    assert conv.embed_scale.item() == 3.0 and "embed_scale" in conv._non_persistent_buffers_set
+    assert conv.embed_scale.item() == 3.0
+    assert "embed_scale" in conv._non_persistent_buffers_set
     lin = FusedLinear(4, 6)
     x = torch.randn(2, 4)
     torch.testing.assert_close(to_parallel(lin, Col(chunks=2), 1)(x), lin(x))

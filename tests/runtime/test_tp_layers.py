@@ -134,7 +134,8 @@ def test_init_distribution_and_repr():
     torch.manual_seed(0)
     col = ColumnParallelLinear(64, 32, chunks=2)
     bound = 1 / 64**0.5
-    assert col.weight.abs().max() <= bound and col.weight.abs().max() > 0.9 * bound
+    assert col.weight.abs().max() <= bound
+    assert col.weight.abs().max() > 0.9 * bound
     emb = VocabParallelEmbedding(16, 4, padding_idx=3)
     assert torch.equal(emb.weight[3], torch.zeros(4))
     assert "chunks=2, tp=1, local_weight=(32, 64)" in repr(col)
@@ -409,7 +410,8 @@ def _overlap(tp):
             grads = full_grads(par)
             for name, p in ref.named_parameters():
                 _close(grads[name], p.grad, f"grad {name} (seq={seq})")
-            assert reduction.started is None and reduction.arrived == 0, "reset"
+            assert reduction.started is None, "reset"
+            assert reduction.arrived == 0, "reset"
         for layer in (par.gate, par.up, par.down):
             layer.sequence_dim = None
 
@@ -509,7 +511,8 @@ def _bookkeeping():
     xm = torch.empty(3, 4, device="meta", requires_grad=True)
     em = CopyToTP.apply(xm * 1.0, group, True, True)
     ym = column_matmul(em, w1.to("meta"), None, False)
-    assert ym.shape == (3, 6) and ym.is_meta
+    assert ym.shape == (3, 6)
+    assert ym.is_meta
     return True
 
 
@@ -661,7 +664,8 @@ def _cross_entropy(tp):
                 loss = vocab_parallel_cross_entropy(lt, target, **kw)
                 what = f"case {case} {reduction} smoothing={smoothing}"
                 if not (target != -1).any() and reduction == "mean":
-                    assert loss.isnan() and loss_ref.isnan(), what
+                    assert loss.isnan(), what
+                    assert loss_ref.isnan(), what
                     continue
                 _close(loss, loss_ref, f"loss, {what}")
                 g = torch.rand_like(loss_ref)
