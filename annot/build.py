@@ -58,16 +58,10 @@ from annot.runtime.deferred_init import meta_copy
 from annot.runtime.grad_buckets import check_bucket_options
 from annot.runtime.replay import call_with
 from annot.runtime.sequence_parallel import apply_sequence_parallel, stage_runs
+from annot.runtime.stage_runner import ReplayRunner, SourceRunner
 from annot.runtime.stages import build_plan, stage_calls
-from annot.stage_choice import (
-    MemoryBudget,
-    check_stranded,
-    choose_boundaries,
-    needs_replay,
-    record_calls,
-    resplit,
-    stranded_calls,
-)
+from annot.stage_choice import MemoryBudget, choose_boundaries, resplit
+from annot.stage_points import StagePoints, choose_runner
 
 __all__ = ["parallelize"]
 
@@ -125,6 +119,7 @@ def parallelize(
     model_kwargs: Optional[dict] = None,
     weights: Any = None,
     memory: Union[int, str, None] = None,
+    runner: str = "auto",
     **kwargs: Any,
 ) -> ParallelModel:
     """Build this rank's part of ``model`` over ``mesh``.
@@ -177,6 +172,11 @@ def parallelize(
     :mod:`annot.runtime.memory_model`), the planner ``annot plan`` uses; a
     model that cannot fit is refused before any rank allocates, naming the
     stage, its memory and the budget.
+    ``runner=`` how the pipeline stages run (:mod:`annot.runtime.stage_runner`):
+    ``"auto"`` chooses once from the plan (:func:`annot.stage_points.choose_runner`),
+    ``"replay"`` cuts them at run time at module calls, ``"source"`` runs the
+    stage methods the rewriter cuts the root's forward into; the choice and its
+    reason are in ``model.report.runner`` and ``explain``.
     Returns a :class:`ParallelModel`.
     """
     # first, before any option is rebound: the options as the caller gave them
@@ -201,29 +201,29 @@ def parallelize(
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
 
     n_stages = mesh.pp * chunks
-    # one meta forward when needed, shared by the planner and the stage plan
-    calls = functools.cache(functools.partial(record_calls, ref, sample))
-    find_stranded = functools.cache(functools.partial(stranded_calls, ref, sample))
+    # where a stage may begin; one meta forward when needed, shared by the planner and the stages
+    points = StagePoints(ref, cls, sample)
     if n_stages > 1:
         report.boundaries = choose_boundaries(
-            ref,
-            cls,
+            points,
             n_stages,
             split,
-            sample=sample,
             tp=mesh.tp,
             ctx=ctx,
             seed=seed,
             build=lambda: cls(*args, **kwargs),
             report=report,
-            calls=calls,
-            find_stranded=find_stranded,
             budget=None if memory is None else MemoryBudget.of(memory, precision, fsdp, mesh.dp),
         )
-        report.replay = needs_replay(ref, cls, report.boundaries)
-        if report.replay:
-            check_stranded(ref, report.boundaries, find_stranded())
-        log.debug("annot: stage boundaries %s", report.boundaries)
+        choice = choose_runner(points, report.boundaries, runner)
+        points.check(report.boundaries, choice.name)
+        report.runner, report.runner_reason = choice.name, choice.reason
+        log.debug(
+            "annot: stage boundaries %s, runner %s (%s)",
+            report.boundaries,
+            choice.name,
+            choice.reason,
+        )
     local, split_plan = _rewrite_and_build(
         cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages
     )
@@ -241,7 +241,7 @@ def parallelize(
         check = functools.partial(
             preflight,
             whole=whole,
-            split_root=n_stages > 1 and not report.replay,
+            split_root=report.runner == "source",
             ref=twin,
             ctx=ctx,
             specs=specs,
@@ -249,7 +249,7 @@ def parallelize(
         )
     plan = None
     if n_stages > 1:
-        plan = _pipeline_plan(local, cls, split_plan, calls, ctx, chunks, report)
+        plan = _pipeline_plan(local, cls, split_plan, points, ctx, chunks, report)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
     if weights is not None:
         weights.allocate(local, ref, ctx)
@@ -257,7 +257,7 @@ def parallelize(
         materialize_from(local, instance, ctx)
     else:
         materialize(local, cls, args, kwargs, seed, ctx, plan)
-    del ref, calls
+    del ref, points
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
     apply_activation_checkpointing(local, checkpointed_classes(local))
@@ -424,7 +424,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
     from annot.runtime.tp_convert import convert_hinted, tied_names
 
     tp, boundaries = report.mesh.tp, report.boundaries
-    split_root = n_stages > 1 and not report.replay
+    split_root = report.runner == "source"
     splits: dict = {}
 
     def transform(source: str, path: str, module) -> str:
@@ -454,21 +454,22 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
     return local, splits.get("split")
 
 
-def _pipeline_plan(local, cls, split, calls, ctx, chunks: int, report):
-    """This rank's stages: the root's forward split by the rewriter, or cut at
-    run time (replay) where the boundaries lie in nested forwards."""
+def _pipeline_plan(local, cls, split, points: StagePoints, ctx, chunks: int, report):
+    """This rank's stages, run by the runner the build chose (``report.runner``):
+    the root's forward split into stage methods by the rewriter, or cut at run
+    time (replay) at the boundaries' module calls."""
     boundaries = report.boundaries
-    if report.replay:
-        split, seq = None, calls()
+    if report.runner == "source":
+        runner = SourceRunner(split or resplit(cls, boundaries))
     else:
-        split, seq = split or resplit(cls, boundaries), None
+        seq = points.calls
+        runner = ReplayRunner(stage_calls(seq, boundaries) if seq is not None else None)
     return build_plan(
         local,
-        split,
+        runner,
         ctx,
         chunks=chunks,
         boundaries=boundaries,
-        calls=stage_calls(seq, boundaries) if seq is not None else None,
         checkpoint=stage_checkpoint(type(local)),
     )
 

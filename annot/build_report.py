@@ -19,9 +19,11 @@ class BuildReport:
     mesh: Mesh
     # step 3, hints: the shard spec each class's rewrite applies
     specs: dict[type, ShardSpec] = field(default_factory=dict)
-    # stages: where they begin, and whether they are cut at run time (replay)
+    # stages: where they begin, and the runner that runs them (annot.stage_points.choose_runner):
+    # "source" (the rewriter's stage methods) or "replay" (cut at run time); None without a pipeline
     boundaries: tuple[str, ...] = ()
-    replay: bool = False
+    runner: Optional[str] = None
+    runner_reason: str = ""
     plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
     # step 4, rewrite: annot.rewrite_cache's record of each rewritten source
     rewritten: list = field(default_factory=list)
@@ -32,3 +34,8 @@ class BuildReport:
     # step 5 with annot.from_pretrained: where the weights were read
     # (annot.pretrained.Source: the directory, each model name's stored name)
     pretrained: Optional[object] = None
+
+    @property
+    def replay(self) -> bool:
+        """Whether the stages are cut at run time (:mod:`annot.runtime.replay`)."""
+        return self.runner == "replay"

@@ -18,7 +18,7 @@ import sys
 from typing import Optional
 
 from annot.cli_inputs import Refusal, build_model, degree, describe, import_target, parse_inputs
-from annot.core.errors import AnnotError, PartitionError
+from annot.core.errors import AnnotError
 from annot.runtime.memory_model import PRECISIONS, SCHEDULES
 
 DEFAULT_SEQ_LEN = 2048
@@ -291,7 +291,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if nested or args.world_size is not None:
             # a model you cannot edit (every nested block and block part), or the what-if table
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
-        from annot.planner import fit_stages, plan_stages
+        from annot.planner import TooFewSplitPoints, fit_stages, plan_stages
 
         common = dict(
             sample=None if made else sample,
@@ -307,9 +307,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                 plan = fit_stages(model, cls, memory=memory, max_stages=args.pp, **common)
             else:
                 plan = plan_stages(model, cls, args.pp, memory=memory, **common)
-        except PartitionError as exc:
-            few = "segments between its split points" in str(exc)  # planner._check_count
-            if not few or get_stage_spec(cls) is not None:
+        except TooFewSplitPoints:
+            if get_stage_spec(cls) is not None:
                 raise
             # forward itself has too few places to cut: its blocks sit deeper
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
@@ -320,14 +319,26 @@ def _run_plan(args: argparse.Namespace) -> int:
     except (Refusal, AnnotError, OSError) as exc:
         print(f"annot plan: {exc}", file=sys.stderr)
         return 2
+    runner = _runner(model, cls, None if made else sample, plan.boundaries)
     if args.json:
         import json
 
-        print(json.dumps(plan.to_json(), indent=2))
+        doc = plan.to_json()
+        doc["runner"] = {"name": runner.name, "reason": runner.reason}
+        print(json.dumps(doc, indent=2))
     else:
         print(_settings(args, None if made else sample, False))
         print(plan.table())
+        print(f"runner: {runner.name} ({runner.reason})")
     return 0
+
+
+def _runner(model, cls: type, sample, boundaries):
+    """The runner ``parallelize`` chooses for this plan
+    (:func:`annot.stage_points.choose_runner`)."""
+    from annot.stage_points import StagePoints, choose_runner
+
+    return choose_runner(StagePoints(model, cls, sample), tuple(boundaries))
 
 
 def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setup, made) -> int:
@@ -337,7 +348,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
     (:mod:`annot.what_if`)."""
     from annot.module_plan import call_order, measure_units, plan_units
     from annot.runtime.stages import record_calls
-    from annot.stage_choice import stranded_calls
+    from annot.stage_points import StagePoints
     from annot.what_if import Progress, format_what_if, what_if
 
     progress = Progress()
@@ -350,7 +361,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
             probe = _to("meta", probe)
     progress.note("recording the order of module calls (one meta forward)")
     order = call_order(record_calls(model, probe)) if probe is not None else None
-    stranded = stranded_calls(model, probe) if probe is not None else None
+    stranded = StagePoints(model, type(model), probe).stranded if probe is not None else None
     progress.note("measuring every unit: FLOPs and bytes saved for backward")
     measures = measure_units(
         model,
@@ -393,6 +404,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
         return 0
     progress.note(f"partitioning {len(measures.fine)} units into {args.pp} stages")
     plan = plan_units(measures, args.pp, tp=args.tp, dp=args.dp, memory=memory, fit=args.fit)
+    runner = _runner(model, type(model), probe, plan.boundaries)
     if args.json:
         import json
 
@@ -404,9 +416,11 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
             "stage_memory": plan.stage_memory,
             "units": [u.path for u in plan.units],
             "assuming": settings,
+            "runner": {"name": runner.name, "reason": runner.reason},
         }
         print(json.dumps(doc, indent=2))
     else:
         print(plan.table())
+        print(f"runner: {runner.name} ({runner.reason})")
         print(f"split={plan.boundaries!r}")
     return 0

@@ -4,7 +4,9 @@ Shows the mesh, the pipeline stages (owner rank, modules, values crossing to
 the next stage, parameters held), which runner runs them, the tied weights,
 the schedule as a table, and this rank's code for its stages.
 
-Two runners cut a pipeline (recorded once on the plan,
+Two runners cut a pipeline (:mod:`annot.runtime.stage_runner`, chosen once
+by the build, :func:`annot.stage_points.choose_runner`, with its reason in
+``model.report``, and recorded on the plan,
 :class:`annot.runtime.stages.PipelineLayout`): the *source split* (the
 rewriter cut the root's ``forward`` into stage methods; each stage's modules
 and outgoing values are known from the source) and the *replay* (the model's
@@ -145,7 +147,9 @@ class ReplayStages:
 
 def stage_view(plan, root: nn.Module, executor: Optional[Any]):
     """The view of ``plan``'s stages for the runner it recorded."""
-    return ReplayStages(plan, root, executor) if plan.replay else SourceSplitStages(plan)
+    if plan.runner.name == "replay":
+        return ReplayStages(plan, root, executor)
+    return SourceSplitStages(plan)
 
 
 def tree_paths(root: nn.Module, prefix: str = "") -> list[str]:
@@ -243,6 +247,11 @@ def _pipeline(step, view) -> list[str]:
         f"pipeline: {plan.num_stages} stages, boundaries {list(plan.boundaries)}, "
         f"schedule {step.schedule}",
         f"runner: {view.runner} ({view.how})",
+        *(
+            [f"runner chosen at build: {model.report.runner_reason}"]
+            if model.report is not None and model.report.runner_reason
+            else []
+        ),
         _table(
             rows,
             ["stage", "rank", "modules", "sends", "params (this rank)", "memory (this rank)"],

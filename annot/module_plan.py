@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import HintError, PartitionError
+from annot.stage_points import StagePoints, never_called
 
 __all__ = [
     "ModulePlan",
@@ -154,12 +155,6 @@ def call_order(calls: list[tuple[str, ...]]) -> list[str]:
     :func:`annot.runtime.stages.record_calls`; every path of a shared module is
     listed at its first call."""
     return list(dict.fromkeys(p for paths in calls for p in paths))
-
-
-def never_called(m: nn.Module) -> bool:
-    """A module list or dict: never called (forward calls its elements), so a
-    stage cannot begin at it."""
-    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
 
 
 def block_paths(model: nn.Module) -> set[str]:
@@ -671,9 +666,7 @@ def measure_units(
     # too rough a proxy for that); without an order a block is one unit
     fine = units(model, order, depth=1 if cost == "params" else 2)
     if stranded is None and sample is not None:
-        from annot.stage_choice import stranded_calls
-
-        stranded = stranded_calls(model, sample)
+        stranded = StagePoints(model, type(model), sample).stranded
     fine = _begin_where_possible(fine, stranded or {})
     if len(fine) < min_units:
         raise HintError(

@@ -23,8 +23,9 @@ every stage fits in memory?" in four steps:
    bytes are counted from the segments' modules; a parameter several segments
    use (an embedding tied to the LM head) becomes a shared group, charged once
    per stage that holds it. Without a sample only parameters are counted.
-   A segment's time is its fastest of ``rounds`` passes over all segments
-   (a busy machine preempts some runs; the fastest is closest to the cost).
+   A segment's time is its median of ``rounds`` passes over all segments
+   (a busy machine preempts some runs; the median is the statistic
+   :mod:`annot.module_plan` keeps too, :func:`annot.planner_costs.median_round`).
    Segments timed on their own run with their weights in cache, so on a CPU
    a stage holding a large layer (an LM head) can run somewhat slower whole
    than its segments add up to: :func:`measure_split` times the stages of a
@@ -73,7 +74,20 @@ from annot.planner_points import (
 from annot.planner_result import StagePlan
 from annot.planner_segments import exec_class, stage_fn, stage_modules
 
-__all__ = ["StagePlan", "fit_stages", "measure_split", "plan_stages", "split_points"]
+__all__ = [
+    "StagePlan",
+    "TooFewSplitPoints",
+    "fit_stages",
+    "measure_split",
+    "plan_stages",
+    "split_points",
+]
+
+
+class TooFewSplitPoints(PartitionError):
+    """forward has fewer places to cut than the stages asked for (``annot
+    plan`` then plans the model's nested blocks instead)."""
+
 
 _COSTS = ("time", "flops", "params")
 
@@ -263,7 +277,7 @@ def _check_count(m: _Measured, n: int, what: str) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PartitionError(f"{what}={n!r}; expected an int >= 1")
     if n > len(m.segments):
-        raise PartitionError(
+        raise TooFewSplitPoints(
             f"{m.class_name}.forward has {len(m.segments)} segments between its split points "
             f"({', '.join(m.segments[1:]) or 'none'}), fewer than the {n} stages asked for; "
             "use fewer stages, or give forward more top-level statements / a longer module list"
@@ -300,10 +314,10 @@ def plan_stages(
     sample), "flops" or "params" (default without). ``memory``: bytes per
     device; :class:`PartitionError` (with the numbers) when no split fits.
     ``bandwidth`` (bytes per unit of cost) charges the bytes crossing each cut.
-    ``tp``: see the module docstring. Each segment's time is its fastest of
+    ``tp``: see the module docstring. Each segment's time is its median of
     ``rounds`` rounds over all the segments, a round timing the median of
-    ``repeats`` runs of each: on a busy machine a run is often preempted, and
-    the fastest is the closest to its cost. Profiles are cached in ``cache_dir``.
+    ``repeats`` runs of each (on a busy machine a run is often preempted; the
+    median is robust to that, and :mod:`annot.module_plan` keeps it too). Profiles are cached in ``cache_dir``.
     ``setup``: how the model trains (:class:`annot.runtime.memory_model.Training`:
     precision, optimizer, the schedule's microbatches in flight; default
     ``optimizer`` in float32 under 1F1B over 8 microbatches), for memory.

@@ -6,7 +6,7 @@ shared group, charged once per stage that holds it; ``tp`` divides the
 figures of ``@shard``-ed layers) and takes time, FLOPs, activation and sent
 bytes from the measurement. :func:`profile` measures them:
 :func:`annot.runtime.cost.profile_segments` over several rounds, each segment
-keeping its fastest, cached on disk.
+keeping its median round, cached on disk.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn as nn
 from annot.core.files import atomic_write
 from annot.runtime.memory_model import OPTIMIZER_STATES
 
-__all__ = ["STATES", "profile", "segment_costs", "sharded_ids"]
+__all__ = ["STATES", "median_round", "profile", "segment_costs", "sharded_ids"]
 
 STATES = OPTIMIZER_STATES  # optimizer states per element
 
@@ -141,11 +141,19 @@ def segment_costs(
     return out
 
 
+def median_round(column: Sequence[Any]) -> Any:
+    """A segment's measurement from the round of median time: the statistic
+    both planners time by (:mod:`annot.module_plan` keeps the median of its
+    steps too), robust to a load spike in a round either way."""
+    return sorted(column, key=lambda c: c.time)[(len(column) - 1) // 2]
+
+
 def profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: int) -> list:
     """annot.runtime.cost.profile_segments, ``rounds`` times over all the segments;
-    each segment keeps its fastest round (the median of ``repeats`` runs).
-    A burst of load elsewhere on the machine slows a few consecutive segments
-    of one round; across rounds it lands on different ones. Cached as JSON
+    each segment keeps its median round (:func:`median_round`; a round times
+    the median of ``repeats`` runs). A burst of load elsewhere on the machine
+    slows a few consecutive segments of one round; across rounds it lands on
+    different ones. Cached as JSON
     in ``cache_dir`` under annot.runtime.cost_cache.cache_key (plus the round
     count)."""
     import json
@@ -159,7 +167,7 @@ def profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: 
     path = None
     if cache_dir is not None:
         key = cache_key(segs, inputs, optimizer=optimizer, repeats=repeats)
-        path = Path(cache_dir) / f"{key}-r{rounds}.json"
+        path = Path(cache_dir) / f"{key}-r{rounds}-median.json"
         try:
             data = json.loads(path.read_text())
             hit = [SegmentCost(**item) for item in data]
@@ -171,7 +179,7 @@ def profile(segs, inputs, optimizer, progress, cache_dir, repeats: int, rounds: 
         profile_segments(segs, inputs, optimizer=optimizer, progress=progress, repeats=repeats)
         for _ in range(rounds)
     ]
-    out = [min(column, key=lambda c: c.time) for column in zip(*runs)]
+    out = [median_round(column) for column in zip(*runs)]
     if path is not None:
         atomic_write(path, json.dumps([asdict(c) for c in out]))
     return out

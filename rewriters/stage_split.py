@@ -69,7 +69,7 @@ from annot.rewriters.stage_methods import (
     output_arity,
 )
 
-__all__ = ["StageMethod", "StageSplit", "split_decorated", "split_stages"]
+__all__ = ["StageMethod", "StageSplit", "split_decorated", "split_refusal", "split_stages"]
 
 
 @dataclass(frozen=True)
@@ -311,6 +311,20 @@ def split_stages(
     wrapper = MetadataWrapper(parse_source(source, path))
     cls = _find_class(wrapper.module, class_name, path)
     return _split(wrapper, cls, [(b, None) for b in boundaries], path, nested)
+
+
+def split_refusal(
+    source: str, class_name: str, boundaries: Sequence[str], *, path: str = "<string>"
+) -> Optional[str]:
+    """Why :func:`split_stages` cannot cut ``class_name``'s forward at
+    ``boundaries`` (its refusal, ``file:line:col: reason``), or None where it
+    can: the answer the build chooses a runner by
+    (:func:`annot.stage_points.choose_runner`), never an exception."""
+    try:
+        split_stages(source, class_name, boundaries, path=path)
+    except RewriteError as err:
+        return str(err)
+    return None
 
 
 def split_decorated(

@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from annot.core.errors import PipelineError
 from annot.runtime.schedules import stage_rank
 from annot.runtime.stage_prune import absent_paths, covered, logged_modules, prune
+from annot.runtime.stage_runner import ReplayRunner, SourceRunner, StageRunner
 
 __all__ = []
 
@@ -232,7 +232,7 @@ class Tie:
 class PipelineLayout:
     """What every rank knows about the pipeline; built by :func:`build_plan`."""
 
-    split: Any  # annot.rewriters.stage_split.StageSplit; None: stages replayed at run time
+    runner: StageRunner  # how the stages run: the source split or the replay
     pp: int
     chunks: int
     pp_rank: int
@@ -249,13 +249,18 @@ class PipelineLayout:
         return self.pp * self.chunks
 
     @property
+    def split(self) -> Any:
+        """The stage-split rewriter's result the source runner runs; None for the replay."""
+        return getattr(self.runner, "split", None)
+
+    @property
     def output_arity(self) -> Optional[int]:
-        return self.split.output_arity if self.split is not None else None
+        return self.runner.output_arity
 
     @property
     def replay(self) -> bool:
         """Stages cut at run time by :mod:`annot.runtime.replay` (boundaries at any depth)."""
-        return self.split is None
+        return self.runner.cuts_at_run_time
 
     def owner(self, stage: int) -> int:
         return stage_rank(stage, self.pp)
@@ -265,40 +270,20 @@ class PipelineLayout:
         return [self.pp_rank + c * self.pp for c in range(self.chunks)]
 
     def local_stages(self, module: nn.Module) -> list:
-        """The executor's view of this rank's stages; with ``@stage(checkpoint=True)``
-        each stage's activations are recomputed in backward."""
+        """The executor's view of this rank's stages, as the runner runs them;
+        with ``@stage(checkpoint=True)`` each stage's activations are
+        recomputed in backward."""
         from annot.runtime.checkpointing import checkpoint_stage
         from annot.runtime.pipeline import LocalStage
 
         wrap = checkpoint_stage if self.checkpoint else (lambda f: f)
-        if self.replay:
-            from annot.runtime.replay import ReplayStage, install_boundaries, install_output_log
-
-            if self.checkpoint:
-                raise PipelineError(
-                    f"@stage(checkpoint=True) on {type(module).__name__}: its stages are cut "
-                    "inside nested forwards, so there is no stage function to recompute; put "
-                    "@checkpoint on the block classes instead (annot.checkpoint)"
-                )
-            if not getattr(module, "_annot_boundaries_installed", False):
-                install_boundaries(module, self.boundaries)
-                install_output_log(module, self.logged)
-                module._annot_boundaries_installed = True
-            return [
-                LocalStage(index=s, fn=ReplayStage(module, s, self.boundaries), module=module)
-                for s in self.local_stage_ids
-            ]
-        return [
-            LocalStage(
-                index=s, fn=wrap(getattr(module, self.split.stages[s].method)), module=module
-            )
-            for s in self.local_stage_ids
-        ]
+        fns = self.runner.stage_functions(module, self, wrap)
+        return [LocalStage(index=s, fn=fns[s], module=module) for s in self.local_stage_ids]
 
 
 def build_plan(
     model: nn.Module,
-    split,
+    runner: Any,
     ctx,
     *,
     chunks: int,
@@ -308,25 +293,21 @@ def build_plan(
 ) -> PipelineLayout:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
-    ``split`` is the stage-split rewriter's result, or None for stages cut at
-    run time at module-path ``boundaries`` (:mod:`annot.runtime.replay`; ``calls``:
-    see :func:`call_order_stage_modules`). ``checkpoint``: recompute each stage's
-    activations in backward (``@stage(checkpoint=True)``, read by the build).
+    ``runner``: how the stages run (:mod:`annot.runtime.stage_runner`); a
+    stage-split rewriter's result stands for its :class:`SourceRunner`, None
+    for a :class:`ReplayRunner` cutting at module-path ``boundaries`` at run
+    time (``calls``: see :func:`call_order_stage_modules`). ``checkpoint``:
+    recompute each stage's activations in backward (``@stage(checkpoint=True)``,
+    read by the build).
 
     Every rank must call this (tied-weight process groups are created
     collectively, in the same order everywhere).
     """
     mesh = ctx.mesh
-    n = mesh.pp * chunks
-    if split is None:  # replayed stages: each holds the modules of its range of calls
-        stage_modules = call_order_stage_modules(model, tuple(boundaries), calls)
-    else:
-        if len(split.stages) != n:
-            raise PipelineError(
-                f"the stage split has {len(split.stages)} stages but pp({mesh.pp}) * "
-                f"chunks({chunks}) = {n}"
-            )
-        stage_modules = {s.index: expand_module_paths(model, s.modules) for s in split.stages}
+    if not isinstance(runner, StageRunner):
+        runner = ReplayRunner(calls) if runner is None else SourceRunner(runner)
+    stage_modules = runner.stage_modules(model, tuple(boundaries), mesh.pp * chunks)
+    at_run_time = runner.cuts_at_run_time
     # Tied parameters: one Parameter object under several names.
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -364,7 +345,7 @@ def build_plan(
             boundaries[b]
             for s in ids
             for b in (s - 1, s)
-            if split is None and 0 <= b < len(boundaries)
+            if at_run_time and 0 <= b < len(boundaries)
         )
         return keep, through
 
@@ -372,14 +353,14 @@ def build_plan(
     # outputs the rank that runs them logs (annot.runtime.replay)
     logged = (
         logged_modules(model, set().union(*(absent_paths(model, *held(r)) for r in range(mesh.pp))))
-        if split is None
+        if at_run_time
         else {}
     )
     keep, through = held(ctx.pp_rank)
-    prune(model, keep, shadows=split is None, through=through)
+    prune(model, keep, shadows=at_run_time, through=through)
     local_keys = tuple(model.state_dict().keys())
     return PipelineLayout(
-        split=split,
+        runner=runner,
         pp=mesh.pp,
         chunks=chunks,
         pp_rank=ctx.pp_rank,

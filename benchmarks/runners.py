@@ -1,0 +1,119 @@
+"""The two stage runners on the same plan: the source split (the root's forward cut
+into stage methods by the rewriter) against the replay (forward cut at run time at
+module calls, earlier stages replayed on meta), both built by ``annot.parallelize``
+with the same boundaries (``runner="source"`` / ``runner="replay"``).
+
+    python benchmarks/runners.py          # a few minutes on 2 CPU cores
+    BENCH_STEPS=20 python benchmarks/runners.py
+
+Models, each with its blocks looped over in the root's forward (the only place
+the source split can cut): examples/gpt's GPT (4 layers, n_embd 128, 16 x 64
+tokens) and benchmarks/pp_models' MLPStack (8 residual MLPs, width 256, batch 32);
+pp=2 and pp=4 (4 ranks on 2 cores: both runners equally oversubscribed), 1F1B,
+8 microbatches. Each rank builds both models and interleaves their steps
+(source, replay, source, ...); the median step of each is reported, and the
+ratio source / replay (below 0.95: the source split is the 5% faster fast path).
+
+Results (this 2-core CPU machine, shared with other work, 2026-11-26, BENCH_STEPS=10):
+
+    model     pp  source ms  replay ms  source/replay
+    gpt        2     108.49     115.50          0.939
+    gpt        4     123.72     159.08          0.778
+    mlp        2     115.69     120.29          0.962
+    mlp        4     165.28     243.96          0.677
+
+The source split is 5% faster or more on 3 of 4 (the replay's cost grows with
+the stages it replays on meta), so it stays the build's fast path where the
+rewriter can cut the root's forward (annot.stage_points.choose_runner);
+tests/test_runners.py checks both give identical losses and gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+REPEATS = int(os.environ.get("BENCH_STEPS", "10"))
+MICROBATCHES = 8
+
+
+def _model(kind: str, pp: int):
+    import torch
+
+    if kind == "gpt":
+        from examples.gpt.model import GPT, GPTConfig
+
+        cfg = GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=128)
+        split = [f"h.{cfg.n_layer // pp * s}" for s in range(1, pp)]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 256, (16, 64), generator=g)
+        return GPT, (cfg,), split, (x, x)
+    from benchmarks.pp_models import MLPStack
+
+    split = [f"blocks.{8 // pp * s}" for s in range(1, pp)]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 256, generator=g), torch.randn(32, 256, generator=g)
+    return MLPStack, (256, 8), split, (x, y)
+
+
+def _rank(kind: str, cache: str) -> tuple[float, float]:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+
+    import annot
+
+    torch.set_num_threads(1)
+    pp = dist.get_world_size()
+    cls, args, split, (x, y) = _model(kind, pp)
+    steps = []
+    for runner in ("source", "replay"):
+        model = annot.parallelize(
+            cls, *args, mesh=annot.Mesh(pp=pp), seed=0, split=split, runner=runner
+        )
+        assert model.report.runner == runner
+
+        def step(x, y, model=model):
+            _, loss = model(x, y)
+            model.backward(loss)
+            return loss
+
+        steps.append((model, annot.jit(model, microbatches=MICROBATCHES)(step)))
+    times: list[list[float]] = [[], []]
+    for i in range(REPEATS + 2):
+        for k, (model, step) in enumerate(steps):
+            dist.barrier()
+            t = time.perf_counter()
+            step(x, y)
+            dist.barrier()
+            if i >= 2:
+                times[k].append(time.perf_counter() - t)
+            for p in model.parameters():
+                p.grad = None
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def measure(kind: str, pp: int) -> tuple[float, float]:
+    from annot.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as cache:
+        return run_ranks(_rank, pp, kind, cache, timeout=900)[0]
+
+
+def main() -> None:
+    print(f"{'model':8} {'pp':>3} {'source ms':>10} {'replay ms':>10} {'source/replay':>14}")
+    for kind in ("gpt", "mlp"):
+        for pp in (2, 4):
+            s, r = measure(kind, pp)
+            print(f"{kind:8} {pp:3d} {s * 1e3:10.2f} {r * 1e3:10.2f} {s / r:14.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The two stage runners (annot.runtime.stage_runner) on the same plan: the source
+split, the build's fast path where the rewriter can cut the root's forward, and the
+replay, which cuts any plan, give identical losses and every gradient, on real
+gloo ranks; the choice is made once at build, recorded and shown by explain."""
+
+import pytest
+
+from annot.testing import run_ranks
+
+
+def _both_runners(model_name: str, split: list, chunks: int, cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+
+    pp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if model_name == "branchy":
+        from tests.pipeline_models import Branchy
+
+        cls, args = Branchy, ()
+        g = torch.Generator().manual_seed(1)
+        batches = [
+            (
+                (torch.randint(0, 16, (4, 6), generator=g),),
+                {"targets": torch.randint(0, 16, (4, 6), generator=g), "scale": 0.5},
+            )
+            for _ in range(2)
+        ]
+    else:
+        from examples.gpt.model import GPT, GPTConfig
+
+        cls, args = GPT, (GPTConfig(n_layer=4, n_embd=32, vocab_size=64, block_size=16),)
+        g = torch.Generator().manual_seed(1)
+        batches = []
+        for _ in range(2):
+            x = torch.randint(0, 64, (4, 16), generator=g)
+            batches.append(((x,), {"targets": x}))
+    runs = {}
+    for runner in ("source", "replay"):
+        model = annot.parallelize(
+            cls, *args, mesh=annot.Mesh(pp=pp), seed=0, split=split, chunks=chunks, runner=runner
+        )
+        assert model.report.runner == runner
+        assert model.report.boundaries == tuple(split)
+
+        schedule = "interleaved" if chunks > 1 else "1f1b"
+
+        @annot.jit(model, microbatches=4, schedule=schedule)
+        def step(*a, model=model, **k):
+            _, loss = model(*a, **k)
+            model.backward(loss)
+            return loss
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for a, k in batches:
+            losses.append(step(*a, **k).reduce_mean())
+            grads.append(model.full_grads())
+            opt.step()
+            opt.zero_grad()
+        runs[runner] = (losses, grads, model.full_state_dict())
+    (src_l, src_g, src_s), (rep_l, rep_g, rep_s) = runs["source"], runs["replay"]
+    torch.manual_seed(0)
+    names = [n for n, _ in cls(*args).named_parameters()]
+    for i in range(len(batches)):
+        assert torch.equal(src_l[i], rep_l[i]), f"step {i}: loss {src_l[i]} != {rep_l[i]}"
+        for n in names:
+            assert n in src_g[i], f"step {i}: no gradient for {n} from the source split"
+            assert n in rep_g[i], f"step {i}: no gradient for {n} from the replay"
+            assert torch.equal(src_g[i][n], rep_g[i][n]), (
+                f"step {i}: grad {n} differs by "
+                f"{(src_g[i][n] - rep_g[i][n]).abs().max().item():.3g}"
+            )
+    for k, v in src_s.items():
+        assert torch.equal(v, rep_s[k]), f"after the steps: {k} differs"
+
+
+def test_source_and_replay_give_identical_losses_and_gradients(tmp_path):
+    """Branchy: a tied embedding and head across the first and last stage, a
+    module called twice, a branch on the data inside the cut loop, kwargs."""
+    run_ranks(_both_runners, 2, "branchy", ["blocks.2"], 1, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_source_and_replay_identical_on_gpt_pp4_and_interleaved(tmp_path):
+    run_ranks(_both_runners, 4, "gpt", ["h.1", "h.2", "h.3"], 1, str(tmp_path))
+    run_ranks(_both_runners, 2, "gpt", ["h.1", "h.2", "h.3"], 2, str(tmp_path))
+
+
+def _choice(cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from tests.pipeline_models import Branchy
+
+    model = annot.parallelize(Branchy, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
+    assert model.report.runner == "source", model.report.runner_reason
+    assert "cuts the root's forward" in model.report.runner_reason
+    replayed = annot.parallelize(
+        Branchy, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"], runner="replay"
+    )
+    x = torch.randint(0, 16, (4, 6))
+    texts = []
+    for m in (model, replayed):
+
+        @annot.jit(m, microbatches=2)
+        def step(idx, targets, m=m):
+            _, loss = m(idx, targets=targets)
+            m.backward(loss)
+            return loss
+
+        step(x, x)
+        texts.append(step.explain(x, x))
+    assert "runner: source split (" in texts[0]
+    assert "runner chosen at build: the rewriter cuts the root's forward" in texts[0]
+    assert "runner: replay (" in texts[1]
+    assert "runner chosen at build: asked for (runner='replay')" in texts[1]
+    return texts
+
+
+def test_explain_shows_the_runner_and_why(tmp_path):
+    run_ranks(_choice, 2, str(tmp_path))
+
+
+def _refusals(cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    from annot.core.errors import HintError
+    from tests.nested_models import TimmStyleViT
+    from tests.pipeline_models import Marked
+
+    with pytest.raises(HintError, match="runner='replay', but Marked.forward places its stages"):
+        annot.parallelize(Marked, mesh=annot.Mesh(pp=2), seed=0, runner="replay")
+    with pytest.raises(HintError, match="runner='source', but the stage split cannot cut"):
+        annot.parallelize(
+            TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"], runner="source"
+        )
+    with pytest.raises(HintError, match="runner='fast'; expected one of auto, source, replay"):
+        annot.parallelize(Marked, mesh=annot.Mesh(pp=2), seed=0, runner="fast")
+    model = annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
+    assert model.report.runner == "replay"
+    assert model.report.runner_reason.startswith("the source split cannot cut there: ")
+
+
+def test_a_runner_that_cannot_run_the_plan_is_refused(tmp_path):
+    run_ranks(_refusals, 2, str(tmp_path))

@@ -1,0 +1,108 @@
+"""annot.stage_points: the one answer to where a pipeline stage may begin, which
+runner cuts there, and ``annot plan`` printing the boundaries and runner that
+``parallelize`` builds with the same options (a nested Hugging Face model, an
+``@stage(auto=True)`` class)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from annot.cli import main
+from annot.core.errors import HintError
+from annot.stage_points import StagePoints, choose_runner
+from annot.testing import run_ranks
+from tests.nested_models import TimmStyleViT
+from tests.pipeline_models import Branchy, Marked
+
+LLAMA = {
+    "num_hidden_layers": 4,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+}
+
+
+class Gated(nn.Module):
+    """LlamaMLP's shape: ``up`` is called while ``gate``'s result waits on Python's stack."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(width, width)
+        self.up = nn.Linear(width, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+
+    def forward(self, x):
+        x = torch.relu(self.gate(x)) * self.up(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_places_a_stage_may_begin_and_why_not_elsewhere():
+    points = StagePoints(Gated(), Gated, (torch.zeros(2, 4),))
+    assert points.paths() == ["gate", "blocks.0", "blocks.1"]
+    assert "no local variable holds it" in points.replay_refusal("up")
+    assert points.replay_refusal("blocks") == "'blocks' is an nn.ModuleList, which is never called"
+    assert points.replay_refusal("nope") == "'nope' names no submodule of Gated"
+    with pytest.raises(HintError, match="pipeline boundary 'up': a stage cannot begin at that"):
+        points.check(("up",), "replay")
+    with pytest.raises(HintError, match="names an nn.ModuleList, which is never called"):
+        points.check(("blocks",), "replay")
+    with pytest.raises(HintError, match="'blocks.9' names no submodule of Gated"):
+        points.check(("blocks.9",), "source")
+
+
+def test_the_source_runner_answers_with_its_reason_not_an_exception():
+    branchy = StagePoints(Branchy(), Branchy)
+    assert branchy.source_refusal(("blocks.2",)) is None
+    assert branchy.source_paths(Branchy()) == ["shared", *(f"blocks.{i}" for i in range(4)), "head"]
+    vit = StagePoints(TimmStyleViT(), TimmStyleViT)
+    refusal = vit.source_refusal(("blocks.2",))
+    assert refusal is not None
+    assert "nested_models.py:" in refusal
+    choice = choose_runner(vit, ("blocks.2",))
+    assert choice.name == "replay"
+    assert choice.reason.endswith(refusal)
+    assert choose_runner(branchy, ("blocks.2",)).name == "source"
+    assert StagePoints(Marked(), Marked).markers() == 1
+    assert choose_runner(StagePoints(Marked(), Marked), ()).name == "source"
+
+
+def _parallelize_boundaries(kind: str, cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = annot.parallelize(
+            LlamaForCausalLM, LlamaConfig(**LLAMA), mesh=annot.Mesh(pp=2), seed=0
+        )
+    else:
+        from examples.gpt.model import GPT, GPTConfig
+
+        model = annot.parallelize(GPT, GPTConfig(n_layer=4), mesh=annot.Mesh(pp=2), seed=0)
+    return list(model.report.boundaries), model.report.runner, model.report.runner_reason
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_annot_plan_prints_the_plan_parallelize_builds(kind, capsys, tmp_path):
+    if kind == "llama":
+        argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM"]
+        argv += ["--config-json", json.dumps(LLAMA)]
+    else:
+        argv = ["plan", "examples/gpt/model.py:GPT", "--init", "GPTConfig(n_layer=4)"]
+    assert main([*argv, "--pp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    boundaries, runner, reason = run_ranks(_parallelize_boundaries, 2, kind, str(tmp_path))[0]
+    assert doc["boundaries"] == boundaries
+    assert doc["runner"] == {"name": runner, "reason": reason}
+    assert runner == ("replay" if kind == "llama" else "source")
