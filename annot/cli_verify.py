@@ -153,14 +153,14 @@ def _scalar(out: Any, seed: int):
     return sum((t * torch.randn(t.shape, generator=g)).sum() for t in leaves)
 
 
-def _rank(args: dict) -> list[tuple[str, Optional[float], bool]]:
+def _rank(arguments: dict) -> list[tuple[str, Optional[float], bool]]:
     import copy
 
     import torch
 
     import annot
 
-    args = argparse.Namespace(**args)
+    args = argparse.Namespace(**arguments)
     torch.manual_seed(args.seed)
     cls, model = _model(args)
     ref = copy.deepcopy(model)

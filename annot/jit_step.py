@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from annot.core.errors import HintError, PipelineError
 from annot.microbatch import StepOutput, split_microbatches
 from annot.parallel_model import ParallelModel, unwrap
 from annot.runtime.schedules import schedule_name
+
+if TYPE_CHECKING:
+    from annot.runtime.model_call import ModelCall
+    from annot.runtime.pipeline import PipelineExecutor
 
 __all__ = ["jit", "Step"]
 
@@ -69,10 +73,10 @@ class Step:
         self.trace = trace
         self.timeout_s = timeout_s
         self.executor_builds = 0  # how many times an executor was built (1 after the first call)
-        self._executor = None
+        self._executor: Optional[PipelineExecutor] = None
         self._scale = 1.0
         self._last = False  # the body runs the step's last microbatch (pp = 1)
-        self._call = None
+        self._call: Optional[ModelCall] = None
         functools.update_wrapper(self, fn)
 
     @property
@@ -126,9 +130,10 @@ class Step:
 
     def _run_pipeline(self, mbs: list) -> list:
         ex = self._executor
+        assert ex is not None, "built by the first call"
         ex.tracer.clear()  # the trace shows the last step
 
-        def body(i: int, call):
+        def body(i: int, call: ModelCall):
             self._call = call
             a, k = mbs[i]
             return self.fn(*a, **k)

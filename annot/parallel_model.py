@@ -44,7 +44,7 @@ class ParallelModel(nn.Module):
         self.report = report  # annot.build_report.BuildReport: what parallelize did
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
-        self._step = None  # the active jit step (set by annot.jit while it runs)
+        self._step: Any = None  # the active jit step (set by annot.jit while it runs)
         self.preflight = None  # annot.preflight's check, run on the first call when set
         self.dropout = None  # annot.runtime.tp_dropout.ShardedDropout's sites, from the pre-flight
         self._dropout_names = None

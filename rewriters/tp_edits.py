@@ -89,7 +89,7 @@ class TpEdits(cst.CSTTransformer):
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, cst.Module):
-            return self.visit_Module(node)
+            return self.visit_Module(node) is not False  # None visits too, as in libcst
         return id(node) in self.enter  # leave alone what holds no edit
 
     def on_leave(self, original_node, updated_node):

@@ -88,8 +88,9 @@ class ShardedOutputs(ShardedValues, ConstructorPlanner):
                 else None
                 for v in vals
             }
-            if len(built) == 1 and None not in built:
-                info.children[path] = built.pop()
+            child = built.pop() if len(built) == 1 else None
+            if child is not None:
+                info.children[path] = child
             v = vals[0]
             if (
                 len(path) == 1

@@ -86,7 +86,7 @@ def _descendants(node: cst.CSTNode, prune: tuple[type, ...] = ()) -> Iterable[cs
 
 def calls(node: cst.CSTNode) -> Iterable[cst.Call]:
     """The calls under ``node``, outer first, not descending into nested classes."""
-    return [n for n in _descendants(node, (cst.ClassDef,)) if type(n) is cst.Call]  # type: ignore[misc]
+    return [n for n in _descendants(node, (cst.ClassDef,)) if type(n) is cst.Call]
 
 
 _SUITES = (
@@ -124,7 +124,7 @@ def _statements(node: cst.CSTNode, nested: bool = False) -> Iterable[cst.CSTNode
 
 def returns(node: cst.CSTNode) -> Iterable[cst.Return]:
     """The return statements of one function body (not of nested functions)."""
-    return [n for n in _statements(node) if type(n) is cst.Return]  # type: ignore[misc]
+    return [n for n in _statements(node) if type(n) is cst.Return]
 
 
 def walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
@@ -136,7 +136,7 @@ def assignments(node: cst.CSTNode) -> Iterable[Union[cst.Assign, cst.AnnAssign]]
     """The assignments of one function body, in source order, not descending
     into nested functions or classes."""
     return [
-        n  # type: ignore[misc]
+        n
         for n in _statements(node)
         if type(n) is cst.Assign or type(n) is cst.AnnAssign
     ]

@@ -176,8 +176,8 @@ def profile_segments(
 
     owned = [_owned(s) for s in segs]
     users: dict[int, list[int]] = {}
-    for i, params in enumerate(owned):
-        for pid in params:
+    for i, held in enumerate(owned):
+        for pid in held:
             users.setdefault(pid, []).append(i)
     keys = {pid: f"{idx[0]}:{owned[idx[0]][pid][0]}" for pid, idx in users.items() if len(idx) > 1}
     states = _STATES[optimizer]

@@ -114,7 +114,7 @@ class Storage:
 
 
 def geometry(t: torch.Tensor) -> Geometry:
-    return tuple(t.size()), tuple(t.stride()), t.storage_offset()
+    return tuple(t.size()), tuple(t.stride()), int(t.storage_offset())
 
 
 def bind(func, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:

@@ -200,7 +200,8 @@ class Chain:
     def probe(self, L: float, k: int) -> tuple[Optional[list[int]], float]:
         """Greedy longest stages under bottleneck L: (their ends, or None when more
         than k stages are needed; the smallest L' > L that lets a stage grow)."""
-        a, ends, nxt, Cl = 0, [], _INF, self.Cl
+        a, nxt, Cl = 0, _INF, self.Cl
+        ends: list[int] = []
         while a < self.n:
             if len(ends) == k:
                 return None, nxt

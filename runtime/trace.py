@@ -56,7 +56,7 @@ class Tracer:
             yield
             return
         start = time.perf_counter_ns()
-        event = {
+        event: dict[str, Any] = {
             "name": name,
             "cat": cat,
             "ph": "X",
