@@ -58,6 +58,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 STEPS = int(os.environ.get("BENCH_STEPS", "6"))
+LAYERS = int(os.environ.get("BENCH_LAYERS", "8"))
+# "auto,uniform" (default) or "uniform": the automatic split is planned and timed too
+SPLITS = tuple(os.environ.get("BENCH_SPLITS", "auto,uniform").split(","))
 MICRO = 8
 BATCH, SEQ = 16, 64
 
@@ -69,7 +72,7 @@ def _config():
         vocab_size=512,
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=8,
+        num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
@@ -104,6 +107,8 @@ def _rank(pp: int, auto_split: list, cache: str):
     steps = {}
     models = {}
     for name, split in (("auto", auto_split), ("uniform", uniform)):
+        if name not in SPLITS:
+            continue
         model = annot.parallelize(
             LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=pp), seed=0, split=split
         )
@@ -159,10 +164,11 @@ def _rank(pp: int, auto_split: list, cache: str):
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
-    times = {"auto": [], "uniform": [], "torch": []}
-    busy = {"auto": [], "uniform": []}
+    names = [n for n in ("auto", "uniform") if n in SPLITS] + ["torch"]
+    times = {n: [] for n in names}
+    busy = {n: [] for n in names if n != "torch"}
     for i in range(STEPS + 1):
-        for name in ("auto", "uniform", "torch"):
+        for name in names:
             dist.barrier()
             t0 = time.perf_counter()
             if name == "torch":
@@ -202,30 +208,36 @@ def main() -> None:
     model = LlamaForCausalLM(_config())
     g = torch.Generator().manual_seed(1)
     sample = {"input_ids": torch.randint(0, 512, (BATCH // MICRO, SEQ), generator=g)}
-    print(f"HF Llama, 8 layers, batch {BATCH} x {SEQ} tokens, {MICRO} microbatches, 1F1B")
+    print(f"HF Llama, {LAYERS} layers, batch {BATCH} x {SEQ} tokens, {MICRO} microbatches, 1F1B")
     print(
         f"{'pp':>3} {'auto ms':>9} {'uniform ms':>11} {'torch ms':>9} {'auto/torch':>11} "
         f"{'uniform/torch':>14} {'max/mean auto':>14} {'uniform':>8}"
     )
+    nan = float("nan")
     for pp in (int(x) for x in os.environ.get("BENCH_PP", "2,4").split(",")):
         t0 = time.perf_counter()
-        plan = plan_module_boundaries(model, pp, sample=sample, cost="time")
+        plan = (
+            plan_module_boundaries(model, pp, sample=sample, cost="time")
+            if "auto" in SPLITS
+            else None
+        )
         planned = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as cache:
-            res = run_ranks(_rank, pp, pp, plan.boundaries, cache, timeout=900)
+            res = run_ranks(_rank, pp, pp, plan.boundaries if plan else [], cache, timeout=900)
         med, ratio, uniform, stage_ms = res[0]
+        auto_ms = med.get("auto", nan)
         print(
-            f"{pp:>3} {med['auto'] * 1e3:>9.1f} {med['uniform'] * 1e3:>11.1f} "
-            f"{med['torch'] * 1e3:>9.1f} {med['auto'] / med['torch']:>11.2f} "
-            f"{med['uniform'] / med['torch']:>14.2f} {ratio['auto']:>14.2f} {ratio['uniform']:>8.2f}"
+            f"{pp:>3} {auto_ms * 1e3:>9.1f} {med['uniform'] * 1e3:>11.1f} "
+            f"{med['torch'] * 1e3:>9.1f} {auto_ms / med['torch']:>11.2f} "
+            f"{med['uniform'] / med['torch']:>14.2f} {ratio.get('auto', nan):>14.2f}"
+            f" {ratio['uniform']:>8.2f}"
         )
-        print(
-            f"    auto split {plan.boundaries} (planned in {planned:.1f} s, predicted "
-            f"max/mean {plan.imbalance:.2f}); uniform {uniform}"
-        )
-        print(
-            f"    measured busy ms per stage: auto {stage_ms['auto']}, uniform {stage_ms['uniform']}"
-        )
+        if plan is not None:
+            print(
+                f"    auto split {plan.boundaries} (planned in {planned:.1f} s, predicted "
+                f"max/mean {plan.imbalance:.2f}); uniform {uniform}"
+            )
+        print(f"    measured busy ms per stage: {stage_ms}")
 
 
 if __name__ == "__main__":

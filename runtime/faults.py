@@ -65,7 +65,14 @@ from annot.runtime.fault_store import (
     report_failure,
 )
 
-__all__ = ["abort_process_group", "default_grace", "default_timeout", "describe", "guard"]
+__all__ = [
+    "abort_process_group",
+    "default_grace",
+    "default_timeout",
+    "describe",
+    "failure",
+    "guard",
+]
 
 TIMEOUT_ENV = "ANNOT_TIMEOUT_S"
 GRACE_ENV = "ANNOT_FAULT_GRACE_S"
@@ -278,36 +285,69 @@ def guard(
     """
     me = my_rank() if rank is None else rank
     timeout = default_timeout(timeout_s)
-    is_comm = (peer is not None) if comm is None else comm
     connect_store()  # now, while every rank (and the store's host) is alive
     try:
         yield timeout
     except RankFailure:
         raise
     except Exception as exc:
-        kind = classify(exc) if is_comm else None
-        if kind is None:
-            error = _short(exc)
-            report_failure(me, stage, op, microbatch, error, kind="error", reporter=me)
-            raise RankFailure(
-                f"{_who(me, stage)} failed during {_during(op, microbatch)}: {error}",
-                rank=me,
-                stage=stage,
-                op=op,
-                microbatch=microbatch,
-            ) from exc
-        raise _resolve(
+        raise failure(
             exc,
-            kind,
-            me=me,
-            op=op,
+            op,
+            rank=me,
             stage=stage,
             microbatch=microbatch,
             peer=peer,
-            peer_stage=peer_stage,
             timeout_s=timeout,
-            grace_s=default_grace(grace_s),
+            peer_stage=peer_stage,
+            comm=comm,
+            grace_s=grace_s,
         ) from exc
+
+
+def failure(
+    exc: Exception,
+    op: str,
+    *,
+    rank: Optional[int] = None,
+    stage: Optional[int] = None,
+    microbatch: Optional[int] = None,
+    peer: Optional[int] = None,
+    timeout_s: Optional[float] = None,
+    peer_stage: Optional[int] = None,
+    comm: Optional[bool] = None,
+    grace_s: Optional[float] = None,
+) -> RankFailure:
+    """The :class:`RankFailure` :func:`guard` raises for ``exc`` (same
+    arguments): for hot paths that catch the exception themselves instead of
+    entering a guard per operation (``except Exception as exc: raise
+    failure(exc, ...) from exc``), once :func:`guard` connected the store."""
+    me = my_rank() if rank is None else rank
+    timeout = default_timeout(timeout_s)
+    is_comm = (peer is not None) if comm is None else comm
+    kind = classify(exc) if is_comm else None
+    if kind is None:
+        error = _short(exc)
+        report_failure(me, stage, op, microbatch, error, kind="error", reporter=me)
+        return RankFailure(
+            f"{_who(me, stage)} failed during {_during(op, microbatch)}: {error}",
+            rank=me,
+            stage=stage,
+            op=op,
+            microbatch=microbatch,
+        )
+    return _resolve(
+        exc,
+        kind,
+        me=me,
+        op=op,
+        stage=stage,
+        microbatch=microbatch,
+        peer=peer,
+        peer_stage=peer_stage,
+        timeout_s=timeout,
+        grace_s=default_grace(grace_s),
+    )
 
 
 # -- leaving ----------------------------------------------------------------

@@ -71,11 +71,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from annot.core.errors import PipelineError
+from annot.core.errors import PipelineError, RankFailure
 from annot.runtime import faults
 from annot.runtime.comm_wait import wait_work
-from annot.runtime.fault_store import report_failure
-from annot.runtime.p2p_codec import DTYPES, Malformed, flatten, simple_signature, unflatten
+from annot.runtime.fault_store import connect_store, report_failure
+from annot.runtime.p2p_codec import (
+    DTYPES,
+    Malformed,
+    flatten,
+    rebuilder,
+    simple_signature,
+    unflatten,
+)
 
 __all__ = ["Handle", "PostedRecv", "post_recv", "recv_pytree", "send_pytree"]
 
@@ -91,15 +98,23 @@ MAX_FIRST_BYTES = 8 << 20
 
 class _Channel:
     """One direction to one peer in one group: what both ends agreed from the
-    channel's previous transfer."""
+    channel's previous transfer, and what the receiver prepared from the
+    header it checked then (steady shapes: each later message is one receive
+    into a fresh buffer, a preamble check, and views of the buffer)."""
 
-    __slots__ = ("first", "hlen", "header", "parsed")
+    __slots__ = ("backend", "comm", "first", "header", "hlen", "parsed", "rebuild", "views")
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any) -> None:
         self.first = FIRST_BYTES  # bytes of the next first message
         self.hlen = 0  # receiver: the previous header's length (sizes the next first message)
         self.header: Optional[bytes] = None  # sender: the previous header
         self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
+        # receiver, from the checked header: (dtype, shape, requires_grad, offset) per
+        # tensor, and p2p_codec.rebuilder's function (None: unflatten each time)
+        self.views: list[tuple] = []
+        self.rebuild: Any = None
+        self.comm, self.backend = _comm(group)
+        connect_store()  # now, while every rank is alive (posts catch their own errors)
 
 
 _CHANNELS: dict[tuple, _Channel] = {}
@@ -109,7 +124,7 @@ def _channel(direction: str, peer: int, group: Any) -> _Channel:
     key = (direction, peer, id(group) if group is not None else 0)
     ch = _CHANNELS.get(key)
     if ch is None:
-        ch = _CHANNELS[key] = _Channel()
+        ch = _CHANNELS[key] = _Channel(group)
     return ch
 
 
@@ -122,7 +137,8 @@ def _next_first(hlen: int, plen: int) -> int:
 
 def reset_channels() -> None:
     """Forget the channel sizes and headers (both ends must do it at the same
-    point)."""
+    point), and each channel's comm device and backend (after a new process
+    group)."""
     _CHANNELS.clear()
 
 
@@ -193,13 +209,15 @@ _ENCODED: dict[tuple, tuple[bytes, list, int]] = {}
 _MAX_ENCODED = 64
 
 
-def _encode(obj: Any, what: str, where: str) -> tuple[bytes, list, list, int]:
+def _encode(obj: Any, what: str, dst: int) -> tuple[bytes, list, list, int]:
     """``obj``'s header bytes, its tensors, their payload offsets and the
-    payload size."""
+    payload size (errors name the message and ``dst``)."""
     simple = simple_signature(obj)
-    if simple is not None and simple[0] in _ENCODED:
-        raw, offsets, total = _ENCODED[simple[0]]
-        return raw, simple[1], offsets, total
+    if simple is not None:
+        hit = _ENCODED.get(simple[0])
+        if hit is not None:
+            return hit[0], simple[1], hit[1], hit[2]
+    where = f" ({_op('send', what)} to rank {dst})"
     try:
         tree, tensors = flatten(obj)
     except PipelineError as err:
@@ -223,15 +241,45 @@ def _encode(obj: Any, what: str, where: str) -> tuple[bytes, list, list, int]:
     return raw, tensors, offsets, total
 
 
+# A message's labels for fault messages: (what, stage, microbatch, peer,
+# peer_stage, timeout_s). Posts and waits catch their own errors and build the
+# RankFailure only then (faults.failure), instead of entering a guard each.
+Labels = tuple
+
+
+def _failure(exc: Exception, verb: str, labels: Labels) -> RankFailure:
+    what, stage, microbatch, peer, peer_stage, timeout_s = labels
+    return faults.failure(
+        exc,
+        _op(verb, what),
+        stage=stage,
+        microbatch=microbatch,
+        peer=peer,
+        peer_stage=peer_stage,
+        timeout_s=timeout_s,
+    )
+
+
+def _wait(work: Any, backend: str, verb: str, labels: Labels) -> None:
+    """``wait_work`` with the labels' timeout; a failure becomes RankFailure."""
+    timeout = faults.default_timeout(labels[5])
+    try:
+        wait_work(work, timeout, backend=backend)
+    except RankFailure:
+        raise
+    except Exception as exc:
+        raise _failure(exc, verb, labels) from exc
+
+
 class Handle:
     """An asynchronous send: keeps its buffers alive until :meth:`wait`. A lone
-    contiguous tensor is sent from its own memory: do not modify it in place
-    before ``wait()``."""
+    contiguous tensor sent apart from the first message is sent from its own
+    memory: do not modify it in place before ``wait()``."""
 
-    def __init__(self, works: list, keep: tuple, guard_kwargs: dict, backend: str):
+    def __init__(self, works: list, keep: tuple, labels: Labels, backend: str):
         self._works = works
         self._keep = keep
-        self._guard = guard_kwargs
+        self._labels = labels
         self._backend = backend
 
     def is_completed(self) -> bool:
@@ -242,13 +290,10 @@ class Handle:
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Block until the message is sent; RankFailure if the peer fails or does
         not receive it within the timeout. Idempotent."""
-        kwargs = dict(self._guard)
-        if timeout_s is not None:
-            kwargs["timeout_s"] = timeout_s
-        with faults.guard(**kwargs) as timeout:
-            while self._works:
-                wait_work(self._works[0], timeout, backend=self._backend)
-                self._works.pop(0)
+        labels = self._labels if timeout_s is None else (*self._labels[:5], timeout_s)
+        while self._works:
+            _wait(self._works[0], self._backend, "send", labels)
+            self._works.pop(0)
         self._keep = ()
 
 
@@ -274,47 +319,63 @@ def send_pytree(
 
     Unsupported values raise PipelineError before anything is sent; a peer that
     fails or hangs raises RankFailure (here or in ``wait()``)."""
-    where = f" ({_op('send', what)} to rank {dst})"
     if tag is not None and not (
-        isinstance(tag, tuple) and len(tag) == 3 and all(type(v) is int for v in tag)
+        type(tag) is tuple and len(tag) == 3 and all(type(v) is int for v in tag)
     ):
+        where = f" ({_op('send', what)} to rank {dst})"
         raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
-    raw, tensors, offsets, total = _encode(obj, what, where)
-    comm, backend = _comm(group)
-    payload = _pack(tensors, offsets, total, comm)
+    raw, tensors, offsets, total = _encode(obj, what, dst)
     # The first message: the preamble, the header when it is new and fits, and
     # the payload too when that also fits (steady shapes: one message a
-    # transfer). Its size is what both ends agreed from the channel's previous
-    # transfer.
+    # transfer, the tensors copied straight into it). Its size is what both
+    # ends agreed from the channel's previous transfer.
     ch = _channel("send", dst, group)
-    size = ch.first
+    comm, size = ch.comm, ch.first
     wire = b"" if raw == ch.header else raw  # empty: "the previous header"
     inline = len(wire) <= size - PREAMBLE.size
     tagged = (1, *tag) if tag is not None else (0, 0, 0, 0)
     prefix = PREAMBLE.pack(MAGIC, VERSION, len(wire), total, *tagged) + (wire if inline else b"")
-    pre = torch.empty(size, dtype=torch.uint8, device=comm)
-    pre[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    head = None
-    if inline:
-        at = _inline_payload_at(len(wire), total, size)
-        if at is not None and payload is not None:
-            pre[at : at + total].copy_(payload)
-            payload = None
+    pre = _filled(prefix, size, comm)
+    bufs = [pre]
+    at = _inline_payload_at(len(wire), total, size) if inline else None
+    if at is not None:
+        _pack_into(pre, at, tensors, offsets)
     else:
-        head = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(comm)
+        if not inline:
+            bufs.append(torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(comm))
+        payload = _pack(tensors, offsets, total, comm)
+        if payload is not None:
+            bufs.append(payload)
     ch.first, ch.header = _next_first(len(raw), total), raw
-    guard_kwargs = dict(
-        op=_op("send", what),
-        stage=stage,
-        microbatch=microbatch,
-        peer=dst,
-        peer_stage=peer_stage,
-        timeout_s=timeout_s,
-    )
-    bufs = [b for b in (pre, head, payload) if b is not None]
-    with faults.guard(**guard_kwargs):
+    labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
+    try:
         works = [dist.isend(b, dst=dst, group=group) for b in bufs]
-    return Handle(works, tuple(bufs), guard_kwargs, backend)
+    except Exception as exc:
+        raise _failure(exc, "send", labels) from exc
+    return Handle(works, tuple(bufs), labels, ch.backend)
+
+
+def _filled(prefix: bytes, size: int, comm: torch.device) -> torch.Tensor:
+    """A ``size``-byte buffer on ``comm`` that starts with ``prefix`` (zeros after)."""
+    if comm.type == "cpu":
+        raw = bytearray(size)
+        raw[: len(prefix)] = prefix
+        return torch.frombuffer(raw, dtype=torch.uint8)
+    buf = torch.zeros(size, dtype=torch.uint8, device=comm)
+    buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    return buf
+
+
+def _pack_into(buf: torch.Tensor, at: int, tensors: list, offsets: list) -> None:
+    """Copy each non-empty tensor into ``buf`` at ``at`` + its offset (16-byte
+    aligned, so a typed view of the bytes is valid)."""
+    for t, off in zip(tensors, offsets):
+        if off is None:
+            continue
+        start = at + off
+        nbytes = t.numel() * t.element_size()
+        dst = buf[start : start + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t.detach())  # resolves conj/neg bits and strides
 
 
 # -- receive ----------------------------------------------------------------
@@ -351,12 +412,24 @@ def post_recv(
     received whole, and only when a message will come: gloo cannot take a
     posted receive back. The labels are :func:`recv_pytree`'s, for fault
     messages."""
-    comm, _ = _comm(group)
-    buf = torch.empty(_channel("recv", src, group).first, dtype=torch.uint8, device=comm)
-    labels = dict(stage=stage, microbatch=microbatch, peer=src, peer_stage=peer_stage)
-    with faults.guard(_op("post recv", what), timeout_s=timeout_s, **labels):
+    ch = _channel("recv", src, group)
+    buf = torch.empty(ch.first, dtype=torch.uint8, device=ch.comm)
+    try:
         work = dist.irecv(buf, src=src, group=group)
+    except Exception as exc:
+        labels = (what, stage, microbatch, src, peer_stage, timeout_s)
+        raise _failure(exc, "post recv", labels) from exc
     return PostedRecv(src, group, buf, work)
+
+
+def _receive(nbytes: int, src: int, group: Any, ch: _Channel, labels: Labels) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=ch.comm)
+    try:
+        work = dist.irecv(buf, src=src, group=group)
+    except Exception as exc:
+        raise _failure(exc, "recv", labels) from exc
+    _wait(work, ch.backend, "recv", labels)
+    return buf
 
 
 def recv_pytree(
@@ -382,47 +455,44 @@ def recv_pytree(
 
     RankFailure if ``src`` (or a rank before it) fails or hangs; PipelineError
     if the message is not what the protocol promises."""
-    comm, backend = _comm(group)
+    ch = _channel("recv", src, group)
+    comm = ch.comm
     target = comm if device is None else torch.device(device)
-    op = _op("recv", what)
-    guard_kwargs = dict(op=op, stage=stage, microbatch=microbatch, peer=src, peer_stage=peer_stage)
+    labels = (what, stage, microbatch, src, peer_stage, timeout_s)
 
     def receive(nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=comm)
-        with faults.guard(timeout_s=timeout_s, **guard_kwargs) as timeout:
-            wait_work(dist.irecv(buf, src=src, group=group), timeout, backend=backend)
-        return buf
+        return _receive(nbytes, src, group, ch, labels)
 
     def reject(reason: str) -> PipelineError:
         label = f" ({what})" if what else ""
         message = f"recv_pytree from rank {src}{label}: {reason}"
         me = dist.get_rank()
-        report_failure(me, stage, op, microbatch, f"PipelineError: {message}", reporter=me)
+        report_failure(
+            me, stage, _op("recv", what), microbatch, f"PipelineError: {message}", reporter=me
+        )
         return PipelineError(
             message + "\n  Both ranks must run the same annot version and post their sends and"
             " receives between them in the same order (from one thread)."
         )
 
-    if posted is not None and (posted.src != src or posted.group is not group):
-        raise PipelineError(
-            f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
-            + (" in another group" if posted.group is not group else "")
-        )
-    ch = _channel("recv", src, group)
+    size = ch.first
     if posted is None:
-        size = ch.first
         first = receive(size)
     else:
-        if posted.buf.numel() != ch.first or posted.work is None:
+        if posted.src != src or posted.group is not group:
+            raise PipelineError(
+                f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
+                + (" in another group" if posted.group is not group else "")
+            )
+        if posted.buf.numel() != size or posted.work is None:
             raise PipelineError(
                 f"recv_pytree from rank {src} was given a receive posted for another message"
                 " of the channel (post_recv once per message, after the previous one)"
             )
-        size, first, work = ch.first, posted.buf, posted.work
+        first, work = posted.buf, posted.work
         posted.work = None  # consumed
-        with faults.guard(timeout_s=timeout_s, **guard_kwargs) as timeout:
-            wait_work(work, timeout, backend=backend)
-    words = PREAMBLE.unpack(first[: PREAMBLE.size].cpu().numpy().tobytes())
+        _wait(work, ch.backend, "recv", labels)
+    words = PREAMBLE.unpack_from(_host(first[: PREAMBLE.size]))
     magic, version, hlen, plen, has_tag = words[:5]
     if magic != MAGIC:
         raise reject(
@@ -454,38 +524,51 @@ def recv_pytree(
         payload = receive(plen) if plen else None
     if hlen:  # checked: the channel's header from now on
         ch.parsed, ch.hlen = (tree, metas, offsets, total), hlen
+        ch.views = [
+            (DTYPES[dtype_name], tuple(shape), requires_grad, off)
+            for (dtype_name, shape, requires_grad), off in zip(metas, offsets)
+        ]
+        ch.rebuild = None  # until unflatten accepted the tree once
     ch.first = _next_first(ch.hlen, plen)
     tensors = []
-    for (dtype_name, shape, requires_grad), off in zip(metas, offsets):
-        dtype = DTYPES[dtype_name]
+    for dtype, shape, requires_grad, off in ch.views:
         if off is None:
             t = torch.empty(shape, dtype=dtype, device=target)
         else:
             # A fresh tensor on the buffer's storage: its own version counter.
             t = torch.empty(0, dtype=dtype, device=comm)
-            base = (
-                payload.storage_offset() + off
-            )  # bytes (the payload may sit in the first message)
-            t.set_(payload.untyped_storage(), base // dtype.itemsize, shape)
+            # bytes (the payload may sit in the first message)
+            t.set_(
+                payload.untyped_storage(), (payload.storage_offset() + off) // dtype.itemsize, shape
+            )
             if target != comm:
                 t = t.to(target)
         tensors.append(t.requires_grad_(requires_grad))
-    try:
-        obj = unflatten(tree, tensors, device=target)
-    except PipelineError as err:
-        raise reject(str(err)) from None
+    if ch.rebuild is not None:
+        obj = ch.rebuild(tensors)
+    else:
+        try:
+            obj = unflatten(tree, tensors, device=target)
+        except PipelineError as err:
+            raise reject(str(err)) from None
+        ch.rebuild = rebuilder(tree)  # the tree is checked: rebuild it directly from now on
     if not tagged:
         return obj
     return (tuple(words[5:]) if has_tag else None), obj
+
+
+def _host(buf: torch.Tensor) -> Any:
+    """A buffer-protocol view (CPU) or copy (other devices) of ``buf``'s bytes."""
+    return buf.numpy() if buf.device.type == "cpu" else buf.cpu().numpy()
 
 
 def _parse_header(first, hlen: int, size: int, receive, reject) -> tuple:
     """The header of ``hlen`` bytes (inline in ``first`` or received next),
     checked: ``(tree, metas, offsets, payload bytes)``."""
     if hlen <= size - PREAMBLE.size:
-        raw = first[PREAMBLE.size : PREAMBLE.size + hlen].cpu().numpy().tobytes()
+        raw = _host(first[PREAMBLE.size : PREAMBLE.size + hlen]).tobytes()
     else:
-        raw = receive(hlen).cpu().numpy().tobytes()
+        raw = _host(receive(hlen)).tobytes()
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:

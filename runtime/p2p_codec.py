@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -24,6 +26,7 @@ __all__ = [
     "DTYPES",
     "Malformed",
     "flatten",
+    "rebuilder",
     "simple_signature",
     "tensors_requiring_grad",
     "unflatten",
@@ -348,6 +351,41 @@ def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> An
                 object.__setattr__(obj, k, v)
         return obj
     raise Malformed(f"unknown node kind {kind!r}")
+
+
+def rebuilder(tree: Any) -> Optional[Callable[[list], Any]]:
+    """A function that rebuilds ``unflatten(tree, tensors)`` from the tensors
+    alone, for a ``tree`` that :func:`unflatten` already accepted (checked
+    once, rebuilt many times: the receiver of a channel with steady shapes),
+    when it holds only tensors, plain leaves, tuples, lists and dicts; None
+    otherwise (call :func:`unflatten`)."""
+    if type(tree) is dict and tree.get("k") == "T":
+        return operator.itemgetter(tree["i"])
+    return _rebuilder(tree, 0)
+
+
+def _rebuilder(node: Any, depth: int) -> Optional[Callable[[list], Any]]:
+    if node is None or type(node) in (bool, int, float, str):
+        return lambda tensors: node
+    if type(node) is not dict or depth > _MAX_SIMPLE_DEPTH:
+        return None
+    kind = node.get("k")
+    if kind == "T":
+        return operator.itemgetter(node["i"])
+    if kind in ("tuple", "list"):
+        parts = [_rebuilder(v, depth + 1) for v in node["v"]]
+        if any(p is None for p in parts):
+            return None
+        if kind == "tuple":
+            return lambda tensors: tuple([p(tensors) for p in parts])
+        return lambda tensors: [p(tensors) for p in parts]
+    if kind == "dict":
+        keys = [k for k, _ in node["v"]]
+        parts = [_rebuilder(v, depth + 1) for _, v in node["v"]]
+        if any(p is None for p in parts):
+            return None
+        return lambda tensors: {k: p(tensors) for k, p in zip(keys, parts)}
+    return None
 
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
