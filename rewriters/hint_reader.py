@@ -153,7 +153,8 @@ class _HintReader(cst.CSTVisitor):
     def _qnames(self, node: cst.CSTNode) -> AbstractSet[str]:
         if self._names is not None:
             return self._names(node)
-        qnames: set[QualifiedName] = self.get_metadata(QualifiedNameProvider, node, set())
+        # libcst's stubs type the provider's value as a Collection, not the set it is
+        qnames: set[QualifiedName] = self.get_metadata(QualifiedNameProvider, node, set())  # type: ignore[arg-type]
         return {q.name for q in qnames}
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:

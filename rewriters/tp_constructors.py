@@ -325,7 +325,7 @@ class ConstructorPlanner(TpEdits):
             lambda n: cst.Call(
                 func=cst.Name(fn),
                 args=[
-                    cst.Arg(n, comma=space),
+                    cst.Arg(_expression(n), comma=space),
                     *(a.with_changes(comma=space) for a in args[:-1]),
                     args[-1],
                 ],
@@ -344,7 +344,10 @@ class ConstructorPlanner(TpEdits):
                 lambda n: cst.Call(
                     func=cst.Name("shard_parameter"),
                     args=[
-                        cst.Arg(n, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                        cst.Arg(
+                            _expression(n),
+                            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+                        ),
                         *(
                             a.with_changes(
                                 comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
@@ -369,4 +372,10 @@ class ConstructorPlanner(TpEdits):
             extra.append(_kwarg("split_input", "True"))
         extra.append(tp)
         self.needed_imports.add((TP_LAYERS, layer))
-        self.edit(call, lambda n: with_args(n, cst.Name(layer), extra))
+        self.edit(call, lambda n: with_args(cst.ensure_type(n, cst.Call), cst.Name(layer), extra))
+
+
+def _expression(node: cst.CSTNode) -> cst.BaseExpression:
+    """An edit's node, which replaces an expression, as one."""
+    assert isinstance(node, cst.BaseExpression), type(node).__name__
+    return node

@@ -109,7 +109,9 @@ def simulate(
                     end = start + cost[a.kind]
                 elif a.kind in (SEND_F, SEND_B):
                     end = start
-                    arrivals[a.message] = start + cost_comm
+                    key = a.message
+                    assert key is not None, "a send carries a message"
+                    arrivals[key] = start + cost_comm
                 else:
                     if a.message not in arrivals:
                         break

@@ -54,7 +54,9 @@ def grad_node(t: torch.Tensor) -> Optional[Node]:
     if t.grad_fn is not None:
         return t.grad_fn
     if t.requires_grad:
-        return t.view_as(t).grad_fn.next_functions[0][0]
+        view = t.view_as(t).grad_fn
+        assert view is not None, "a view of a tensor that requires grad has a grad_fn"
+        return view.next_functions[0][0]
     return None
 
 
@@ -141,8 +143,8 @@ def backward_weight(work: Optional[WeightWork]) -> list[torch.nn.Parameter]:
     if work is None:
         return []
     if work.whole is not None:
-        outputs, grads = work.whole
-        torch.autograd.backward(outputs, grads)  # accumulates (and hooks) as usual
+        outputs, out_grads = work.whole
+        torch.autograd.backward(outputs, out_grads)  # accumulates (and hooks) as usual
         return []
     done = []
     for group in work.groups:

@@ -38,6 +38,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -82,7 +83,7 @@ def site(names: Mapping[int, str]) -> Site:
     :mod:`annot.runtime.tp_reshape`), the nearest frame whose ``self`` is one of
     ``names``' modules, and the line of model code (outside torch and annot)
     that made it."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     line: Optional[tuple[str, int]] = None
     while frame is not None:
         file = frame.f_code.co_filename

@@ -33,7 +33,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -76,7 +77,7 @@ def _by_model_code() -> bool:
     """Whether the call being recorded comes from the model's code: the first
     frame outside torch (``nn.Unflatten``'s forward is torch's) and outside the
     modes that pass the call on (the pre-flight's shape mode) is not annot's."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR)
         or frame.f_code.co_name == "__torch_function__"

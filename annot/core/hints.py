@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, cast
 
 from annot.core.errors import HintError
 from annot.core.specs import LOCAL_NAMES, SPEC_TYPES, Heads, Local, Spec, local_name_problem
@@ -335,7 +335,7 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
                     f"hints: {given[p]!r} gives {p} {paths[p]!r} but {pattern!r} gives it "
                     f"{value!r}; make the patterns agree"
                 )
-            paths[p] = value
+            paths[p] = cast(Spec, value)  # _check_spec checked it
             given[p] = pattern
     instances: dict[type, list[str]] = {}
     for path, mod in modules.items():
