@@ -48,6 +48,12 @@ class Assignment:
         self.references: Sequence[Access] = ()  # a list once there is one
         self._seen: Optional[set[int]] = None
 
+    @property
+    def target(self) -> cst.CSTNode:
+        """``node`` of a binding the code makes (every binding but a builtin's)."""
+        assert self.node is not None, f"{self.name} is a builtin: no node binds it"
+        return self.node
+
     def qualified_names(self, full_name: str) -> set[str]:
         """libcst's ``get_qualified_names_for``, for a global or builtin binding."""
         if self.builtin:

@@ -84,7 +84,7 @@ class LocalSizePlanner(TpEdits):
             params = [a for a in assignments if isinstance(a.node, cst.Param)]
             if params and len(params) != len(assignments):
                 raise self.locate.error(
-                    params[0].node,
+                    params[0].target,
                     f"{name} is a per-rank size (local=) and both a parameter of {where} and "
                     "reassigned in it; annot leaves parameters as passed (callers in the class "
                     "already pass divided sizes) and divides reads of local variables, so "
@@ -92,13 +92,13 @@ class LocalSizePlanner(TpEdits):
                 )
             if params:
                 continue
-            divided = [self._reads_divided(a.node, self_name, names) for a in assignments]
+            divided = [self._reads_divided(a.target, self_name, names) for a in assignments]
             if all(divided):
                 continue  # e.g. kv = self.n_head if ... else self.n_kv: already per rank
             if any(divided):
                 a = assignments[divided.index(True)]
                 raise self.locate.error(
-                    a.node,
+                    a.target,
                     f"{name} is a per-rank size (local=) that {where} assigns both from "
                     "per-rank sizes of self (here) and from other values; annot cannot "
                     "tell whether a read is already divided, so give one of them another name",
@@ -154,6 +154,7 @@ class LocalSizePlanner(TpEdits):
         return any(
             ".".join(self_path(a, self_name) or ()) in names
             for a in m.findall(node.value, m.Attribute())
+            if isinstance(a, cst.Attribute)  # what the matcher found, typed
         )
 
     def _is_load(self, node: cst.CSTNode) -> bool:

@@ -120,18 +120,20 @@ class LossPlanner(ShardedOutputs):
                     )
             return
         if self.qualified(func, _NEEDS_FULL_ROW):
-            arg = _input_arg(call)
-            value = arg.value if arg is not None else None
+            first = _input_arg(call)
+            value = first.value if first is not None else None
             shown = node_source(func)
         elif isinstance(func, cst.Attribute) and func.attr.value in _NEEDS_FULL_ROW_METHODS:
             value, shown = func.value, f".{func.attr.value}"
         else:
             return
-        s = self.eval(value, env, set()) if value is not None else None
-        if isinstance(s, Sharded):
+        if value is None:
+            return
+        shard = self.eval(value, env, set())
+        if isinstance(shard, Sharded):
             raise self._refusal(
                 call,
-                s,
+                shard,
                 node_source(value),
                 f"{shown}(...) over its last dim would see only this rank's slice",
             )
@@ -188,7 +190,7 @@ class LossPlanner(ShardedOutputs):
         refs = self.reaching(func)
         if refs is None or len(refs) != 1:
             return None
-        value = self.assigned_value(refs[0].node)
+        value = self.assigned_value(refs[0].target)
         if isinstance(value, cst.Call) and self.qualified(value.func, CROSS_ENTROPY_LOSS):
             return value
         return None
@@ -248,7 +250,11 @@ class LossPlanner(ShardedOutputs):
 
         def rewrite(n: cst.CSTNode) -> cst.CSTNode:
             assert isinstance(n, cst.Call)
-            values = [a.value for a in n.func.args] if inline else literal_args  # type: ignore[union-attr]
+            if inline:  # nn.CrossEntropyLoss(...)(x, y): the constructor's call is the func
+                assert isinstance(n.func, cst.Call)
+                values = [a.value for a in n.func.args]
+            else:
+                values = literal_args
             func = cst.Name("vocab_parallel_cross_entropy")
             if not keywords:
                 return n.with_changes(func=func)

@@ -57,7 +57,8 @@ class ReachingAssignments(TpEdits):
             return refs
         # libcst leaves out assignments after the read: a loop can bring them back
         refs = list(scope.own(name.value))
-        refs.sort(key=lambda r: _start(self.scopes.span(r.node)))  # type: ignore[union-attr]
+        scopes = self.scopes
+        refs.sort(key=lambda r: _start(scopes.span(r.target)))
         at = here[0]
         # the straight-line statements before the read: block id -> index of its ancestor
         blocks: dict[int, int] = {}
@@ -72,11 +73,11 @@ class ReachingAssignments(TpEdits):
             if isinstance(parent, (cst.For, cst.While)) and node is parent.body:
                 loops.append(parent)
             node = parent
-        before: list[tuple[tuple[int, int], Assignment]] = []
+        before: list[tuple[int, Assignment]] = []
         later: list[Assignment] = []
-        last = None
+        last: Optional[tuple[int, Assignment]] = None
         for ref in refs:
-            stmt, line = self._statement(ref.node)
+            stmt, line = self._statement(ref.target)
             pos = self.scopes.span(stmt) if stmt is not None else None
             if pos is None:
                 return refs
@@ -93,8 +94,8 @@ class ReachingAssignments(TpEdits):
         out = [r for start, r in before if last is None or start >= last[0]]
         for ref in later:
             for loop in loops:
-                inside = self._inside(ref.node, loop)
-                if inside and (last is None or not self._inside(last[1].node, loop)):
+                inside = self._inside(ref.target, loop)
+                if inside and (last is None or not self._inside(last[1].target, loop)):
                     out.append(ref)
                     break
         return out

@@ -92,7 +92,7 @@ class ShardedValues(ReachingAssignments):
                 continue
             stack.add(id(ref.node))
             try:
-                value = self._eval_target(ref.node, env, stack)
+                value = self._eval_target(ref.target, env, stack)
             finally:
                 stack.discard(id(ref.node))
             out = meet(out, value)
