@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Union
 
 import libcst as cst
@@ -124,7 +124,7 @@ class Locator:
     def __init__(self, tree: Union[cst.Module, MetadataWrapper], path: str = "<string>") -> None:
         self.path = path
         self._tree = tree
-        self._positions = None
+        self._positions: Mapping[cst.CSTNode, CodeRange] | None = None
 
     def position(self, node: cst.CSTNode) -> CodeRange | None:
         """The code range of ``node``, or None for a node not in the module."""
@@ -154,7 +154,7 @@ _FORMATTING = frozenset(
         "indent", "encoding", "default_indent", "default_newline", "has_trailing_newline",
     }
 )  # fmt: skip
-_SOURCE_ORDER = {
+_SOURCE_ORDER: dict[type, tuple[str, ...]] = {
     cst.Arg: ("keyword", "value"),
     cst.ClassDef: ("decorators", "name", "type_parameters", "bases", "keywords", "body"),
     cst.FunctionDef: ("decorators", "name", "type_parameters", "params", "returns", "body"),
@@ -177,6 +177,7 @@ def _fields(kind: type) -> Callable[[cst.CSTNode], tuple]:
             for f in dataclasses.fields(kind)
             if f.name not in _FORMATTING and "whitespace" not in f.name
         )
+    get: Callable[[cst.CSTNode], tuple]
     if len(names) > 1:
         get = operator.attrgetter(*names)
     elif names:

@@ -14,8 +14,8 @@ body met at the level where units are deferred is left for its own unit
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
@@ -96,8 +96,8 @@ class ScopeWalk:
             self._defer_in = scope
             self._current = scope
             self.parents[id(root.body)] = root
-            for stmt in root.body.body:
-                self._visit(stmt, root.body, LOAD)
+            for line in root.body.body:
+                self._visit(line, root.body, LOAD)
         else:
             assert isinstance(root, cst.FunctionDef)
             self._defer_in = None
@@ -357,7 +357,7 @@ def _dotted(node: cst.BaseExpression) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-_VISITS = {
+_VISITS: dict[type, Callable[[ScopeWalk, Any, str], None]] = {
     cst.Name: ScopeWalk._name,
     cst.Attribute: ScopeWalk._attribute,
     cst.Subscript: ScopeWalk._subscript,

@@ -137,7 +137,7 @@ def _lambda_effects(node: cst.Lambda) -> Effects:
     return sequence(*defaults, Effects(reads=free_names(node)))
 
 
-def _comprehension_effects(node: cst.CSTNode) -> Effects:
+def _comprehension_effects(node: cst.BaseComp) -> Effects:
     first = node.for_in
     parts: list[Effects] = []
     targets: set[str] = set()
@@ -152,7 +152,7 @@ def _comprehension_effects(node: cst.CSTNode) -> Effects:
         comp = comp.inner_for_in
     if isinstance(node, cst.DictComp):
         parts += [expression_effects(node.key), expression_effects(node.value)]
-    else:
+    elif isinstance(node, cst.BaseSimpleComp):  # list, set, generator
         parts.append(expression_effects(node.elt))
     inner = sequence(*parts)
     walrus = inner.assigned - targets  # PEP 572: binds in the enclosing function
@@ -177,7 +177,7 @@ def block_effects(block: Block) -> Effects:
     return sequence(*(statement_effects(s) for s in stmts))
 
 
-def _else(node: Optional[cst.CSTNode]) -> Effects:
+def _else(node: Union[cst.If, cst.Else, None]) -> Effects:
     if node is None:
         return EMPTY
     if isinstance(node, cst.If):
@@ -185,7 +185,7 @@ def _else(node: Optional[cst.CSTNode]) -> Effects:
     return block_effects(node.body)
 
 
-def _declared(body: cst.BaseSuite, kind: type) -> dict[str, None]:
+def _declared(body: cst.BaseSuite, kind: type[Union[cst.Global, cst.Nonlocal]]) -> dict[str, None]:
     """Names declared ``global`` / ``nonlocal`` in a function body (not nested
     scopes), in source order (a dict used as an ordered set)."""
     found: dict[str, None] = {}
@@ -248,7 +248,8 @@ def _import_effects(node: Union[cst.Import, cst.ImportFrom]) -> Effects:
             base: cst.BaseExpression = alias.name
             while isinstance(base, cst.Attribute):
                 base = base.value
-            binds.append(bind(base.value))  # type: ignore[union-attr]
+            assert isinstance(base, cst.Name), "import a.b.c binds the name a"
+            binds.append(bind(base.value))
     return sequence(*binds)
 
 
