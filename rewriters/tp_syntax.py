@@ -135,11 +135,7 @@ def walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
 def assignments(node: cst.CSTNode) -> Iterable[Union[cst.Assign, cst.AnnAssign]]:
     """The assignments of one function body, in source order, not descending
     into nested functions or classes."""
-    return [
-        n
-        for n in _statements(node)
-        if type(n) is cst.Assign or type(n) is cst.AnnAssign
-    ]
+    return [n for n in _statements(node) if type(n) is cst.Assign or type(n) is cst.AnnAssign]
 
 
 def unpack(target: cst.BaseExpression) -> list[cst.BaseExpression]:
