@@ -91,10 +91,10 @@ class Shard:
         ]
 
     def piece(self, index: MetadataIndex) -> torch.Tensor:
-        try:
-            return self.pieces[torch.Size(index.offset)]
-        except (KeyError, TypeError):
-            raise CheckpointError(f"{index.fqn}: no local chunk at offset {index.offset}") from None
+        piece = self.pieces.get(torch.Size(index.offset)) if index.offset is not None else None
+        if piece is None:
+            raise CheckpointError(f"{index.fqn}: no local chunk at offset {index.offset}")
+        return piece
 
 
 class SavePlanner(DefaultSavePlanner):

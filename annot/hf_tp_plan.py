@@ -224,9 +224,9 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
         if phits and _inside_partial(phits[0], hints):
             # MoE experts' fused weights (E, out, in): colwise splits out, rowwise in
             t = params[phits[0]]
-            spec = _param_spec(spec, t.dim())
-            if spec is not None:
-                out[pattern] = spec
+            partition = _param_spec(spec, t.dim())
+            if partition is not None:
+                out[pattern] = partition
             continue
         if phits:
             p = phits[0]

@@ -98,7 +98,7 @@ def from_pretrained(
     return built
 
 
-def _config(model: type, stored: Stored):
+def _config(model: type[Any], stored: Stored):
     if stored.directory is None:
         raise CheckpointError(
             f"{stored.path}: a lone safetensors file has no config; pass the config: "
@@ -212,7 +212,7 @@ class PretrainedWeights:
         from annot.runtime.deferred_init import deferred_reference
 
         model, args, kwargs = self.build
-        quiet = contextlib.nullcontext()
+        quiet: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if is_transformers(model) and not self.matched.missing:
             from transformers.initialization import no_init_weights
 
