@@ -115,8 +115,8 @@ def read_header(path: str) -> Header:
     data = 8 + n
     metadata = table.pop("__metadata__", None) or {}
     entries: dict[str, Entry] = {}
-    for name, e in table.items():
-        entries[name] = _entry(path, name, e, data, size)
+    for name, described in table.items():
+        entries[name] = _entry(path, name, described, data, size)
     return Header(path, entries, {str(k): str(v) for k, v in dict(metadata).items()})
 
 
@@ -186,7 +186,7 @@ def read_box(
     direct = out.is_contiguous() and out.device.type == "cpu" and out.dtype == entry.dtype
     buf = out if direct else torch.empty(sizes, dtype=entry.dtype)
     item = _itemsize(entry.dtype)
-    raw = memoryview(buf.view(-1).view(torch.uint8).numpy())
+    raw = buf.view(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes
     for start, count, i in _runs(offsets, sizes, entry.shape):
         _pread(fd, raw[i * count * item : (i + 1) * count * item], entry.offset + start * item)
     if not direct:
@@ -238,7 +238,7 @@ class StreamWriter:
             )
         t = t.detach().to("cpu").contiguous()
         if t.numel():
-            self.file.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            self.file.write(t.view(-1).view(torch.uint8).numpy().data)
         self.next += 1
 
     def close(self) -> None:
