@@ -438,7 +438,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
         return out
 
     key = (
-        f"tp={tp};stages={n_stages}:{boundaries}:{'replay' if report.replay else 'split'};"
+        f"tp={tp};stages={n_stages}:{boundaries}:{report.runner or 'one stage'};"
         f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
     )
     mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
