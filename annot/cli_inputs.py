@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Refusal", "build_model", "degree", "describe", "import_target", "parse_inputs"]
 
@@ -109,12 +109,13 @@ def describe(exc: BaseException) -> str:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(annot.__file__)))
     skip = [os.path.join(root, pkg) + os.sep for pkg in ("annot", "runtime", "rewriters")]
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and getattr(torch_mod, "__file__", None):
-        skip.append(os.path.dirname(os.path.abspath(torch_mod.__file__)) + os.sep)
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        skip.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(tuple(skip))]
-    frame = (theirs or frames or [None])[-1]
+    chosen = theirs or frames
+    frame = chosen[-1] if chosen else None
     if frame is None:
         where = ""
     elif frame.filename.startswith("<annot plan"):
@@ -171,7 +172,11 @@ def _init_value(node, module, allowed: set[str], text: str):
         ):
             raise Refusal(f"--init {text!r}: *args and **kwargs are not accepted")
         args = [_init_value(a, module, allowed, text) for a in node.args]
-        kwargs = {k.arg: _init_value(k.value, module, allowed, text) for k in node.keywords}
+        kwargs = {
+            k.arg: _init_value(k.value, module, allowed, text)
+            for k in node.keywords
+            if k.arg is not None  # none is: **kwargs was refused above
+        }
         return getattr(module, node.func.id)(*args, **kwargs)
     return _literal(node, text)
 
@@ -251,7 +256,7 @@ def build_model(module, cls: type, init: Optional[str], config: Optional[str]):
     return value if isinstance(value, cls) else cls(value)
 
 
-def parse_inputs(specs: Sequence[str], cls: type) -> Optional[dict]:
+def parse_inputs(specs: Sequence[str], cls: type[Any]) -> Optional[dict]:
     import inspect
 
     import torch

@@ -25,10 +25,12 @@ __all__ = ["LIBRARY_DIRS", "frame_tensors", "model_line", "named_frame_tensors",
 
 
 # Frames in these folders are not the model's code: torch, annot.runtime, annot.
+_ANNOT_INIT = sys.modules["annot"].__file__
+assert _ANNOT_INIT is not None, "annot is a regular package"
 LIBRARY_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(sys.modules["annot"].__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(_ANNOT_INIT)) + os.sep,
 )
 
 
