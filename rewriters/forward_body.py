@@ -32,7 +32,7 @@ class ForwardScope(cst.CSTVisitor):
     def _enter(self, node: cst.CSTNode) -> None:
         self.depth += 1
 
-    def _leave(self, node: cst.CSTNode) -> None:
+    def _leave(self, original_node: cst.CSTNode) -> None:  # libcst's name for it
         self.depth -= 1
 
     visit_FunctionDef = visit_Lambda = visit_ClassDef = _enter
@@ -120,7 +120,7 @@ def _is_docstring(stmt: cst.CSTNode) -> bool:
 def _statements(body: cst.BaseSuite) -> list[cst.BaseStatement]:
     if isinstance(body, cst.SimpleStatementSuite):  # def forward(self, x): return x
         return [cst.SimpleStatementLine(body=body.body)]
-    return list(body.body)
+    return list(cst.ensure_type(body, cst.IndentedBlock).body)
 
 
 def forward_statements(body: cst.BaseSuite) -> list[cst.BaseStatement]:
