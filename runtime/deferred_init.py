@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -94,11 +94,11 @@ def meta_copy(module: nn.Module) -> nn.Module:
 def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes, tied ones under every name."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        out[name] = t
-    for name, t in model.named_buffers(remove_duplicate=False):
-        if t is not None:
-            out[name] = t
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = p
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if b is not None:
+            out[name] = b
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for attr, v in vars(mod).items():
             if isinstance(v, torch.Tensor):
@@ -235,7 +235,8 @@ def _fill(model: nn.Module, t: torch.Tensor, value: torch.Tensor) -> None:
             new.__class__ = cls
         new.__dict__.update(attrs)
         for mod in model.modules():
-            for table in (mod._parameters, mod._buffers, mod.__dict__):
+            tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers, mod.__dict__)
+            for table in tables:
                 for k, v in list(table.items()):
                     if v is t:
                         table[k] = new
