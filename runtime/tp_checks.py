@@ -13,7 +13,7 @@ from typing import Optional
 from annot.core.errors import HintError, MeshError
 from annot.runtime.process_groups import ParallelContext, current
 
-__all__ = ["check_degree", "check_divisible", "mesh_for", "factory"]
+__all__ = ["check_degree", "check_divisible", "mesh_for", "tp_context", "factory"]
 
 
 def check_degree(layer: str, tp: object) -> None:
@@ -59,6 +59,14 @@ def mesh_for(layer: str, tp: int) -> Optional[ParallelContext]:
             f"run it under a mesh with tp={tp} (inside annot.runtime.process_groups.use(ctx)), "
             f"or rewrite the model again with --tp {have}"
         )
+    return ctx
+
+
+def tp_context(layer: str, tp: int) -> ParallelContext:
+    """:func:`mesh_for` where ``tp`` > 1: a context with that degree is active
+    (without one the degree in force is 1, and :func:`mesh_for` raised)."""
+    ctx = mesh_for(layer, tp)
+    assert ctx is not None, f"{layer}: tp={tp} > 1 with no parallel context"
     return ctx
 
 

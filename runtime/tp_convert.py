@@ -101,7 +101,9 @@ def is_parallel_layer(module: nn.Module) -> bool:
 
 
 def _base(module: nn.Module, kind: str) -> type:
-    return {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind) or _conv1d_base(module)
+    base = {"linear": nn.Linear, "embedding": nn.Embedding}.get(kind) or _conv1d_base(module)
+    assert base is not None, f"{kind}: not layer_kind's kind of {type(module).__name__}"
+    return base
 
 
 def _full_output(spec: object) -> bool:
@@ -167,6 +169,7 @@ def check_layer(module: nn.Module, spec: object, where: str, what: str = "the la
 def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
     cls = getattr(L, parallel_layer(kind, spec))
     w = module.weight
+    assert isinstance(w, torch.Tensor), "layer_kind's layers hold a weight parameter"
     with torch.device(w.device):
         if kind == "embedding":
             extra = {"gather": spec.gather} if isinstance(spec, Col) else {}
@@ -187,6 +190,7 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
             if isinstance(spec, Col):
                 layer = cls(nf, nx, chunks=spec.chunks, gather=spec.gather, tp=tp)
             else:
+                assert isinstance(spec, Row)  # _plan (_WANT) lets Col or Row through
                 layer = cls(nf, nx, split_input=spec.split_input, tp=tp)
             layer.to(dtype=w.dtype)
         else:
@@ -197,6 +201,7 @@ def _build(module: nn.Module, spec: object, kind: str, tp: int) -> nn.Module:
                     *args, bias=bias, dtype=w.dtype, chunks=spec.chunks, gather=spec.gather, tp=tp
                 )
             else:
+                assert isinstance(spec, Row)  # _plan (_WANT) lets Col or Row through
                 layer = cls(*args, bias=bias, dtype=w.dtype, split_input=spec.split_input, tp=tp)
     for name, p in module.named_parameters(recurse=False):
         q = getattr(layer, name, None)
@@ -212,7 +217,8 @@ def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn
     kind, keep = _plan(module, spec, where, "the layer")
     layer = _build(module, spec, kind, tp)
     if keep is not None:
-        layer.__class__ = composed_class(type(layer), keep)
+        built: type = type(layer)  # plain type: mypy finds type[Module] not Hashable
+        layer.__class__ = composed_class(built, keep)
         for k, v in module.__dict__.items():
             if not k.startswith("_") and k not in layer.__dict__:
                 layer.__dict__[k] = v
@@ -280,7 +286,9 @@ def convert_hinted(
             owner = model.get_submodule(owner_path)
             if owner._parameters.get(attr) is first:
                 continue
-            if owner._parameters[attr].shape != first.shape:
+            tied = owner._parameters[attr]
+            assert tied is not None, f"{n}: a tied parameter of the model"
+            if tied.shape != first.shape:
                 raise HintError(
                     f"{names[0]} and {n} are one tied weight but their hints shard them "
                     "differently; give both the same split (e.g. Vocab() and Col())"

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from annot.core.errors import HintError
-from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
+from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for, tp_context
 from annot.runtime.tp_comm import GatherFromTP, ReduceFromTP, all_reduce_
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
 
 
 def _table(
-    layer: nn.Module,
+    layer: VocabParallelEmbedding | ColumnParallelEmbedding,
     full: tuple[int, int],
     dim: int,
     start: int,
@@ -53,7 +53,9 @@ def _table(
     layer.weight.requires_grad_(not freeze)
 
 
-def _lookup(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _lookup(
+    layer: VocabParallelEmbedding | ColumnParallelEmbedding, ids: torch.Tensor
+) -> torch.Tensor:
     """``F.embedding`` of ``layer``'s whole weight with its ``nn.Embedding`` options."""
     return F.embedding(
         ids,
@@ -75,6 +77,8 @@ class VocabParallelEmbedding(nn.Module):
     (each needs the whole table); with tp=1 this is ``nn.Embedding`` exactly.
     A given ``_weight`` is the full table: this rank copies its block.
     """
+
+    weight: nn.Parameter  # set by _table
 
     def __init__(
         self,
@@ -148,7 +152,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return _lookup(self, ids)
-        group = mesh_for(type(self).__name__, self.tp).tp_group
+        group = tp_context(type(self).__name__, self.tp).tp_group
         start = self.vocab_start
         outside = (ids < start) | (ids >= start + self.num_embeddings_local)
         local_ids = (ids - start).masked_fill_(outside, 0)
@@ -178,6 +182,8 @@ class ColumnParallelEmbedding(nn.Module):
 
     ``max_norm`` is refused with tp > 1 (it renormalizes whole rows).
     """
+
+    weight: nn.Parameter  # set by _table
 
     def __init__(
         self,
@@ -231,7 +237,7 @@ class ColumnParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = _lookup(self, ids)
         if self.gather and self.tp > 1:
-            ctx = mesh_for(type(self).__name__, self.tp)
+            ctx = tp_context(type(self).__name__, self.tp)
             out = GatherFromTP.apply(out, ctx.tp_group, self.tp, ctx.tp_rank, -1, 1)
         return out
 

@@ -52,7 +52,8 @@ def partial_module(module: nn.Module, *, tp: int = 1) -> nn.Module:
     if tp > 1 and not getattr(module, "annot_partial", False):
         module.register_forward_pre_hook(_PartialHooks.enter, with_kwargs=True)
         module.register_forward_hook(_PartialHooks.leave, with_kwargs=True)
-        module.annot_partial = True
+        # a plain flag, where nn.Module's __setattr__ puts one (typed for tensors and modules)
+        module.__dict__["annot_partial"] = True
     return module
 
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from annot.core.errors import HintError
 from annot.runtime.column_matmul import column_matmul, matmul
-from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for
+from annot.runtime.tp_checks import check_degree, check_divisible, factory, mesh_for, tp_context
 from annot.runtime.tp_comm import (
     CopyToTP,
     GatherFromTP,
@@ -108,7 +108,9 @@ def _check_column(name: str, arg: str, size: int, tp: int, chunks: int) -> None:
     mesh_for(name, tp)
 
 
-def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _column_forward(
+    layer: ColumnParallelLinear | ColumnParallelConv1D, x: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     """Megatron's column block: replicated input (gradient all-reduced in
     backward, overlapped with the weight gradient: ``column_matmul``; a layer
     whose ``overlap_backward`` is False leaves autograd's order), this rank's
@@ -116,7 +118,7 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
     stored ``(in, out)`` (HF ``Conv1D``)."""
     if layer.tp == 1:
         return matmul(x, layer.weight, layer.bias, transposed)
-    ctx = mesh_for(type(layer).__name__, layer.tp)
+    ctx = tp_context(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     # Under torch.compile no overlap: it keeps Python state between autograd nodes.
     traced = compiling()
@@ -124,12 +126,12 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
         pass  # whole already: the region's gather reduce-scatters the partial gradient
     elif layer.sequence_dim is not None:
         dim = layer.sequence_dim
-        key = ("gather", id(group), dim)
-        x = _shared_entry(x, key, layer, GatherSequence, group, layer.tp, dim, not traced)
+        x = _shared_entry(
+            x, ("gather", id(group), dim), layer, GatherSequence, group, layer.tp, dim, not traced
+        )
     elif x.requires_grad:
         # In place in backward: the gradient comes fresh from the matmuls' backward.
-        key = ("copy", id(group))
-        x = _shared_entry(x, key, layer, CopyToTP, group, True, not traced)
+        x = _shared_entry(x, ("copy", id(group)), layer, CopyToTP, group, True, not traced)
     if layer.overlap_backward and not traced:
         y = column_matmul(x, layer.weight, layer.bias, transposed)
     else:
@@ -139,7 +141,13 @@ def _column_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torc
     return y
 
 
-def _shared_entry(x: torch.Tensor, key: tuple, layer: nn.Module, fn, *args) -> torch.Tensor:
+def _shared_entry(
+    x: torch.Tensor,
+    key: tuple,
+    layer: ColumnParallelLinear | ColumnParallelConv1D,
+    fn,
+    *args,
+) -> torch.Tensor:
     """``fn.apply(x, *args)``, shared by the column layers that read the same
     ``x`` one after another (q, k and v; gate and up): their summed input
     gradient is reduced once in backward instead of once per layer (exact: the
@@ -179,7 +187,8 @@ def _shared_entry(x: torch.Tensor, key: tuple, layer: nn.Module, fn, *args) -> t
     return y
 
 
-_ENTRIES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+# key -> (x, its entry, x's version; None when traced)
+_ENTRIES: dict[tuple, tuple[torch.Tensor, torch.Tensor, Optional[int]]] = {}
 
 
 def forget_shared_inputs() -> None:
@@ -190,13 +199,15 @@ def forget_shared_inputs() -> None:
 atexit.register(forget_shared_inputs)
 
 
-def _row_forward(layer: nn.Module, x: torch.Tensor, transposed: bool) -> torch.Tensor:
+def _row_forward(
+    layer: RowParallelLinear | RowParallelConv1D, x: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     """Megatron's row block: sharded input (split here first with
     ``split_input``), partial products all-reduced, the bias added once after
     the reduction."""
     if layer.tp == 1:
         return matmul(x, layer.weight, layer.bias, transposed)
-    ctx = mesh_for(type(layer).__name__, layer.tp)
+    ctx = tp_context(type(layer).__name__, layer.tp)
     group = ctx.tp_group
     if layer.split_input:
         x = ScatterToTP.apply(x, group, layer.tp, ctx.tp_rank, -1, 1)

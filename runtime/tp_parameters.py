@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from annot.core.errors import HintError
-from annot.runtime.tp_checks import check_degree, mesh_for
+from annot.runtime.tp_checks import check_degree, mesh_for, tp_context
 from annot.runtime.tp_comm import split_local
 
 __all__ = ["ShardedParameter", "shard_parameter"]
@@ -27,6 +27,11 @@ class ShardedParameter(nn.Parameter):
     pickling and ``.to()``.
     """
 
+    # set by shard_parameter (annotations only: a parameter without them has none)
+    annot_shard_dim: int
+    annot_shard_chunks: int
+    annot_tp: int
+
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
@@ -34,7 +39,8 @@ class ShardedParameter(nn.Parameter):
         result.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return result
 
-    def __repr__(self) -> str:
+    # torch's stub gives Tensor.__repr__ a keyword-only parameter with no name
+    def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"Parameter containing (tp shard dim={self.annot_shard_dim} of "
             f"tp={self.annot_tp}):\n{self.detach()!r}"
@@ -62,10 +68,10 @@ def shard_parameter(
             f"{name}: dim {dim} of shape {tuple(param.shape)} has size {size}, which is not "
             f"divisible by tp({tp}) * chunks({chunks}); split another dim or pad this one"
         )
-    ctx = mesh_for(name, tp)
+    mesh_for(name, tp)
     data = param.detach()
     if tp > 1:
-        data = split_local(data, dim, chunks, tp, ctx.tp_rank).clone()
+        data = split_local(data, dim, chunks, tp, tp_context(name, tp).tp_rank).clone()
     out = ShardedParameter(data, requires_grad=param.requires_grad)
     out.annot_shard_dim = dim
     out.annot_shard_chunks = chunks

@@ -13,7 +13,7 @@ import functools
 import inspect
 import textwrap
 import types
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +100,9 @@ def _probe(module: nn.Module, kind: str) -> Optional[str]:
     has_bias = getattr(module, "bias", None) is not None
     if kind == "embedding":
         n, d = 7, 4
-        probe.num_embeddings, probe.embedding_dim = n, d
-        probe.padding_idx = None
+        # plain attributes: in __dict__, as nn.Embedding's are (nn.Module's
+        # __setattr__ is typed for tensors and modules only)
+        probe.__dict__.update(num_embeddings=n, embedding_dim=d, padding_idx=None)
         probe.weight = nn.Parameter(torch.randn(n, d, generator=g, dtype=torch.float64))
         x = torch.randint(0, n, (2, 5), generator=g)
         want = F.embedding(x, probe.weight)
@@ -109,16 +110,22 @@ def _probe(module: nn.Module, kind: str) -> Optional[str]:
         n_in, n_out = 5, 3
         shape = (n_out, n_in) if kind == "linear" else (n_in, n_out)
         probe.weight = nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64))
-        bias = torch.randn(n_out, generator=g, dtype=torch.float64) if has_bias else None
-        probe.bias = nn.Parameter(bias) if has_bias else None
+        bias = (
+            nn.Parameter(torch.randn(n_out, generator=g, dtype=torch.float64)) if has_bias else None
+        )
+        if bias is None:
+            probe.__dict__["bias"] = None  # where nn.Module's __setattr__ puts a None
+        else:
+            probe.bias = bias
+        w: torch.Tensor
         if kind == "linear":
-            probe.in_features, probe.out_features = n_in, n_out
+            probe.__dict__.update(in_features=n_in, out_features=n_out)
             w = probe.weight
         else:
-            probe.nx, probe.nf = n_in, n_out
+            probe.__dict__.update(nx=n_in, nf=n_out)
             w = probe.weight.t()
         x = torch.randn(2, 4, n_in, generator=g, dtype=torch.float64)
-        want = F.linear(x, w, probe.bias)
+        want = F.linear(x, w, bias)
     try:
         with torch.no_grad():
             got = probe(x)
@@ -135,7 +142,7 @@ def _probe(module: nn.Module, kind: str) -> Optional[str]:
 def composed_class(parallel_cls: type, definer: type) -> type:
     """``parallel_cls`` with ``definer``'s forward, whose zero-argument
     ``super()`` resolves to ``parallel_cls``."""
-    cls = type(
+    cls: type[Any] = type(
         f"{parallel_cls.__name__}_{definer.__name__}",
         (parallel_cls,),
         {"__module__": definer.__module__, "__doc__": definer.__doc__},
