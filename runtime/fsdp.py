@@ -122,16 +122,18 @@ class ShardedData:
             for b in blocks
             if private(b)
         ]
-        self.units.append(
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+        root = fully_shard(
+            module, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored
         )
-        self.root = module
+        self.units.append(root)
+        self.root = root  # module itself, its class now an FSDPModule
         # A replica whose step left a parameter unused still joins its reduce-scatter.
-        module.set_reduce_scatter_unused_params(True)
+        root.set_reduce_scatter_unused_params(True)
         for name, p in module.named_parameters(remove_duplicate=False):
             for k, v in attrs.get(name, {}).items():
                 setattr(p, k, v)
-        self.state = fully_shard.state(module)
+        # contract() gives fully_shard its .state; its overloads' stubs do not show it
+        self.state = fully_shard.state(module)  # type: ignore[attr-defined]
         self.state._lazy_init()  # the root is known now, not at its first forward
         if pipelined:
             # begin .. finish drive every collective; FSDP2's forward hooks would

@@ -214,21 +214,25 @@ class GradBuckets:
             self._step.at_finish += 1
         for w in self._works:
             w.wait()
-        stale = self._flat[n - 1][-n:].tolist()
-        self._flat[n - 1] = self._flat[n - 1][:-n]
+        flats: list[torch.Tensor] = []
+        for f in self._flat:
+            assert f is not None  # every bucket was launched above
+            flats.append(f)
+        stale = flats[n - 1][-n:].tolist()
+        flats[n - 1] = flats[n - 1][:-n]
         for k in range(n):
             if stale[k]:  # on some rank a gradient landed after the launch
-                self._flat[k] = _flatten(self.buckets[k])
-                dist.all_reduce(self._flat[k], group=self.group)
+                flats[k] = _flatten(self.buckets[k])
+                dist.all_reduce(flats[k], group=self.group)
                 self._step.again += 1
-        for ps, flat in zip(self.buckets, self._flat):
+        for ps, flat in zip(self.buckets, flats):
             flat.mul_(self.scale)
             _unflatten(ps, flat)
         self.last_step = self._step
         self.reset()
 
 
-def _flatten(params: list[torch.Tensor], tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _flatten(params: Sequence[torch.Tensor], tail: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The bucket's gradients in one buffer (a missing one as zeros), then ``tail``."""
     parts = [
         p.grad.detach().reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
@@ -239,7 +243,7 @@ def _flatten(params: list[torch.Tensor], tail: Optional[torch.Tensor] = None) ->
     return torch.cat(parts)
 
 
-def _unflatten(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+def _unflatten(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()

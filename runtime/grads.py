@@ -165,9 +165,13 @@ def clip_grad_norm_(
     after the step's backward.
     """
     p = float(norm_type)
-    params = [q for _, q in _unique_params(module) if q.grad is not None]
-    grads = {id(q): local(q.grad).detach() for q in params}
-    device = params[0].grad.device if params else (ctx.device if ctx else torch.device("cpu"))
+    params = []
+    grads: dict[int, torch.Tensor] = {}
+    for _, q in _unique_params(module):
+        if q.grad is not None:
+            params.append(q)
+            grads[id(q)] = local(q.grad).detach()
+    device = grads[id(params[0])].device if params else (ctx.device if ctx else torch.device("cpu"))
     inf = p == float("inf")
     skip: set[int] = set()
     if pipeline is not None:

@@ -157,9 +157,11 @@ class Recorder(TorchDispatchMode):
                 return None
             return x
 
+        op_args, op_kwargs = tree_map(template, (args, kwargs))
         op = Op(
             func,
-            *tree_map(template, (args, kwargs)),
+            op_args,
+            op_kwargs,
             writes=writes,
             pure=frozenset(pure - read),
             creates=(),
@@ -168,7 +170,8 @@ class Recorder(TorchDispatchMode):
             shape_only=name in SHAPE_ONLY,
         )
         sizes = {sid: self.by_sid[sid].meta.nbytes() for sid in writes}
-        meta_args, meta_kwargs = on_device(func, *tree_map(to_meta, (args, kwargs)), _META)
+        meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+        meta_args, meta_kwargs = on_device(func, meta_args, meta_kwargs, _META)
         ran = False
         try:
             out = func(*meta_args, **meta_kwargs)
@@ -212,15 +215,17 @@ class Recorder(TorchDispatchMode):
             op.gen_state = gen.get_state() if gen is not None else None
             yield
         else:  # a replay: rewind, run, put the generators back
+            assert op.rng is not None, "replayed before its first run"
             saved, gen_saved = torch.get_rng_state(), gen.get_state() if gen is not None else None
             torch.set_rng_state(op.rng)
             if gen is not None:
+                assert op.gen_state is not None  # the first run had this generator too
                 gen.set_state(op.gen_state)
             try:
                 yield
             finally:
                 torch.set_rng_state(saved)
-                if gen is not None:
+                if gen is not None and gen_saved is not None:
                     gen.set_state(gen_saved)
 
     def execute(self, op: Op, memo: dict, first: bool = False) -> Any:
@@ -249,7 +254,8 @@ class Recorder(TorchDispatchMode):
             used.add(flat.untyped_storage().data_ptr())
             return flat.as_strided(*x.geom)
 
-        args, kwargs = on_device(op.func, *tree_map(to_real, (op.args, op.kwargs)), _CPU)
+        real_args, real_kwargs = tree_map(to_real, (op.args, op.kwargs))
+        args, kwargs = on_device(op.func, real_args, real_kwargs, _CPU)
         if op.empty:  # uninitialised eagerly: zeros here
             real_out = None
             for b in buffers.values():
