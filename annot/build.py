@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from annot.build_report import BuildReport
-from annot.core.errors import HintError
+from annot.core.errors import HintError, PipelineError
 from annot.core.hints import (
     ShardSpec,
     checkpointed_classes,
@@ -218,6 +218,15 @@ def parallelize(
         choice = choose_runner(points, report.boundaries, runner)
         points.check(report.boundaries, choice.name)
         report.runner, report.runner_reason = choice.name, choice.reason
+        differing = ctx.ranks_differing((report.boundaries, choice.name))
+        if differing:  # each rank plans alone: a difference would hang or mix stages
+            raise PipelineError(
+                f"ranks {differing} planned other pipeline stages than rank 0 "
+                f"(boundaries {report.boundaries}, runner {choice.name!r} on rank {ctx.rank}): "
+                "every rank must see the same model source, options and sample. To fix: "
+                "give split=[...] and runner=... explicitly, and check that no rank reads "
+                "files that change while the ranks start"
+            )
         log.debug(
             "annot: stage boundaries %s, runner %s (%s)",
             report.boundaries,

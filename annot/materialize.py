@@ -17,16 +17,7 @@ __all__ = ["adopt", "check_same_rng", "materialize", "materialize_from", "take_r
 def check_same_rng(ctx, rng_state: torch.Tensor) -> None:
     """Without ``seed=`` every rank must start from the same RNG state, or the
     ranks would cut their shards from different initial weights."""
-    import hashlib
-
-    import torch.distributed as dist
-
-    if not ctx.distributed:
-        return
-    digest = hashlib.sha256(rng_state.numpy().tobytes()).hexdigest()
-    states: list = [None] * ctx.world_size
-    dist.all_gather_object(states, digest)
-    bad = [r for r, d in enumerate(states) if d != states[0]]
+    bad = ctx.ranks_differing(rng_state.tolist())
     if bad:
         raise HintError(
             f"ranks {bad} would build different initial weights than rank 0 (their random "

@@ -80,6 +80,21 @@ class ParallelContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def ranks_differing(self, value: object) -> list[int]:
+        """The ranks whose ``value`` (anything with a stable ``repr``) differs
+        from rank 0's: one all-gather of a digest, on every rank. Empty
+        without torch.distributed."""
+        if not self.distributed:
+            return []
+        import hashlib
+
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(repr(value).encode()).hexdigest()
+        found: list = [None] * self.world_size
+        dist.all_gather_object(found, digest)
+        return [r for r, d in enumerate(found) if d != found[0]]
+
 
 _CURRENT: list[ParallelContext] = []
 
