@@ -297,9 +297,9 @@ class Uses(cst.CSTVisitor):
         self._nested("a lambda", *node.children)
         return False
 
-    def _comprehension(self, node: cst.CSTNode) -> bool:
+    def _comprehension(self, node: cst.BaseComp) -> bool:
         self.ctx.append("a comprehension")
-        comp = node.for_in
+        comp: Optional[cst.CompFor] = node.for_in
         while comp is not None:
             self._loop(comp, comp.iter)
             comp = comp.inner_for_in
@@ -420,7 +420,7 @@ def piece_iter(iter_: cst.BaseExpression, start: int, stop: Optional[int]) -> cs
         return sliced(iter_)
     args = list(iter_.args)
     first = args[0].with_changes(value=sliced(args[0].value))
-    base = int(args[1].value.evaluated_value) if len(args) > 1 else 0
+    base = int(cst.ensure_type(args[1].value, cst.Integer).evaluated_value) if len(args) > 1 else 0
     if base + start == 0:
         rest: list[cst.Arg] = []
     elif len(args) > 1:

@@ -214,9 +214,10 @@ class Splitter:
                         "statements of forward, so boundary() must be a statement on its own "
                         "line in forward's body (not in a branch, loop, with, try or expression)",
                     )
-                if m.node.args:
+                if cst.ensure_type(m.node, cst.Call).args:  # a marker's node is its call
                     raise self.error(m.node, "annot.boundary() takes no arguments")
             if lone:
+                assert isinstance(stmt, cst.SimpleStatementLine)  # lone says so
                 label = f"boundary()@{self.line(stmt)}"
                 markers.append(_Cut(len(items), 0, label, stmt))
                 pending += list(stmt.leading_lines)
@@ -338,7 +339,9 @@ class Splitter:
                     f"{use.context}; a stage can only begin in a call made by a top-level "
                     f"statement of {self.method}",
                 )
-            return _Cut(use.item, 1, path, node, (callee, rest, use.node))
+            return _Cut(
+                use.item, 1, path, node, (callee, rest, cst.ensure_type(use.node, cst.Call))
+            )
         return None
 
     def _number_below(self, cuts: list[_Cut]) -> tuple[list[_Cut], dict[int, Inner]]:
@@ -475,22 +478,23 @@ class Splitter:
             if not elements:
                 units.append(_Unit(stmt, i, statement_effects(stmt)))
                 continue
+            assert isinstance(stmt, cst.For)  # cut at an element: a loop's (_cuts)
             self._check_split_loop(stmt)
-            bounds = [0, *elements, None]
-            for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            stops: list[Optional[int]] = [*elements, None]
+            for k, (a, b) in enumerate(zip([0, *elements], stops)):
                 if k:
                     starts.append(len(units))
                 last = b is None
-                piece = stmt.with_changes(
+                loop_piece = stmt.with_changes(
                     iter=piece_iter(stmt.iter, a, b), orelse=stmt.orelse if last else None
                 )
                 eff = loop_piece_effects(
-                    expression_effects(piece.iter),
+                    expression_effects(loop_piece.iter),
                     target_effects(stmt.target),
                     block_effects(stmt.body),
                     block_effects(stmt.orelse.body) if last and stmt.orelse else None,
                 )
-                units.append(_Unit(piece, i, eff, a, b))
+                units.append(_Unit(loop_piece, i, eff, a, b))
         return units, starts
 
     def _check_split_loop(self, loop: cst.For) -> None:
@@ -526,11 +530,12 @@ class Splitter:
             pieces = [k for k, u in enumerate(units) if u.item == i and u.start is not None]
             if not pieces:
                 continue
+            assert isinstance(stmt, cst.For)  # split at an element: a loop
             names = target_effects(stmt.target).assigned
             after = set(live[pieces[-1] + 1]) & names
             if after:
-                later = [u.node for u in units[pieces[-1] + 1 :]]
-                use = first_name(later, after)
+                later_nodes = [u.node for u in units[pieces[-1] + 1 :]]
+                use = first_name(later_nodes, after)
                 v = sorted(after)[0] if use is None else use.value
                 raise self.error(
                     use,

@@ -319,7 +319,7 @@ def call_pieces(
     sequential, the elements where its parts begin). ``taken``: names the
     method uses, which the temporary holding the callee's state must not be.
     Raises ValueError with the reason when the statement cannot be cut."""
-    if _small(stmt, call) is None:
+    if not isinstance(stmt, cst.SimpleStatementLine) or _small(stmt, call) is None:
         raise ValueError(
             f"the call of self.{callee.path} is evaluated after other calls of its statement "
             "(or under a condition, in a comprehension or in a compound statement), which "
@@ -337,12 +337,12 @@ def call_pieces(
     while temp in taken:  # a name of the user's
         temp += "_"
     carried = cst.Arg(cst.Name(temp), star="" if sequential else "**")
-    bounds = [0, *(int(b) for b in boundaries), None] if sequential else [0] * (len(boundaries) + 2)
     n = len(boundaries) + 1
+    starts = [0, *(int(b) for b in boundaries)] if sequential else [0] * n  # part k's first element
     pieces: list[cst.SimpleStatementLine] = []
     for k in range(n):
         run = cst.Call(
-            func=callee.stage(self_name, k, bounds[k], bounds[k + 1] if k < n - 1 else None),
+            func=callee.stage(self_name, k, starts[k], starts[k + 1] if k < n - 1 else None),
             args=list(call.args) if k == 0 else [carried],
         )
         if k == 0:

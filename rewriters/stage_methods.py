@@ -106,6 +106,14 @@ def _with_methods(found: Mapping[str, None], methods: Mapping[str, cst.FunctionD
     return tuple(out)
 
 
+def _leading_lines(stmt: cst.BaseStatement) -> Sequence[cst.EmptyLine]:
+    """A statement's comments and blank lines above it: every statement (a
+    simple line or a compound one) has them, though BaseStatement does not
+    declare them."""
+    assert isinstance(stmt, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+    return stmt.leading_lines
+
+
 def build_stages(
     sp: Splitter, plan: ForwardStages, *, decorators: bool = True
 ) -> list[tuple[cst.FunctionDef, StageMethod]]:
@@ -125,9 +133,9 @@ def build_stages(
             node = units[u].node
             extra = plan.moved.get(units[u].item) if units[u].start in (None, 0) else None
             if extra:
-                node = node.with_changes(leading_lines=[*extra, *node.leading_lines])
+                node = node.with_changes(leading_lines=[*extra, *_leading_lines(node)])
             body.append(node)
-        body[0] = body[0].with_changes(leading_lines=_strip_blank(body[0].leading_lines))
+        body[0] = body[0].with_changes(leading_lines=_strip_blank(_leading_lines(body[0])))
         last = k == len(ranges) - 1
         if k == 0:
             params = fwd.params
@@ -203,8 +211,10 @@ class StageSplitTransformer(cst.CSTTransformer):
         if not todo:
             return updated
         prefixes = tuple(ms.prefix for ms in todo.values())
+        block = updated.body
+        assert isinstance(block, cst.IndentedBlock)  # it holds the split method's def
         new_body: list[cst.BaseStatement] = []
-        for stmt in updated.body.body:
+        for stmt in block.body:
             if isinstance(stmt, cst.FunctionDef) and stmt.name.value.startswith(prefixes):
                 continue
             new_body.append(stmt)
@@ -217,7 +227,7 @@ class StageSplitTransformer(cst.CSTTransformer):
                     ]
                 )
                 new_body += [first, *ms.stages[1:]]
-        updated = updated.with_changes(body=updated.body.with_changes(body=new_body))
+        updated = updated.with_changes(body=block.with_changes(body=new_body))
         return self._drop_decorator(updated) if original is self.root else updated
 
     def _drop_decorator(self, cls: cst.ClassDef) -> cst.ClassDef:

@@ -56,6 +56,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from annot.core.errors import RewriteError
+from annot.core.hints import StageSpec
 from annot.rewriters.boundaries import qualified
 from annot.rewriters.diagnostics import Locator, node_source, parse_source
 from annot.rewriters.forward_stages import ForwardStages, Splitter
@@ -350,11 +351,13 @@ def split_decorated(
     for hint in reversed(hints):
         wrapper = MetadataWrapper(parse_source(source, path))
         cls = [h for h in find_hints(wrapper, "stage", path) if h.name == hint.name][-1]
+        spec = cls.spec
+        assert isinstance(spec, StageSpec)  # find_hints(..., "stage") reads @stage hints
         if hint.name in boundaries:
             given: list[tuple[str, Optional[cst.CSTNode]]] = [
                 (b, None) for b in boundaries[hint.name]
             ]
-        elif cls.spec.auto:
+        elif spec.auto:
             raise Locator(wrapper, path).error(
                 cls.decorator,
                 f"@stage(auto=True) on {hint.name}: automatic boundaries are chosen from the "
@@ -362,7 +365,7 @@ def split_decorated(
                 f"{hint.name!r}: [...]}} here",
             )
         else:
-            given = [(b, n) for b, n in zip(cls.spec.split, _split_nodes(cls.decorator))]
+            given = [(b, n) for b, n in zip(spec.split, _split_nodes(cls.decorator))]
         result = _split(wrapper, cls.node, given, path, nested)
         results[hint.name] = result
         source = result.source
