@@ -7,7 +7,7 @@ as a table (or JSON) to give ``@stage(split=[...])`` or ``annot rewrite
 
 A ``@stage`` class, or a forward with its blocks at the top, is planned by
 :mod:`annot.planner`; a model whose blocks sit deeper (or that you cannot
-edit) by :mod:`annot.module_plan`, over its nested blocks and block parts.
+edit) over its nested blocks and block parts (:mod:`annot.module_units`).
 """
 
 from __future__ import annotations
@@ -291,22 +291,24 @@ def _run_plan(args: argparse.Namespace) -> int:
         if nested or args.world_size is not None:
             # a model you cannot edit (every nested block and block part), or the what-if table
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
-        from annot.planner import TooFewSplitPoints, fit_stages, plan_stages
+        from annot import planner
+        from annot.planner import TooFewSplitPoints
+        from annot.planner_segments import SourceSegments
 
-        common = dict(
-            sample=None if made else sample,
-            cost=cost,
-            optimizer=args.optimizer,
-            source_path=module.__file__,
-            progress=True,
-            tp=args.tp,
-            setup=setup,
-        )
+        units = SourceSegments(cls, source_path=module.__file__, progress=True)
         try:
-            if args.fit:
-                plan = fit_stages(model, cls, memory=memory, max_stages=args.pp, **common)
-            else:
-                plan = plan_stages(model, cls, args.pp, memory=memory, **common)
+            plan = planner.plan(
+                model,
+                args.pp,
+                units=units,
+                sample=None if made else sample,
+                cost=cost,
+                memory=memory,
+                fit=args.fit,
+                tp=args.tp,
+                setup=setup,
+                optimizer=args.optimizer,
+            )
         except TooFewSplitPoints:
             if get_stage_spec(cls) is not None:
                 raise
@@ -343,10 +345,11 @@ def _runner(model, cls: type, sample, boundaries):
 
 def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setup, made) -> int:
     """``annot plan`` for a model whose blocks sit below its forward (or that
-    you cannot edit): :mod:`annot.module_plan` over its blocks and block
+    you cannot edit): :mod:`annot.module_units` over its blocks and block
     parts, in call order; with ``--world-size`` the what-if table
     (:mod:`annot.what_if`)."""
-    from annot.module_plan import call_order, measure_units, plan_units
+    from annot import planner
+    from annot.module_units import ModuleUnits, call_order, measure_units
     from annot.runtime.stages import record_calls
     from annot.stage_points import StagePoints
     from annot.what_if import Progress, format_what_if, what_if
@@ -403,24 +406,20 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
             print(format_what_if(choices, args.world_size, memory, cost))
         return 0
     progress.note(f"partitioning {len(measures.fine)} units into {args.pp} stages")
-    plan = plan_units(measures, args.pp, tp=args.tp, dp=args.dp, memory=memory, fit=args.fit)
+    units = ModuleUnits(measures=measures)
+    plan = planner.plan(
+        model, args.pp, units=units, tp=args.tp, dp=args.dp, memory=memory, fit=args.fit
+    )
     runner = _runner(model, type(model), probe, plan.boundaries)
     if args.json:
         import json
 
-        doc = {
-            "boundaries": plan.boundaries,
-            "stage_costs": plan.stage_costs,
-            "cost": plan.cost,
-            "imbalance": plan.imbalance,
-            "stage_memory": plan.stage_memory,
-            "units": [u.path for u in plan.units],
-            "assuming": settings,
-            "runner": {"name": runner.name, "reason": runner.reason},
-        }
+        doc = plan.to_json()
+        doc["assuming"] = settings
+        doc["runner"] = {"name": runner.name, "reason": runner.reason}
         print(json.dumps(doc, indent=2))
     else:
         print(plan.table())
         print(f"runner: {runner.name} ({runner.reason})")
-        print(f"split={plan.boundaries!r}")
+        print(f"split={list(plan.boundaries)!r}")
     return 0

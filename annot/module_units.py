@@ -33,10 +33,11 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import HintError, PartitionError
+from annot.planner_result import StagePlan
 from annot.stage_points import StagePoints, never_called
 
 __all__ = [
-    "ModulePlan",
+    "ModuleUnits",
     "StageMemoryError",
     "Unit",
     "UnitFigures",
@@ -74,57 +75,11 @@ class Unit:
     level: int = 0
 
 
-@dataclass(frozen=True)
-class ModulePlan:
-    boundaries: list[str]
-    units: list[Unit]
-    costs: list[float]
-    stage_costs: list[float]
-    cost: str
-    stage_memory: list[int] = dataclasses.field(default_factory=list)  # bytes per device
-    memory_budget: Optional[int] = None
-    # each stage's annot.runtime.memory_model.StageMemory (stage_memory: their totals)
-    stage_detail: list[Any] = dataclasses.field(default_factory=list)
-    tp: int = 1
-
-    @property
-    def imbalance(self) -> float:
-        """Slowest stage / mean stage (1.0 is perfect balance)."""
-        mean = sum(self.stage_costs) / len(self.stage_costs)
-        return max(self.stage_costs) / mean if mean else 1.0
-
-    def stage_units(self, s: int) -> tuple[str, str]:
-        """The first and last unit of stage ``s``."""
-        paths = [u.path for u in self.units]
-        starts = [0, *(paths.index(b) for b in self.boundaries), len(paths)]
-        return paths[starts[s]], paths[starts[s + 1] - 1]
-
-    def table(self) -> str:
-        from annot.runtime.cost_table import format_bytes
-
-        starts = [self.units[0].path, *self.boundaries]
-        unit = {"time": "s", "flops": "FLOPs"}.get(self.cost, "params")
-        detail = self.stage_detail or [None] * len(starts)
-        rows = [
-            f"{'stage':<6} {'begins at':<40} {'cost (' + unit + ')':>14} {'memory':>10} "
-            f"{'weights+grads+optimizer':>24} {'activations (in flight)':>24}"
-        ]
-        for k, (b, c, d) in enumerate(zip(starts, self.stage_costs, detail)):
-            mem = state = act = ""
-            if d is not None:
-                mem, state = format_bytes(d.total), format_bytes(d.params.total + d.buffers)
-                act = f"{format_bytes(d.activations)} ({d.in_flight})" if d.in_flight else "-"
-            rows.append(f"{k:<6} {b:<40} {c:>14.6g} {mem:>10} {state:>24} {act:>24}")
-        budget = f", memory budget {format_bytes(self.memory_budget)}" if self.memory_budget else ""
-        rows.append(f"max/mean {self.imbalance:.3f} over {len(self.units)} candidate units{budget}")
-        return "\n".join(rows)
-
-
 class StageMemoryError(PartitionError):
     """No split into the stages asked for fits the memory budget: names the
     stage of the balanced split that needs the most, its memory and the budget."""
 
-    def __init__(self, plan: ModulePlan, stage: int):
+    def __init__(self, plan: StagePlan, stage: int):
         from annot.runtime.cost_table import format_bytes
 
         self.plan, self.stage = plan, stage
@@ -633,6 +588,29 @@ class UnitMeasures:
     setup: Any  # annot.runtime.memory_model.Training
 
 
+@dataclass(frozen=True)
+class ModuleUnits:
+    """A unit source of :func:`annot.planner.plan`: every block, block part
+    and weighted module outside the blocks, in call order (``order``; default:
+    the call order on the sample, else registration order), less the calls
+    where no stage can begin (``stranded``), for stages cut at run time
+    (:mod:`annot.runtime.replay`). ``measures``: units measured already (one
+    measurement planned at many pp and tp, :mod:`annot.what_if`); ``sharded``:
+    the ids of the parameters tp splits (default: found from the hints)."""
+
+    order: Optional[list[str]] = None
+    stranded: Optional[dict[str, str]] = None
+    repeats: int = 7
+    progress: Any = None  # an annot.what_if.Progress
+    measures: Optional[UnitMeasures] = None
+    sharded: Optional[set[int]] = None
+
+    @staticmethod
+    def of(points: StagePoints) -> ModuleUnits:
+        """The module calls where :class:`annot.stage_points.StagePoints` says a stage may begin."""
+        return ModuleUnits(order=points.order, stranded=points.stranded)
+
+
 def measure_units(
     model: nn.Module,
     *,
@@ -707,7 +685,7 @@ def plan_module_boundaries(
     stranded: Optional[dict[str, str]] = None,
     setup: Any = None,
     dp: int = 1,
-) -> ModulePlan:
+) -> StagePlan:
     """The balanced split of ``model`` into ``n_stages`` stages over its units.
 
     ``cost``: "params" (no sample needed; a meta model is fine: each unit's
@@ -764,7 +742,7 @@ def plan_units(
     memory: Optional[int] = None,
     fit: bool = False,
     sharded: Optional[set[int]] = None,
-) -> ModulePlan:
+) -> StagePlan:
     """Step 2 of :func:`plan_module_boundaries`: the balanced split of the
     measured units into ``n_stages`` stages at ``tp`` (and ``dp``, which only
     FSDP's shares depend on). ``sharded``: the ids of the parameters tp
@@ -798,7 +776,7 @@ def plan_units(
 DEEPER_GAIN = 0.03
 
 
-def _deeper_pays(shallow: ModulePlan, deep: ModulePlan) -> bool:
+def _deeper_pays(shallow: StagePlan, deep: StagePlan) -> bool:
     if len(deep.stage_costs) != len(shallow.stage_costs):  # fit=True: fewer stages fit
         return len(deep.stage_costs) < len(shallow.stage_costs)
     return max(deep.stage_costs) < (1 - DEEPER_GAIN) * max(shallow.stage_costs)
@@ -813,7 +791,7 @@ def _plan_level(
     tp: int,
     dp: int,
     sharded: set[int],
-) -> ModulePlan:
+) -> StagePlan:
     """The balanced split over ``coarser(fine, level)``, its figures the sums of
     the fine units' measurements.
 
@@ -902,16 +880,22 @@ def _plan_level(
             part = partition(n_stages=n_stages, memory_budget=least, **args)
     extra = Extra(recompute, transient)
     detail = _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded)
-    plan = ModulePlan(
-        boundaries=[found[b].path for b in part.boundaries],
-        units=found,
-        costs=costs,
-        stage_costs=list(part.stage_costs),
+    if measures.timed is not None:
+        timed = [sum(measures.timed[i] for i in g) for g in groups]
+        costs_of = [dataclasses.replace(c, time=t) for c, t in zip(costs_of, timed)]
+    plan = StagePlan(
+        class_name=type(model).__name__,
+        boundaries=tuple(found[b].path for b in part.boundaries),
+        partition=part,
+        segments=tuple(u.path for u in found),
+        costs=tuple(dataclasses.replace(c, cost=x) for c, x in zip(costs_of, costs)),
         cost=cost,
-        stage_memory=[d.total for d in detail],
-        memory_budget=memory,
-        stage_detail=detail,
+        measured=figures is not None,
         tp=tp,
+        memory_budget=memory,
+        stage_detail=tuple(detail),
+        timed=measures.timed is not None,
+        units=tuple(found),
     )
     if memory is not None:
         over = max(range(len(detail)), key=lambda s: detail[s].total)

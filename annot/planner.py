@@ -25,7 +25,7 @@ every stage fits in memory?" in four steps:
    per stage that holds it. Without a sample only parameters are counted.
    A segment's time is its median of ``rounds`` passes over all segments
    (a busy machine preempts some runs; the median is the statistic
-   :mod:`annot.module_plan` keeps too, :func:`annot.planner_costs.median_round`).
+   :mod:`annot.module_units` keeps too, :func:`annot.planner_costs.median_round`).
    Segments timed on their own run with their weights in cache, so on a CPU
    a stage holding a large layer (an LM head) can run somewhat slower whole
    than its segments add up to: :func:`measure_split` times the stages of a
@@ -44,6 +44,13 @@ a module list) or use fewer stages.
 ``@shard`` spec splits (all but ``Replicate``; a ``Row`` layer's bias stays
 whole) by ``tp``, and each segment's FLOPs by the same share: an
 approximation, as the activations and measured times are not scaled.
+
+:func:`plan` is the one entry point: the units come from where a stage may
+begin, the segments of a source split (:class:`annot.planner_segments.SourceSegments`,
+steps 1 to 3 above) or the module calls at any depth the replay runner cuts
+at (:class:`annot.module_units.ModuleUnits`), and the answer is one
+:class:`StagePlan` with one table. ``parallelize`` (:mod:`annot.stage_choice`),
+``annot plan`` (:mod:`annot.cli_plan`) and :mod:`annot.what_if` call it.
 
 This module holds the entry points; steps 1 to 3 live in
 :mod:`annot.planner_points`, :mod:`annot.planner_segments` and
@@ -76,6 +83,7 @@ from annot.planner_segments import exec_class, stage_fn, stage_modules
 
 __all__ = [
     "StagePlan",
+    "plan",
     "TooFewSplitPoints",
     "fit_stages",
     "measure_split",
@@ -317,7 +325,7 @@ def plan_stages(
     ``tp``: see the module docstring. Each segment's time is its median of
     ``rounds`` rounds over all the segments, a round timing the median of
     ``repeats`` runs of each (on a busy machine a run is often preempted; the
-    median is robust to that, and :mod:`annot.module_plan` keeps it too). Profiles are cached in ``cache_dir``.
+    median is robust to that, and :mod:`annot.module_units` keeps it too). Profiles are cached in ``cache_dir``.
     ``setup``: how the model trains (:class:`annot.runtime.memory_model.Training`:
     precision, optimizer, the schedule's microbatches in flight; default
     ``optimizer`` in float32 under 1F1B over 8 microbatches), for memory.
@@ -421,3 +429,83 @@ def measure_split(
         points=boundaries,
     )
     return list(m.costs)
+
+
+def plan(
+    model: nn.Module,
+    n_stages: int,
+    *,
+    units: Any,
+    cost: Optional[str] = None,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    sample: Any = None,
+    tp: int = 1,
+    dp: int = 1,
+    setup: Any = None,
+    optimizer: str = "adamw",
+) -> StagePlan:
+    """The balanced split of ``model`` into ``n_stages`` pipeline stages over
+    the ``units`` where a stage may begin: an
+    :class:`annot.planner_segments.SourceSegments` (the segments of its class's
+    forward, for the source runner) or an :class:`annot.module_units.ModuleUnits`
+    (module calls at any depth, for the replay runner; from
+    :class:`annot.stage_points.StagePoints` by ``ModuleUnits.of(points)``)::
+
+        plan = annot.planner.plan(model, 4, units=ModuleUnits(), sample=batch, cost="flops")
+        print(plan.table())
+
+    ``cost``: "params", "flops" or "time" (default: the unit source's,
+    :func:`plan_stages` / :func:`annot.module_units.plan_module_boundaries`);
+    ``memory``: bytes each stage must fit, ``fit``: the fewest stages, at
+    most ``n_stages``, that fit it; ``sample``: one microbatch of forward's
+    arguments; ``tp``, ``dp``: the degrees the figures are for (``dp``:
+    module units only, for fsdp's shares); ``setup``: how the model trains
+    (:class:`annot.runtime.memory_model.Training`)."""
+    from annot.module_units import ModuleUnits, plan_module_boundaries, plan_units
+    from annot.planner_segments import SourceSegments
+
+    if isinstance(units, ModuleUnits):
+        if units.measures is not None:
+            return plan_units(
+                units.measures, n_stages, tp=tp, dp=dp, memory=memory, fit=fit,
+                sharded=units.sharded,
+            )  # fmt: skip
+        return plan_module_boundaries(
+            model,
+            n_stages,
+            sample=sample,
+            cost=cost or "params",
+            repeats=units.repeats,
+            order=units.order,
+            memory=memory,
+            fit=fit,
+            optimizer=optimizer,
+            tp=tp,
+            stranded=units.stranded,
+            setup=setup,
+            dp=dp,
+        )
+    if not isinstance(units, SourceSegments):
+        raise PartitionError(
+            f"plan: units={units!r}; expected annot.planner_segments.SourceSegments(cls) or "
+            "annot.module_units.ModuleUnits(...)"
+        )
+    common = dict(
+        sample=sample,
+        cost=cost,
+        optimizer=optimizer,
+        source_path=units.source_path,
+        progress=units.progress,
+        cache_dir=units.cache_dir,
+        tp=tp,
+        bandwidth=units.bandwidth,
+        repeats=units.repeats,
+        rounds=units.rounds,
+        setup=setup,
+    )
+    if fit:
+        if memory is None:
+            raise PartitionError("plan: fit=True needs memory= (the budget)")
+        return fit_stages(model, units.cls, memory=memory, max_stages=n_stages, **common)
+    return plan_stages(model, units.cls, n_stages, memory=memory, **common)

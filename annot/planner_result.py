@@ -1,5 +1,8 @@
 """The planner's result: :class:`StagePlan`, a plan with its per-stage
-figures, printed as a terminal table or given as plain data (JSON).
+figures, printed as a terminal table or given as plain data (JSON); one type
+for both unit sources (the segments of a source split,
+:mod:`annot.planner_segments`, and the module calls the replay runner cuts
+at, :mod:`annot.module_units`), made by :func:`annot.planner.plan`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ _COST_WORDS = {
     "flops": "FLOPs (forward + backward of one sample microbatch)",
     "params": "parameter bytes",
 }
+# module units balance by the parameters each multiplies by (annot.module_units.Unit.work)
+_MODULE_COST_WORDS = {
+    **_COST_WORDS,
+    "params": "parameters each unit multiplies by (an embedding's table counts zero)",
+}
 
 # Units, shared with annot.runtime.cost_table's table.
 _bytes, _count, _seconds = format_bytes, format_count, format_seconds
@@ -26,8 +34,11 @@ _bytes, _count, _seconds = format_bytes, format_count, format_seconds
 class StagePlan:
     """A plan: ``boundaries`` (module paths where stages 1.. begin, for
     ``split_stages`` / ``parallelize(split=...)``), the ``partition`` over
-    the ``segments`` (their names: the split point each begins at) and their
-    ``costs`` (:class:`annot.runtime.cost_segments.SegmentCost`)."""
+    the ``segments`` (the units' names: the split point or module call each
+    begins at) and their ``costs`` (:class:`annot.runtime.cost_segments.SegmentCost`,
+    ``.cost`` the scalar balanced). ``units``: with module units, the
+    :class:`annot.module_units.Unit` of each segment (empty for the segments
+    of a source split)."""
 
     class_name: str
     boundaries: tuple[str, ...]
@@ -42,6 +53,35 @@ class StagePlan:
     # each stage's annot.runtime.memory_model.StageMemory (activations in flight)
     stage_detail: tuple[Any, ...] = field(default=())
     timed: bool = True  # False on a meta model: its clock says nothing
+    units: tuple[Any, ...] = field(default=())  # annot.module_units.Unit, per segment
+
+    @property
+    def unit_kind(self) -> str:
+        """What the plan's units are: "segments" of a source split, or "units"
+        (module calls, for the replay runner)."""
+        return "units" if self.units else "segments"
+
+    @property
+    def unit_costs(self) -> list[float]:
+        """Each unit's balanced cost."""
+        return [c.cost for c in self.costs]
+
+    @property
+    def stage_costs(self) -> list[float]:
+        """Each stage's balanced cost."""
+        return list(self.partition.stage_costs)
+
+    @property
+    def stage_memory(self) -> list[int]:
+        """Each stage's bytes per device (:attr:`stage_detail`'s totals)."""
+        if self.stage_detail:
+            return [d.total for d in self.stage_detail]
+        return list(self.partition.stage_memory)
+
+    def stage_units(self, s: int) -> tuple[str, str]:
+        """The first and last unit of stage ``s``."""
+        a, b = self.partition.bounds[s]
+        return self.segments[a], self.segments[b - 1]
 
     @property
     def n_stages(self) -> int:
@@ -78,10 +118,11 @@ class StagePlan:
                     "params": n_params,
                     "flops": sum(c.flops for c in seg) if self.measured else None,
                     "time": sum(c.time for c in seg) if self.measured and self.timed else None,
-                    "memory": self.stage_detail[s].total
-                    if self.stage_detail
-                    else part.stage_memory[s],
-                    "sends": None if last or not self.measured else seg[-1].output_bytes,
+                    "memory": self.stage_memory[s],
+                    # module units do not measure what crosses a cut
+                    "sends": None
+                    if last or not self.measured or self.units
+                    else seg[-1].output_bytes,
                     "cost": part.stage_costs[s],
                 }
             )
@@ -89,10 +130,10 @@ class StagePlan:
 
     def table(self) -> str:
         """The plan as a terminal table, with the imbalance and any warnings."""
-        what = _COST_WORDS[self.cost]
+        what = (_MODULE_COST_WORDS if self.units else _COST_WORDS)[self.cost]
         head = [
             f"annot plan: {self.class_name} in {self.n_stages} stages over "
-            f"{len(self.segments)} segments; balanced cost: {what}"
+            f"{len(self.segments)} {self.unit_kind}; balanced cost: {what}"
         ]
         if not self.measured:
             head.append(
@@ -129,10 +170,22 @@ class StagePlan:
             ).rstrip()
 
         out = [*head, line(header), line(["-" * w for w in widths]), *map(line, rows)]
+        out += self._memory_lines()
         out.append(f"imbalance (max/mean stage cost): {self.imbalance:.2f}")
         out.append("boundaries: " + (", ".join(self.boundaries) or "(none: one stage)"))
         out += [f"warning: {w}" for w in self.warnings]
         return "\n".join(out)
+
+    def _memory_lines(self) -> list[str]:
+        """What each stage's memory is: weights, gradients and optimizer state
+        (and buffers), and the activations of its microbatches in flight."""
+        if not self.stage_detail:
+            return []
+        out = ["memory: weights+grads+optimizer, activations (microbatches in flight)"]
+        for s, d in enumerate(self.stage_detail):
+            act = f"{_bytes(d.activations)} ({d.in_flight})" if d.in_flight else "-"
+            out.append(f"  stage {s}: {_bytes(d.params.total + d.buffers)}, {act}")
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain data (``json.dumps``-able)."""
@@ -144,6 +197,9 @@ class StagePlan:
             "tp": self.tp,
             "memory_budget": self.memory_budget,
             "boundaries": list(self.boundaries),
+            "units": list(self.segments),
+            "stage_costs": self.stage_costs,
+            "stage_memory": self.stage_memory,
             "segments": [
                 {
                     "name": c.name,

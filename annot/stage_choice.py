@@ -48,7 +48,8 @@ def _module_boundaries(
     report: Optional[BuildReport],
     budget: Optional[MemoryBudget] = None,
 ) -> list[str]:
-    """annot.module_plan's balanced split of a model without ``@stage``:
+    """The planner's balanced split of a model without ``@stage``
+    (:func:`annot.planner.plan` over :class:`annot.module_units.ModuleUnits`):
     parameter counts over every block and block part, in call order, at the
     calls where a stage can begin (:class:`annot.stage_points.StagePoints`).
 
@@ -60,37 +61,38 @@ def _module_boundaries(
     plan the stage-split rewriter cuts in the root's forward reads what each
     stage uses from the source, and stands.
 
-    Under a ``budget`` every stage must fit it (with ``sample``, one
-    microbatch, also its activations in flight; measured on meta), else
-    :class:`annot.module_plan.StageMemoryError` names the stage."""
-    from annot.module_plan import plan_module_boundaries
+    With ``sample`` (one microbatch) the units' FLOPs and activations are
+    measured on meta, for the table; under a ``budget`` every stage must fit
+    it (with ``sample``, also its activations in flight), else
+    :class:`annot.module_units.StageMemoryError` names the stage."""
+    from annot.module_units import ModuleUnits
+    from annot.planner import plan
 
     ref, order = points.ref, points.order
-    plan = plan_module_boundaries(
+    planned = plan(
         ref,
         n_stages,
-        order=order,
-        stranded=points.stranded,
-        sample=_on_meta(points.sample) if budget is not None else None,
+        units=ModuleUnits.of(points),
+        sample=_on_meta(points.sample),  # its figures, as annot plan --input shows them
         memory=budget.bytes if budget is not None else None,
         setup=budget.training if budget is not None else None,
         dp=budget.dp if budget is not None else 1,
     )
-    log.debug("annot: planned stages\n%s", plan.table())
+    log.debug("annot: planned stages\n%s", planned.table())
     if report is not None:
-        report.plan_table = plan.table()
-    if order is None and points.source_refusal(tuple(plan.boundaries)) is not None:
+        report.plan_table = planned.table()
+    if order is None and points.source_refusal(planned.boundaries) is not None:
         raise HintError(
             f"annot cannot split {type(ref).__name__} into {n_stages} pipeline stages "
             f"automatically without knowing the order its forward calls its modules and reads "
-            f"its parameters: the balanced split begins stages at {plan.boundaries} inside "
+            f"its parameters: the balanced split begins stages at {list(planned.boundaries)} inside "
             "nested forwards, where each stage holds what it calls and reads, and the order "
             "the modules are registered in need not be the order forward calls them. To "
             "fix: pass sample=<one microbatch of forward's arguments, a tuple or a dict> to "
             "annot.parallelize (one meta forward, no FLOPs), or give the boundaries by hand "
             "with split=[...]"
         )
-    return plan.boundaries
+    return list(planned.boundaries)
 
 
 def _on_meta(sample: Any) -> Any:
@@ -160,21 +162,18 @@ def choose_boundaries(
             )
         return tuple(spec.split)
     from annot.core.errors import AnnotError
-    from annot.planner import plan_stages
+    from annot.planner import plan
+    from annot.planner_segments import SourceSegments
     from annot.rewrite_cache import cache_dir
 
     auto = spec or StageSpec(auto=True)
     cost = auto.cost or ("flops" if sample is not None else "params")
     # profiles are cached next to the rewritten sources
-    memory = budget.bytes if budget is not None else auto.memory
-    kw = dict(
-        cost=cost,
-        memory=memory,
-        source_path=inspect.getfile(cls),
-        tp=tp,
-        cache_dir=cache_dir() / "profiles",
-        setup=budget.training if budget is not None else None,
+    units = SourceSegments(
+        cls, source_path=inspect.getfile(cls), cache_dir=cache_dir() / "profiles"
     )
+    memory = budget.bytes if budget is not None else auto.memory
+    setup = budget.training if budget is not None else None
     if cost == "time":
         # needs real weights and a clock: rank 0 measures, every rank gets its answer
         out: list = [None]
@@ -183,7 +182,11 @@ def choose_boundaries(
                 with torch.random.fork_rng():
                     if seed is not None:
                         torch.manual_seed(seed)
-                    out[0] = plan_stages(build(), cls, n_stages, sample=sample, **kw).boundaries
+                    timed = plan(
+                        build(), n_stages, units=units, sample=sample, cost=cost,
+                        memory=memory, tp=tp, setup=setup,
+                    )  # fmt: skip
+                    out[0] = timed.boundaries
             except AnnotError as exc:
                 out[0] = exc
         if ctx.distributed:
@@ -193,10 +196,12 @@ def choose_boundaries(
         if isinstance(out[0], Exception):
             raise out[0]
         return tuple(out[0])
-    plan = plan_stages(
-        ref, cls, n_stages, sample=_on_meta(sample), **kw
-    )  # ref is on meta: same on every rank
-    log.debug("annot: planned stages\n%s", plan.table())
+    # ref is on meta: the same on every rank
+    planned = plan(
+        ref, n_stages, units=units, sample=_on_meta(sample), cost=cost, memory=memory, tp=tp,
+        setup=setup,
+    )  # fmt: skip
+    log.debug("annot: planned stages\n%s", planned.table())
     if report is not None:
-        report.plan_table = plan.table()
-    return tuple(plan.boundaries)
+        report.plan_table = planned.table()
+    return tuple(planned.boundaries)

@@ -13,7 +13,7 @@ model (and one meta forward on a sample), where a stage may begin:
   :func:`annot.rewriters.stage_split.split_refusal`, as data).
 
 ``split=`` validation (:meth:`StagePoints.check`), the module planner
-(:mod:`annot.module_plan`, through :attr:`StagePoints.stranded` and
+(:mod:`annot.module_units`, through :attr:`StagePoints.stranded` and
 :attr:`StagePoints.order`), the ``@stage`` planner's points
 (:meth:`StagePoints.source_paths`), ``annot plan`` and the build ask it; the
 build then chooses the runner once (:func:`choose_runner`), records it in

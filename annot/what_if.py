@@ -3,8 +3,8 @@
 
 For every factorisation ``pp * tp * dp == N`` (tp dividing the model's head
 counts where it has them), :func:`what_if` plans the units measured once
-(:func:`annot.module_plan.measure_units`, on the meta device) at that pp and
-tp through :func:`annot.module_plan.plan_units`, the planner ``annot plan
+(:func:`annot.module_units.measure_units`, on the meta device) at that pp and
+tp through :func:`annot.planner.plan` (module units), the planner ``annot plan
 --pp`` and ``parallelize`` use, and reports:
 
 * the slowest stage per device: the plan's largest stage cost at that tp
@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,7 +58,7 @@ class Choice:
     pp: int
     tp: int
     dp: int
-    plan: Any  # annot.module_plan.ModulePlan
+    plan: Any  # annot.planner_result.StagePlan
     bubble: float
     fits: bool
     refusal: Optional[str] = None
@@ -98,9 +99,10 @@ def what_if(
     measures: Any, world: int, memory: int, progress: Optional[Progress] = None
 ) -> list[Choice]:
     """Every pp x tp x dp of ``world`` devices for the measured units
-    (:class:`annot.module_plan.UnitMeasures`), under ``memory`` bytes per
+    (:class:`annot.module_units.UnitMeasures`), under ``memory`` bytes per
     device; fitting choices first, each group by :attr:`Choice.score`."""
-    from annot.module_plan import StageMemoryError, plan_units, tp_sharded
+    from annot.module_units import ModuleUnits, StageMemoryError, tp_sharded
+    from annot.planner import plan as plan_stages
 
     setup = measures.setup
     m = setup.microbatches
@@ -120,7 +122,8 @@ def what_if(
         if tp > 1 and tp not in sharded:
             sharded[tp] = tp_sharded(measures.model, tp)
         try:
-            plan = plan_units(measures, pp, tp=tp, dp=dp, memory=memory, sharded=sharded.get(tp))
+            units = ModuleUnits(measures=measures, sharded=sharded.get(tp))
+            plan = plan_stages(measures.model, pp, units=units, tp=tp, dp=dp, memory=memory)
             out.append(Choice(pp, tp, dp, plan, bubble, True))
         except StageMemoryError as exc:
             out.append(Choice(pp, tp, dp, exc.plan, bubble, False))
@@ -129,7 +132,7 @@ def what_if(
     return sorted(out, key=lambda c: (not c.fits, c.plan is None, c.score, c.pp, c.tp))
 
 
-def _compact(boundaries: list[str]) -> str:
+def _compact(boundaries: Sequence[str]) -> str:
     """``model.layers.{10, 20, 30.mlp}`` for boundaries that share a prefix."""
     if not boundaries:
         return "(one stage)"

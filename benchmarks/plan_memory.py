@@ -5,7 +5,7 @@ pipeline training step on gloo ranks.
     python benchmarks/plan_memory.py --hidden 2048 --intermediate 5632 --layers 16 \\
         --heads 16 --kv-heads 4                           # the 852.6M Llama
 
-1. The plan: :func:`annot.module_plan.plan_module_boundaries` on the meta
+1. The plan: :func:`annot.module_units.plan_module_boundaries` on the meta
    device (no weight allocated) for a ``LlamaForCausalLM`` (untied head) at
    ``--pp`` stages, one microbatch of ``--microbatch-size`` x ``--seq-len``
    tokens with labels (the loss inside the model), AdamW in float32, 1F1B
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    from annot.module_plan import plan_module_boundaries
+    from annot.module_units import plan_module_boundaries
     from annot.runtime.memory_model import Training
     from annot.testing import run_ranks
 

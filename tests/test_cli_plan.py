@@ -238,7 +238,7 @@ def test_help_says_the_file_runs(capsys):
     assert "--init is read, not evaluated" in out
 
 
-# ---- models whose blocks sit below forward: annot.module_plan -------------------------
+# ---- models whose blocks sit below forward: annot.module_units -------------------------
 
 
 def test_installed_hf_class_planned_over_nested_blocks(capsys):

@@ -1,4 +1,4 @@
-"""Unit costs of the automatic pipeline split (annot.module_plan): forward and
+"""Unit costs of the automatic pipeline split (annot.module_units): forward and
 backward are measured where they happen, not guessed as forward x 3."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import PartitionError
-from annot.module_plan import plan_module_boundaries
+from annot.module_units import plan_module_boundaries
 
 NAP = 0.03  # seconds; far above this machine's timer noise
 
@@ -50,11 +50,11 @@ class BackwardHeavy(nn.Module):
 def test_forward_only_glue_and_backward_heavy_units_are_measured_where_they_run():
     model = nn.Sequential(Glue(), BackwardHeavy(), nn.Linear(4, 4))
     plan = plan_module_boundaries(model, 2, sample=torch.randn(2, 4), cost="time", repeats=3)
-    costs = dict(zip((u.path for u in plan.units), plan.costs))
+    costs = dict(zip((u.path for u in plan.units), plan.unit_costs))
     # forward x 3 would make the glue 3 naps and the backward-heavy unit ~0
     assert costs["1"] >= NAP * 0.9
     assert costs["0"] < NAP * 2
-    assert plan.boundaries == ["1"]
+    assert plan.boundaries == ("1",)
 
 
 # ---- FLOPs, memory, fit and tp over nested modules ---------------------------------------
@@ -80,11 +80,11 @@ def test_flops_are_the_units_forward_and_backward_counts():
     per_block = [sum(counts[f"Sequential.{i}"].values()) for i in range(4)]
     # the blocks' parts (the last block's two linears) sum to the block
     assert [u.path for u in plan.units] == ["0", "1", "2", "3", "3.1"]
-    assert plan.costs[:3] == per_block[:3]
-    assert sum(plan.costs[3:]) == per_block[3]
+    assert plan.unit_costs[:3] == per_block[:3]
+    assert sum(plan.unit_costs[3:]) == per_block[3]
     # min-bottleneck: [0, 1, 2, 3 (its first linear)] | [3.1] beats [0, 1, 2] | [3]
-    assert plan.boundaries == ["3.1"]
-    assert plan.stage_costs == [sum(plan.costs[:4]), plan.costs[4]]
+    assert plan.boundaries == ("3.1",)
+    assert plan.stage_costs == [sum(plan.unit_costs[:4]), plan.unit_costs[4]]
 
 
 def test_memory_counts_weights_gradients_and_optimizer_states():
@@ -101,7 +101,7 @@ def test_fit_takes_the_fewest_stages_within_the_budget():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     block = sum(p.numel() * 4 for p in model[0].parameters()) * 4 + 8  # with AdamW (+ steps)
     plan = plan_module_boundaries(model, 4, memory=2 * block, fit=True)
-    assert plan.boundaries == ["2"]
+    assert plan.boundaries == ("2",)
     assert plan.stage_memory == [2 * block, 2 * block]
     with pytest.raises(PartitionError, match="needs more than max_stages=2"):
         plan_module_boundaries(model, 2, memory=block, fit=True)  # 4 would fit
@@ -135,7 +135,7 @@ def test_a_block_whose_part_is_a_sequential_counts_its_weights():
     """HF ResNet: each encoder stage holds one nn.Sequential of layers. Its weights
     are a unit; before, they were skipped and stage 0 got the stem alone."""
     transformers = pytest.importorskip("transformers")
-    from annot.module_plan import units
+    from annot.module_units import units
 
     cfg = transformers.ResNetConfig(
         num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1]
@@ -292,7 +292,7 @@ class _Net(nn.Module):
 
 
 def test_units_inside_a_part_are_its_parts_in_call_order_never_through_a_list():
-    from annot.module_plan import call_order, coarser, units
+    from annot.module_units import call_order, coarser, units
     from annot.runtime.stages import record_calls
 
     net, x = _Net(2, experts=True), torch.randn(4, 16)
@@ -318,10 +318,10 @@ def test_a_measured_split_begins_inside_a_part_only_where_it_pays():
     # three blocks of three equal linears on two stages: at the parts, 6 | 3;
     # inside a part, 4 | 5
     plan = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="flops")
-    assert plan.boundaries == ["blocks.1.mlp.fc2"], plan.table()
+    assert plan.boundaries == ("blocks.1.mlp.fc2",), plan.table()
     assert plan.imbalance == pytest.approx(10 / 9)
     # two blocks balance at a block: no boundary inside a part
-    assert plan_module_boundaries(_Net(2), 2, sample=(x,), cost="flops").boundaries == ["blocks.1"]
+    assert plan_module_boundaries(_Net(2), 2, sample=(x,), cost="flops").boundaries == ("blocks.1",)
     # parameter counts are too rough a proxy to go inside the parts
     coarse = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="params")
     assert all(u.level < 2 for u in coarse.units)
@@ -344,7 +344,7 @@ def test_a_measured_split_never_begins_at_a_call_that_strands_a_tensor():
         block.mlp.__class__ = _Gated
     assert "blocks.1.mlp.fc2" in stranded(net, x)
     plan = plan_module_boundaries(net, 2, sample=(x,), cost="flops")
-    assert plan.boundaries == ["blocks.1.mlp.fc3"], plan.table()  # 5 | 4, not 4 | 5 at fc2
+    assert plan.boundaries == ("blocks.1.mlp.fc3",), plan.table()  # 5 | 4, not 4 | 5 at fc2
 
 
 class _SelfMatmul(nn.Module):
@@ -389,13 +389,13 @@ def test_flops_of_a_part_include_what_it_computes_itself():
     # the part's units q | o and added up) holds the part's own two matmuls
     assert [u.path for u in plan.units] == ["blocks.0", "blocks.1"]
     linears = sum(sum(counter.get_flop_counts()[f"Net.blocks.1.attn.{n}"].values()) for n in "qo")
-    assert plan.costs[1] == part > linears
+    assert plan.unit_costs[1] == part > linears
 
 
 def test_a_part_forward_never_calls_is_no_unit_its_called_parts_are():
     # the block calls self.p.a and self.p.b directly: a stage can begin at
     # either call, never at p (no call of p happens)
-    from annot.module_plan import call_order, units
+    from annot.module_units import call_order, units
     from annot.runtime.stages import record_calls
 
     class Part(nn.Module):

@@ -106,3 +106,61 @@ def test_annot_plan_prints_the_plan_parallelize_builds(kind, capsys, tmp_path):
     assert doc["boundaries"] == boundaries
     assert doc["runner"] == {"name": runner, "reason": reason}
     assert runner == ("replay" if kind == "llama" else "source")
+
+
+def _parallelize_tables(kind: str, cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        sample = {"input_ids": ids[:1]}  # as annot plan --input input_ids=int64[1,8]:64
+        model = annot.parallelize(
+            LlamaForCausalLM, LlamaConfig(**LLAMA), mesh=annot.Mesh(pp=2), seed=0, sample=sample
+        )
+
+        def loss_of(ids):
+            return model(input_ids=ids, labels=ids).loss
+    else:
+        from examples.gpt.model import GPT, GPTConfig
+
+        model = annot.parallelize(GPT, GPTConfig(n_layer=4), mesh=annot.Mesh(pp=2), seed=0)
+
+        def loss_of(ids):
+            return model(ids, ids)[1]
+
+    @annot.jit(model, microbatches=2)
+    def step(ids):
+        loss = loss_of(ids)
+        model.backward(loss)
+        return loss
+
+    return model.report.plan_table, step.explain(ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_annot_plan_prints_the_table_parallelize_reports_and_explain_shows(kind, capsys, tmp_path):
+    # one planner (annot.planner.plan), one table: module units for the nested
+    # Hugging Face model (replay), source segments for the @stage(auto=True) class
+    if kind == "llama":
+        argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM"]
+        argv += ["--config-json", json.dumps(LLAMA), "--input", "input_ids=int64[1,8]:64"]
+        argv += ["--cost", "params"]  # parallelize balances module units by parameters
+    else:
+        argv = ["plan", "examples/gpt/model.py:GPT", "--init", "GPTConfig(n_layer=4)"]
+    assert main([*argv, "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert main([*argv, "--pp", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    table, explained = run_ranks(_parallelize_tables, 2, kind, str(tmp_path))[0]
+    assert table is not None
+    printed = out.splitlines()[1 : 1 + len(table.splitlines())]
+    assert "\n".join(printed) == table
+    assert "boundaries chosen by the planner:\n" + table in explained
+    assert table.splitlines()[-1] == "boundaries: " + ", ".join(doc["boundaries"])
+    what = "units" if kind == "llama" else "segments"
+    assert f"in 2 stages over {len(doc['units'])} {what}" in table

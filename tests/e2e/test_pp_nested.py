@@ -510,12 +510,12 @@ def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
 
 @pytest.mark.slow  # (fast-set budget)
 def test_measured_plans_split_inside_block_parts(tmp_path):
-    # annot.module_plan with measured costs goes inside a block part where the
+    # annot.module_units with measured costs goes inside a block part where the
     # parts cannot balance the stages: here at pp=3 over 4 layers, inside an
     # attention and an MLP (at pp=2 the blocks balance)
     import torch
 
-    from annot.module_plan import plan_module_boundaries
+    from annot.module_units import plan_module_boundaries
 
     cls, args = _llama()
     torch.manual_seed(0)
@@ -528,7 +528,7 @@ def test_measured_plans_split_inside_block_parts(tmp_path):
 
 @pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
-    # no split=: annot.module_plan balances blocks and block parts in call order
+    # no split=: annot.module_units balances blocks and block parts in call order
     res = _run(tmp_path, "llama", [None], pp=2)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("model.layers."), boundary  # inside LlamaModel.forward
