@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from annot.runtime.deferred_init import named_tensors, shard_slicers
 from annot.runtime.fsdp import local as local_part
@@ -88,9 +89,11 @@ def held_slices(model: nn.Module) -> dict[str, Held]:
             dim %= t.dim()
             full[dim] *= tp
             probe = torch.arange(full[dim]).reshape([-1 if d == dim else 1 for d in range(t.dim())])
-            index[dim] = slicer(name)(probe).reshape(-1)
+            slice_ = slicer(name)
+            assert slice_ is not None  # a sharded tensor has its rank's slicer
+            index[dim] = slice_(probe).reshape(-1)
         part = local_part(t)
-        if part is not t:  # FSDP2: this dp rank's chunk of the tp shard
+        if isinstance(t, DTensor):  # FSDP2: this dp rank's chunk of the tp shard
             chunks = t.__create_chunk_list__()  # none where this rank's chunk is empty
             if not chunks:
                 out[name] = Held(t, part, tuple(full), ())

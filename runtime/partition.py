@@ -115,6 +115,7 @@ def _check_stages(chain: Chain, n_stages: object) -> int:
 def _check_segments_fit(chain: Chain) -> None:
     for j, b in enumerate(chain.reach_l):
         if b == j:
+            assert chain.budget is not None  # without a budget every segment fits
             raise PartitionError(
                 f"segment {j} alone needs {_fmt_bytes(chain.memory(j, j + 1))} (its own memory "
                 f"plus the shared parameters it holds) > memory budget "
@@ -160,6 +161,7 @@ def partition(
     _check_segments_fit(chain)
     need = chain.min_stages(chain.reach_l, chain.n)
     if need > k:
+        assert chain.budget is not None  # without a budget one stage fits
         raise PartitionError(
             f"no split into {k} stages fits memory budget {_fmt_bytes(chain.budget)}: the best "
             f"{k}-stage split has a stage of {_fmt_bytes(chain.best_memory(k))}; {need} stages "
@@ -185,6 +187,7 @@ def fit(
     _check_segments_fit(chain)
     need = chain.min_stages(chain.reach_l, cap)
     if need > cap:
+        assert chain.budget is not None  # without a budget one stage fits
         raise PartitionError(
             f"needs more than max_stages={cap} stages: best with {cap} stages has a stage of "
             f"{_fmt_bytes(chain.best_memory(cap))} > budget {_fmt_bytes(chain.budget)}; "

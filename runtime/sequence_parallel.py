@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Optional, cast
 
 import torch
 import torch.nn as nn
@@ -56,8 +57,14 @@ def _layers(spec: type) -> tuple[type, ...]:
     )
 
 
-_COLUMNS = _layers(Col)
-_ROWS = _layers(Row)
+# PARALLEL_LAYERS' linear kinds: ColumnParallelLinear/Conv1D, RowParallelLinear/Conv1D
+_COLUMNS = cast(
+    "tuple[type[tp_layers.ColumnParallelLinear | tp_layers.ColumnParallelConv1D], ...]",
+    _layers(Col),
+)
+_ROWS = cast(
+    "tuple[type[tp_layers.RowParallelLinear | tp_layers.RowParallelConv1D], ...]", _layers(Row)
+)
 _SPLIT_LAYERS = (*_COLUMNS, *_ROWS)
 
 
@@ -99,7 +106,7 @@ def apply_sequence_parallel(root: nn.Module, blocks: Sequence[str], dim: int, tp
                 rows += isinstance(m, _ROWS)
             for p in m.parameters(recurse=False):
                 if p.requires_grad and id(p) not in sharded:
-                    p.annot_grad_sum = "tp"  # this rank's tokens or heads only
+                    p.__dict__["annot_grad_sum"] = "tp"  # this rank's tokens or heads only
         for path, region in _regions(modules[block], block):
             gather = _Gather(path, dim)
             region.register_forward_pre_hook(gather, with_kwargs=True)
@@ -127,7 +134,8 @@ def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
     stages hand whole activations on, as without sequence parallelism. A
     block is a stage's when the stage holds weights of it."""
     weighted = {p for p, m in root.named_modules() if next(m.parameters(), None) is not None}
-    runs, seen = [], {}
+    runs: list[list[str]] = []
+    seen: dict[str, int] = {}
     for s in plan.local_stage_ids:
         held = plan.stage_modules.get(s, set()) & weighted
         run = [b for b in blocks if any(p == b or p.startswith(f"{b}.") for p in held)]
@@ -204,7 +212,7 @@ class _Gather:
 
     def __init__(self, region: str, dim: int) -> None:
         self.region, self.dim = region, dim
-        self.last = None  # the gathered tensor of the current call
+        self.last: Optional[weakref.ref[torch.Tensor]] = None  # the current call's gathered tensor
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         x, rebuild = _first_input(args, kwargs, self.region)

@@ -57,7 +57,8 @@ def call_order_stage_modules(
     summed over them; one of a container no boundary cuts goes with the stage
     of its position."""
     named = dict(root.named_modules(remove_duplicate=False))
-    called = set().union(*calls.values()) if calls else set()
+    calls = calls or {}  # no probe: no module seen called
+    called = set().union(*calls.values())
     n = len(boundaries) + 1
     out: dict[int, set[str]] = {s: set() for s in range(n)}
     stage = 0
