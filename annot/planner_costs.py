@@ -143,7 +143,7 @@ def segment_costs(
 
 def median_round(column: Sequence[Any]) -> Any:
     """A segment's measurement from the round of median time: the statistic
-    both planners time by (:mod:`annot.module_units` keeps the median of its
+    both unit sources time by (:mod:`annot.module_units` keeps the median of its
     steps too), robust to a load spike in a round either way."""
     return sorted(column, key=lambda c: c.time)[(len(column) - 1) // 2]
 
