@@ -342,3 +342,51 @@ def test_plans_a_meta_model_by_params_and_flops():
     real_flops = plan_stages(real, Uneven, 3, sample=(idx, targets), cost="flops")
     assert [c.flops for c in by_flops.costs] == [c.flops for c in real_flops.costs]
     assert by_flops.boundaries == real_flops.boundaries
+
+
+# ---- the one entry point: plan() over either unit source -----------------------------
+
+
+def test_plan_over_source_segments_is_plan_stages_and_fit_stages():
+    from annot.planner import plan
+    from annot.planner_segments import SourceSegments
+
+    m = model()
+    got = plan(m, 4, units=SourceSegments(Uneven), cost="params")
+    assert got.table() == plan_stages(m, Uneven, 4, cost="params").table()
+    assert got.unit_kind == "segments"
+    assert got.units == ()
+    budget = 2 * VOCAB * WIDTH * BYTES * 4
+    fit = plan(m, 5, units=SourceSegments(Uneven), cost="params", memory=budget, fit=True)
+    expected = fit_stages(m, Uneven, memory=budget, max_stages=5, cost="params")
+    assert fit.boundaries == expected.boundaries
+
+
+def test_plan_over_module_units_is_one_stage_plan_with_one_table():
+    from annot.module_units import ModuleUnits, measure_units, plan_module_boundaries
+    from annot.planner import StagePlan, plan
+
+    m = model()
+    got = plan(m, 3, units=ModuleUnits(), sample=sample(), cost="flops")
+    assert isinstance(got, StagePlan)
+    assert got.unit_kind == "units"
+    assert got.segments == tuple(u.path for u in got.units)
+    expected = plan_module_boundaries(m, 3, sample=sample(), cost="flops")
+    assert got.boundaries == expected.boundaries
+    assert got.table() == expected.table()
+    assert got.table().startswith(f"annot plan: Uneven in 3 stages over {len(got.units)} units")
+    assert got.stage_memory == [d.total for d in got.stage_detail]
+    # measured once and planned from the measures (what_if, annot plan): the same plan
+    measures = measure_units(m, sample=sample(), cost="flops")
+    again = plan(m, 3, units=ModuleUnits(measures=measures))
+    assert again.table() == got.table()
+    doc = json.loads(json.dumps(got.to_json()))
+    assert doc["units"] == list(got.segments)
+    assert doc["stage_memory"] == got.stage_memory
+
+
+def test_plan_refuses_what_is_not_a_unit_source():
+    from annot.planner import plan
+
+    with pytest.raises(PartitionError, match=r"expected annot\.planner_segments\.SourceSegments"):
+        plan(model(), 2, units="modules")
