@@ -89,7 +89,9 @@ def stages_from_hf_config(model: nn.Module, n_stages: int) -> list[str]:
     blocks = nested_blocks(model)
     if blocks is not None:
         # balance the blocks, wherever they sit (annot.runtime.replay cuts nested forwards)
-        n = len(model.get_submodule(blocks))
+        block_list = model.get_submodule(blocks)
+        assert isinstance(block_list, nn.ModuleList)  # what nested_blocks names
+        n = len(block_list)
         if n < n_stages:
             raise HintError(
                 f"{type(model).__name__}: {blocks} has {n} blocks, fewer than the "
@@ -110,13 +112,13 @@ def sample_inputs(model: nn.Module) -> Optional[dict]:
 
     if not is_hf_model(model):
         return None
-    config = model.config
+    config: Any = model.config  # a transformers PretrainedConfig
     name = getattr(model, "main_input_name", "input_ids")
     params = _forward_params(model)
     if name == "pixel_values":
         size = getattr(config, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
-        out = {name: torch.zeros(1, getattr(config, "num_channels", 3), size, size)}
+        out: dict[str, Any] = {name: torch.zeros(1, getattr(config, "num_channels", 3), size, size)}
     elif name == "input_ids":
         out = {name: torch.zeros(1, 4, dtype=torch.long)}
     elif name == "input_features" and hasattr(config, "num_mel_bins"):  # speech (Whisper)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
+from typing import cast
 
 from torch import nn
 
@@ -66,10 +67,12 @@ def _transforms(ref: nn.Module, *, saving: bool) -> tuple[list, list]:
     (reversed for saving, as its ``revert_weight_conversion`` does)."""
     if not is_transformers(ref):
         return [], []
+    from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter
 
-    transforms = get_model_conversion_mapping(ref, add_legacy=not saving)
+    # is_transformers(ref): a PreTrainedModel
+    transforms = get_model_conversion_mapping(cast(PreTrainedModel, ref), add_legacy=not saving)
     if saving:
         transforms = [
             t.reverse_transform() for t in transforms[::-1] if not isinstance(t, PrefixChange)
@@ -133,8 +136,13 @@ def _ignored_by_transformers(ref: nn.Module, missing: set[str], unexpected: set[
     ignores for this model (its own rule, run on the two sets)."""
     if not is_transformers(ref):
         return missing, unexpected
+    from transformers import PreTrainedModel
+
+    # the rule reads only these two fields of its LoadStateDictInfo (whose other
+    # fields change between transformers versions): a namespace of the two stands in
     info = types.SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
-    ref._adjust_missing_and_unexpected_keys(info)
+    model = cast(PreTrainedModel, ref)  # is_transformers(ref)
+    model._adjust_missing_and_unexpected_keys(info)  # type: ignore[arg-type]
     return info.missing_keys, info.unexpected_keys
 
 

@@ -27,8 +27,10 @@ def _fmt_names(names) -> str:
 def _features(sub: nn.Module, kind: str) -> tuple[int, int]:
     """(in, out) features of a linear-like layer (HF Conv1D stores (in, out))."""
     if kind == "conv1d":
-        nx, nf = sub.weight.shape
+        weight = sub.get_parameter("weight")
+        nx, nf = weight.shape
         return nx, nf
+    assert isinstance(sub, nn.Linear)  # layer_kind: "linear"
     return sub.in_features, sub.out_features
 
 
@@ -103,6 +105,7 @@ def check_shard_hints(
             continue
         check_layer(sub, s, head, f"{cls}.{name}")
         kind = layer_kind(sub)
+        assert kind is not None  # check_layer refuses a module of no layer kind
         if kind == "embedding":
             size, what = (
                 (sub.num_embeddings, "num_embeddings")

@@ -109,7 +109,7 @@ row (c)).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Union, overload
 
 import libcst as cst
 import libcst.matchers as m
@@ -133,6 +133,26 @@ __all__ = ["TensorParallelTransformer", "rewrite_tensor_parallel"]
 _MARKER = "# annot: @shard("
 
 Source = Union[str, bytes]
+
+
+@overload
+def rewrite_tensor_parallel(
+    source: str,
+    tp: int,
+    *,
+    path: str = "<string>",
+    extra_hints: Optional[dict[str, ShardSpec]] = None,
+) -> str: ...
+
+
+@overload
+def rewrite_tensor_parallel(
+    source: bytes,
+    tp: int,
+    *,
+    path: str = "<string>",
+    extra_hints: Optional[dict[str, ShardSpec]] = None,
+) -> bytes: ...
 
 
 def rewrite_tensor_parallel(
