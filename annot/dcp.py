@@ -88,7 +88,9 @@ def _collect(target: Target, optimizer) -> tuple[dict[str, Any], dict]:
     info: dict = {"order": list(view.tensors), "aliases": view.aliases, "optimizer": None}
     if optimizer is None:
         return state, info
-    groups, keys, values = [], {}, {}
+    groups: list[dict[str, Any]] = []
+    keys: dict[str, list[str]] = {}  # param name -> its state's keys
+    values: dict[str, dict[str, Any]] = {}  # param name -> its non-tensor state
     for gi, group in enumerate(optimizer.param_groups):
         names = []
         for p in group["params"]:
@@ -198,7 +200,12 @@ def save(
     known = {}
     for own in all_gather(target, own_files(tmp, target.rank)):
         known.update(own)
-    from_rank0(target, lambda: (seal(tmp, known, info), publish(tmp, final)), f"save({final!r})")
+
+    def seal_and_publish() -> None:
+        seal(tmp, known, info)
+        publish(tmp, final)
+
+    from_rank0(target, seal_and_publish, f"save({final!r})")
     return final
 
 
@@ -313,13 +320,21 @@ def load(
     """
     target = Target.of(model)
     final = os.path.abspath(os.fspath(path))
-    err = ck = dest = commit = names = None
+    err: Optional[CheckpointError] = None
+    ck: Optional[Opened] = None
+    dest: Optional[dict] = None
+    commit: Optional[Callable[[], None]] = None
+    names: Optional[set] = None
     try:
         ck = open_checkpoint(final)
         dest, commit, names = _prepare(target, optimizer, ck)
     except CheckpointError as e:
         err = e
     held = set().union(*exchange(target, err, names, f"load({final!r})"))
+    # exchange raised on every rank if one failed: this one opened and prepared
+    assert ck is not None
+    assert dest is not None
+    assert commit is not None
     unexpected = [n for n in ck.info["order"] if n not in held]
     if unexpected:
         raise CheckpointError(
