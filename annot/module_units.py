@@ -801,11 +801,10 @@ def _plan_level(
     holds. Each stage's own figure (:func:`annot.runtime.memory_model.stage_memory`)
     is what the plan reports; where that charge refuses every split, the
     balanced split is checked stage by stage at its own figures."""
+    from annot.planner import partition_units
     from annot.planner_costs import segment_costs
     from annot.runtime.cost import partition_args
     from annot.runtime.memory_model import in_flight
-    from annot.runtime.partition import fit as fit_stages
-    from annot.runtime.partition import least_memory, partition
 
     model, fine, setup, cost = measures.model, measures.fine, measures.setup, measures.cost
     groups = _groups(fine, level)
@@ -864,20 +863,13 @@ def _plan_level(
             f"backward holds at once in one stage ({format_bytes(most_extra)}: gradients on "
             "their way, a recomputed block); raise the budget or use a smaller microbatch"
         )
+    # where no split fits as charged: the split whose largest stage is least,
+    # checked stage by stage at its own figures below
+    part = partition_units(
+        args, n_stages, memory=budget, fit=fit, least_when_none_fits=memory is not None
+    )
     if fit:
-        part = fit_stages(memory_budget=budget, max_stages=n_stages, **args)
-        pp = part.n_stages
-        flight = in_flight(setup.schedule, pp, setup.microbatches)
-    else:
-        try:
-            part = partition(n_stages=n_stages, memory_budget=budget, **args)
-        except PartitionError:
-            if memory is None:
-                raise
-            # no split fits as charged: the split whose largest stage is least,
-            # checked stage by stage at its own figures below
-            least = least_memory(args["memories"], n_stages, shared=args["shared"])
-            part = partition(n_stages=n_stages, memory_budget=least, **args)
+        flight = in_flight(setup.schedule, part.n_stages, setup.microbatches)
     extra = Extra(recompute, transient)
     detail = _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded)
     if measures.timed is not None:

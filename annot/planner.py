@@ -83,6 +83,7 @@ from annot.planner_segments import exec_class, stage_fn, stage_modules
 
 __all__ = [
     "StagePlan",
+    "partition_units",
     "plan",
     "TooFewSplitPoints",
     "fit_stages",
@@ -281,6 +282,39 @@ def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePla
     )
 
 
+def partition_units(
+    args: dict[str, Any],
+    n_stages: int,
+    *,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    least_when_none_fits: bool = False,
+) -> Any:
+    """The planner's one partition step, for either unit source: the exact
+    min-bottleneck contiguous split of the units (``args``:
+    :func:`annot.runtime.cost.partition_args` of their costs) into
+    ``n_stages`` stages under ``memory`` bytes each
+    (:func:`annot.runtime.partition.partition`), or with ``fit`` the fewest
+    stages, at most ``n_stages``, that fit it (:func:`annot.runtime.partition.fit`).
+    ``least_when_none_fits``: where no split fits the budget as charged, the
+    split whose largest stage is least (the caller checks each stage at its
+    own figures)."""
+    from annot.runtime.partition import fit as fit_fewest
+    from annot.runtime.partition import least_memory, partition
+
+    if fit:
+        if memory is None:
+            raise PartitionError("fit=True needs memory= (the budget each stage must fit)")
+        return fit_fewest(memory_budget=memory, max_stages=n_stages, **args)
+    try:
+        return partition(n_stages=n_stages, memory_budget=memory, **args)
+    except PartitionError:
+        if not least_when_none_fits:
+            raise
+        least = least_memory(args["memories"], n_stages, shared=args["shared"])
+        return partition(n_stages=n_stages, memory_budget=least, **args)
+
+
 def _check_count(m: _Measured, n: int, what: str) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PartitionError(f"{what}={n!r}; expected an int >= 1")
@@ -330,8 +364,6 @@ def plan_stages(
     precision, optimizer, the schedule's microbatches in flight; default
     ``optimizer`` in float32 under 1F1B over 8 microbatches), for memory.
     """
-    from annot.runtime.partition import partition
-
     m = _measure(
         model,
         cls,
@@ -348,7 +380,7 @@ def plan_stages(
     )
     _check_count(m, n_stages, "n_stages")
     args = _partition_args(m, n_stages, bandwidth)
-    part = partition(n_stages=n_stages, memory_budget=memory, **args)
+    part = partition_units(args, n_stages, memory=memory)
     return _result(m, part, memory, tp)
 
 
@@ -373,8 +405,6 @@ def fit_stages(
     """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
     default one per segment) whose every stage fits ``memory`` bytes, split
     as :func:`plan_stages` would; ``.n_stages`` is the count."""
-    from annot.runtime.partition import fit
-
     m = _measure(
         model,
         cls,
@@ -392,7 +422,7 @@ def fit_stages(
     cap = len(m.segments) if max_stages is None else max_stages
     _check_count(m, cap, "max_stages")
     args = _partition_args(m, cap, bandwidth)
-    part = fit(memory_budget=memory, max_stages=cap, **args)
+    part = partition_units(args, cap, memory=memory, fit=True)
     return _result(m, part, memory, tp)
 
 
