@@ -39,6 +39,7 @@ from annot.core.hints import (
     stage_checkpoint,
 )
 from annot.core.mesh import Mesh
+from annot.core.specs import Spec
 from annot.hint_checks import check_shard_hints
 from annot.materialize import (
     adopt,
@@ -70,7 +71,7 @@ log = logging.getLogger("annot")
 
 def _class_specs(
     ref: nn.Module, hints: Optional[dict]
-) -> tuple[dict[type, ShardSpec], dict[str, object]]:
+) -> tuple[dict[type, ShardSpec], dict[str, Spec]]:
     """(the specs each class's source rewrite applies, every hint by path):
     ``@shard`` decorators, merged with external ``hints=`` (which win)."""
     specs: dict[type, ShardSpec] = {}
@@ -78,7 +79,7 @@ def _class_specs(
         s = get_shard_spec(type(m))
         if s is not None:
             specs[type(m)] = s
-    external: dict[str, object] = {}
+    external: dict[str, Spec] = {}
     if hints:
         ext_specs, external = resolve_hints(ref, hints)
         for cls, ext in ext_specs.items():
@@ -294,6 +295,7 @@ def parallelize(
         log.debug("annot: step 6: pre-flight %s", report.preflight)
     if fsdp and ctx.distributed and mesh.dp > 1:
         _shard_data(built, plan)
+        assert built.fsdp is not None  # _shard_data set it
         log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
     elif fsdp:
         log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
@@ -468,6 +470,7 @@ def _pipeline_plan(local, cls, split, points: StagePoints, ctx, chunks: int, rep
     the root's forward split into stage methods by the rewriter, or cut at run
     time (replay) at the boundaries' module calls."""
     boundaries = report.boundaries
+    runner: Union[SourceRunner, ReplayRunner]
     if report.runner == "source":
         runner = SourceRunner(split or resplit(cls, boundaries))
     else:
@@ -521,13 +524,14 @@ def _named_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list
     from annot.hf import nested_blocks
 
     if option is True:
-        option = nested_blocks(model)
-        if option is None:
+        found = nested_blocks(model)
+        if found is None:
             raise HintError(
                 f"parallelize: sequence_parallel=True, but {type(model).__name__} has no "
                 "nn.ModuleList of blocks; name them, e.g. sequence_parallel='blocks' or "
                 "sequence_parallel=['blocks.0', 'blocks.1']"
             )
+        option = found
     if isinstance(option, str):
         container = dict(model.named_modules()).get(option)
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
@@ -557,4 +561,4 @@ def _mark_grad_sums(local: nn.Module, paths: dict) -> None:
         params = target.parameters() if isinstance(target, nn.Module) else [target]
         for p in params:
             if isinstance(p, nn.Parameter):
-                p.annot_grad_sum = "tp"
+                p.__dict__["annot_grad_sum"] = "tp"  # a flag nn.Parameter does not declare

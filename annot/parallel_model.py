@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ import torch.nn as nn
 
 from annot.core.errors import PipelineError
 from annot.runtime.tp_comm import compiling
+
+if TYPE_CHECKING:
+    from annot.runtime.fsdp import ShardedData
 
 __all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
 
@@ -51,7 +54,7 @@ class ParallelModel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce  # dp average in buckets during backward
         self.bucket_cap_mb = bucket_cap_mb
         self._buckets = None  # annot.runtime.grad_buckets.GradBuckets, built on first use
-        self.fsdp = None  # annot.runtime.fsdp.ShardedData with parallelize(fsdp=True) at dp > 1
+        self.fsdp: Optional[ShardedData] = None  # with parallelize(fsdp=True) at dp > 1
         self.compiled_blocks: list[str] = []  # paths whose forward torch.compile compiled
         self._warned_outer_compile = False
         self._no_dropout: set[bool] = set()  # modes an eager call drew no dropout mask in
