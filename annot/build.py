@@ -50,7 +50,7 @@ from annot.materialize import (
 )
 from annot.parallel_model import ParallelModel
 from annot.preflight import preflight
-from annot.rewrite_cache import rewrite_classes
+from annot.rewrite_cache import last_rewritten, rewrite_classes
 from annot.rewriters.stage_split import split_stages
 from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
 from annot.runtime import process_groups as rmesh
@@ -453,7 +453,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
         f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
     )
     mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
-    report.rewritten = list(rewrite_classes.last)
+    report.rewritten = last_rewritten()
     if instance is not None:
         local = adopt(instance, mapping)
     else:

@@ -35,7 +35,7 @@ from annot.core.errors import AnnotError, RewriteError
 from annot.core.files import atomic_write
 from annot.core.hints import checkpoint, get_checkpoint
 
-__all__ = ["RewrittenModule", "cache_dir", "rewrite_classes"]
+__all__ = ["RewrittenModule", "cache_dir", "last_rewritten", "rewrite_classes"]
 
 
 def _rewriter_fingerprint() -> str:
@@ -220,8 +220,8 @@ def rewrite_classes(
     ``key`` captures everything else the output depends on (mesh, hints, plan).
     Returns a map from each original class the rewrite changes (:func:`_changed`)
     to its rewritten class, cross-module references patched; a class it leaves
-    as it was is not in the map and stays itself. ``rewrite_classes.last``
-    holds the :class:`RewrittenModule` records of the last call (for explain
+    as it was is not in the map and stays itself. :func:`last_rewritten`
+    gives the :class:`RewrittenModule` records of the last call (for explain
     and tests).
     """
     directory = directory or cache_dir()
@@ -272,8 +272,13 @@ def rewrite_classes(
         d = rec.namespace.__dict__
         for k, v in list(d.items()):
             d[k] = _rewritten(v, mapping)
-    rewrite_classes.last = records
+    _LAST[:] = records
     return mapping
 
 
-rewrite_classes.last = []
+_LAST: list[RewrittenModule] = []  # rewrite_classes' records of its last call
+
+
+def last_rewritten() -> list[RewrittenModule]:
+    """The :class:`RewrittenModule` records of the last :func:`rewrite_classes` call."""
+    return list(_LAST)

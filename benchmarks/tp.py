@@ -368,17 +368,17 @@ def bench_rewrite() -> tuple[float, float, int]:
 
 def bench_cache() -> tuple[float, float]:
     import annot
-    from annot.rewrite_cache import rewrite_classes
+    from annot.rewrite_cache import last_rewritten
     from examples.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["ANNOT_CACHE_DIR"] = cache
         annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
-        first = sum(r.seconds for r in rewrite_classes.last)
+        first = sum(r.seconds for r in last_rewritten())
         annot.parallelize(GPT, cfg, mesh=annot.Mesh(tp=1), seed=0)
-        hit = sum(r.seconds for r in rewrite_classes.last)
-        assert all(r.hit for r in rewrite_classes.last)
+        hit = sum(r.seconds for r in last_rewritten())
+        assert all(r.hit for r in last_rewritten())
     return first, hit
 
 

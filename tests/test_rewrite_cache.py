@@ -17,11 +17,11 @@ def _build(cache: str):
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.rewrite_cache import rewrite_classes
+    from annot.rewrite_cache import last_rewritten
     from examples.gpt.model import GPT, GPTConfig
 
     annot.parallelize(GPT, GPTConfig(n_layer=1), mesh=annot.Mesh(tp=1), seed=0)
-    return [(r.hit, str(r.cache_path), r.namespace.__name__) for r in rewrite_classes.last]
+    return [(r.hit, str(r.cache_path), r.namespace.__name__) for r in last_rewritten()]
 
 
 def test_second_process_hits_the_cache(tmp_path):
