@@ -53,6 +53,16 @@ def never_called(m: nn.Module) -> bool:
     return isinstance(m, (nn.ModuleList, nn.ModuleDict))
 
 
+def _shown(path: str) -> str:
+    """``path`` as its import names it (``transformers/models/llama/modeling_llama.py``):
+    relative to the deepest ``sys.path`` entry holding it, so a reason reads the
+    same on every machine; ``path`` itself where none does."""
+    full = os.path.abspath(path)
+    roots = [os.path.abspath(p or os.curdir) for p in sys.path]
+    held = [r for r in roots if full.startswith(r.rstrip(os.sep) + os.sep)]
+    return os.path.relpath(full, max(held, key=len)) if held else path
+
+
 def _source_file(cls: type) -> Optional[str]:
     """The file ``cls`` is defined in, None where there is none to read (a
     class made at run time, a builtin)."""
@@ -147,7 +157,9 @@ class StagePoints:
         from annot.rewrite_cache import read_source
         from annot.rewriters.stage_split import split_refusal
 
-        return split_refusal(read_source(path), self.cls.__qualname__, list(boundaries), path=path)
+        return split_refusal(
+            read_source(path), self.cls.__qualname__, list(boundaries), path=_shown(path)
+        )
 
     def source_paths(self, model: nn.Module) -> list[str]:
         """Every module path where the source runner can begin a stage of the
