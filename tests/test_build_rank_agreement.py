@@ -33,6 +33,7 @@ def test_ranks_that_plan_other_stages_are_refused_on_every_rank(tmp_path):
         assert "split=[...]" in message
 
 
+@pytest.mark.slow
 def test_the_random_state_check_still_names_the_rank(tmp_path):
     with pytest.raises(RanksFailed, match="would build different initial weights"):
         run_ranks(_unseeded_by_rank, 2, str(tmp_path))

@@ -93,6 +93,7 @@ def _parallelize_boundaries(kind: str, cache: str):
     return list(model.report.boundaries), model.report.runner, model.report.runner_reason
 
 
+@pytest.mark.slow  # the table test below checks the boundaries line in the fast set
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_annot_plan_prints_the_plan_parallelize_builds(kind, capsys, tmp_path):
     if kind == "llama":
@@ -142,7 +143,7 @@ def _parallelize_tables(kind: str, cache: str):
     return model.report.plan_table, step.explain(ids)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt"])
+@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.slow), "gpt"])
 def test_annot_plan_prints_the_table_parallelize_reports_and_explain_shows(kind, capsys, tmp_path):
     # one planner (annot.planner.plan), one table: module units for the nested
     # Hugging Face model (replay), source segments for the @stage(auto=True) class
