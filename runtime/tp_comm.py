@@ -104,7 +104,7 @@ def compiling() -> bool:
 _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
-def tp_env() -> tuple[Optional[object], int, int]:
+def tp_env() -> tuple[Optional[dist.ProcessGroup], int, int]:
     """``(group, size, rank)`` of this rank's tp axis; ``(None, 1, 0)`` with no
     active context."""
     ctx = current()
@@ -137,7 +137,7 @@ def split_local(x: torch.Tensor, dim: int, chunks: int, size: int, rank: int) ->
 
 
 def gather_full(
-    x: torch.Tensor, dim: int, chunks: int, size: int, group: Optional[object]
+    x: torch.Tensor, dim: int, chunks: int, size: int, group: Optional[dist.ProcessGroup]
 ) -> torch.Tensor:
     """All-gather ``x`` from every rank of ``group`` along ``dim``, the inverse of
     :func:`split_local`: with ``chunks`` > 1 each rank's tensor holds its slice
@@ -149,6 +149,7 @@ def gather_full(
     shape = x.shape
     # Gather flat (the concatenated form every backend accepts), then view.
     if compiling():
+        assert group is not None  # size > 1: a tp group (funcol takes no default)
         flat = funcol.all_gather_tensor(x.view(-1), 0, group)
     else:
         flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
@@ -168,7 +169,7 @@ def gather_full(
 
 
 def reduce_scatter_full(
-    x: torch.Tensor, dim: int, size: int, group: Optional[object]
+    x: torch.Tensor, dim: int, size: int, group: Optional[dist.ProcessGroup]
 ) -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's contiguous ``1/size`` slice
     along ``dim`` (rank order): the reduce-scatter that :func:`gather_full`
@@ -179,25 +180,29 @@ def reduce_scatter_full(
 
 
 def start_reduce_scatter(
-    x: torch.Tensor, dim: int, size: int, group: Optional[object]
-) -> tuple[Optional[object], torch.Tensor]:
+    x: torch.Tensor, dim: int, size: int, group: Optional[dist.ProcessGroup]
+) -> tuple[Optional[dist.Work], torch.Tensor]:
     """Start :func:`reduce_scatter_full`'s collective: ``(work, out)``, ``out``
     valid once ``work.wait()`` returned (``work`` None: a meta tensor, no
     collective)."""
     dim = dim % x.dim()
     rows = x.movedim(dim, 0).contiguous()  # the collective splits the flat dim-0 form
     if compiling():
+        assert group is not None  # funcol takes no default group
         return None, funcol.reduce_scatter_tensor(rows, "sum", 0, group).movedim(0, dim)
     out = rows.new_empty((rows.shape[0] // size, *rows.shape[1:]))
     work = None if x.is_meta else _reduce_scatter_single(out, rows, group=group, async_op=True)
     return work, out.movedim(0, dim)
 
 
-def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_(
+    x: torch.Tensor, group: Optional[dist.ProcessGroup], op=dist.ReduceOp.SUM
+) -> torch.Tensor:
     """In-place all-reduce; returns ``x`` (under ``torch.compile``: the reduced
     copy, :func:`compiling`, so use the result). A meta tensor (a pipeline
     stage replaying another stage's part for shapes) is returned as is."""
     if compiling():
+        assert group is not None  # funcol takes no default group
         return funcol.all_reduce(x, _REDUCE_OPS[op], group)
     if not x.is_meta:
         dist.all_reduce(x, op=op, group=group)
@@ -205,14 +210,14 @@ def all_reduce_(x: torch.Tensor, group: Optional[object], op=dist.ReduceOp.SUM) 
 
 
 def start_all_reduce(
-    x: torch.Tensor, group: Optional[object]
-) -> tuple[Optional[object], torch.Tensor]:
+    x: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> tuple[Optional[dist.Work], torch.Tensor]:
     """Start an in-place all-reduce of ``x``: ``(work, x)``, as
     :func:`start_reduce_scatter`."""
     return (None if x.is_meta else dist.all_reduce(x, group=group, async_op=True)), x
 
 
-def _finished(started: tuple[Optional[object], torch.Tensor]) -> torch.Tensor:
+def _finished(started: tuple[Optional[dist.Work], torch.Tensor]) -> torch.Tensor:
     work, out = started
     if work is not None:
         work.wait()
@@ -236,12 +241,12 @@ class InputGradReduction:
 
     __slots__ = ("start", "readers", "arrived", "partial", "started")
 
-    def __init__(self, start: Callable[[torch.Tensor], tuple[Optional[object], torch.Tensor]]):
+    def __init__(self, start: Callable[[torch.Tensor], tuple[Optional[dist.Work], torch.Tensor]]):
         self.start = start
         self.readers = 0
         self.arrived = 0
         self.partial: Optional[torch.Tensor] = None  # owned: summed in place
-        self.started: Optional[tuple[Optional[object], torch.Tensor]] = None
+        self.started: Optional[tuple[Optional[dist.Work], torch.Tensor]] = None
 
     def read(self) -> None:
         self.readers += 1
