@@ -63,6 +63,7 @@ def _tied_across_stages():
     from annot.core.mesh import Mesh
     from annot.runtime.grads import clip_grad_norm_, reduce_gradients
     from annot.runtime.process_groups import init
+    from annot.runtime.stage_runner import ReplayRunner
     from annot.runtime.stages import PipelineLayout, Tie
 
     ctx = init(Mesh(pp=2))
@@ -70,7 +71,7 @@ def _tied_across_stages():
     model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "body": nn.Linear(2, 2)})
     tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
     plan = PipelineLayout(
-        split=None, pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
     )
     model[tied].weight.grad = torch.full((2, 3), float(ctx.rank + 1))  # 1 and 2
     for p in model["body"].parameters():
