@@ -25,6 +25,7 @@ def _split_by_rank(cache: str):
     return None
 
 
+@pytest.mark.slow
 def test_ranks_that_plan_other_stages_are_refused_on_every_rank(tmp_path):
     found = run_ranks(_split_by_rank, 2, str(tmp_path))
     for message in found:

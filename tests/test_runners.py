@@ -150,5 +150,6 @@ def _refusals(cache: str):
     assert model.report.runner_reason.startswith("the source split cannot cut there: ")
 
 
+@pytest.mark.slow  # the refusal's reason: tests/test_stage_points.py, fast
 def test_a_runner_that_cannot_run_the_plan_is_refused(tmp_path):
     run_ranks(_refusals, 2, str(tmp_path))
