@@ -134,8 +134,8 @@ class ParallelModel(nn.Module):
         if not quiet and not self._warned_outer_compile:
             self._warned_outer_compile = True
             warnings.warn(
-                "torch.compile(model) on an annot model whose pipeline, FSDP2 or sharded "
-                "dropout runs eagerly compiles nothing by itself; call model.compile(...) "
+                "torch.compile(model) on an annot model whose pipeline, jit step, FSDP2 or "
+                "sharded dropout runs eagerly compiles nothing by itself; call model.compile(...) "
                 "(or parallelize(..., compile=True)) to compile each block",
                 stacklevel=3,
             )

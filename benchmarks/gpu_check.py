@@ -9,7 +9,10 @@ dtype it prints the largest loss / gradient / parameter difference after
 optimizer steps (every gradient, every parameter) and the step-time ratio
 annot / plain (median of interleaved steps). Modes: fp32; bf16-cast (both
 models cast to bf16); bf16-autocast (annot's ``precision="bf16"`` against the
-plain model's forward and loss under ``torch.autocast(bf16)``, fp32 weights).
+plain model's forward and loss under ``torch.autocast(bf16)``, fp32 weights);
+compile (``parallelize(compile=True)``: annot's blocks compiled after
+sharding) and compile-wrap (the user's ``torch.compile(model)`` around the annot
+model), each against ``torch.compile`` of the plain model.
 """
 
 from __future__ import annotations
@@ -49,10 +52,14 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
 def run(mode: str, cfg: GPTConfig, batch: int, steps: int, seed: int) -> None:
     precision = "bf16" if mode == "bf16-autocast" else None
     mesh = annot.Mesh(dp=1, pp=1, tp=1)
-    model = annot.parallelize(GPT, cfg, mesh=mesh, seed=seed, precision=precision)
+    model = annot.parallelize(
+        GPT, cfg, mesh=mesh, seed=seed, precision=precision, compile=mode == "compile"
+    )
     device = model.ctx.device
     torch.manual_seed(seed)
     ref = GPT(cfg).to(device)
+    ref_fwd = torch.compile(ref) if mode.startswith("compile") else ref
+    called = torch.compile(model) if mode == "compile-wrap" else model
     dtype = torch.bfloat16 if mode == "bf16-cast" else torch.float32
     model.to(device=device, dtype=dtype)
     ref.to(dtype=dtype)
@@ -60,14 +67,14 @@ def run(mode: str, cfg: GPTConfig, batch: int, steps: int, seed: int) -> None:
 
     def ref_loss(x, y):
         with autocast:
-            return ref(x, y)[1]
+            return ref_fwd(x, y)[1]
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
     @annot.jit(model)
     def step(x, y):
-        _, loss = model(x, y)
+        _, loss = called(x, y)
         model.backward(loss)
         return loss
 
@@ -167,6 +174,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--modes", default="fp32,bf16-cast,bf16-autocast,compile,compile-wrap")
     args = p.parse_args()
     cfg = GPTConfig(
         block_size=args.seq,
@@ -178,7 +186,7 @@ def main() -> None:
         bias=True,
     )
     print(f"torch {torch.__version__}, cuda available: {torch.cuda.is_available()}", flush=True)
-    for mode in ("fp32", "bf16-cast", "bf16-autocast"):
+    for mode in args.modes.split(","):
         run(mode, cfg, args.batch, args.steps, seed=0)
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
