@@ -59,8 +59,8 @@ class ModelCall:
     @property
     def is_last(self) -> bool:
         """True where ``call(...)`` returns real outputs (the last stage's rank;
-        with replayed stages, the last stage's own call)."""
-        if self._ex.replay:
+        where the body runs every stage, the last stage's own call)."""
+        if self._ex.runner.body_runs_every_stage:
             return self.stage == self._ex.num_stages - 1
         return self._ex.owner(self._ex.num_stages - 1) == self._ex.pp_rank
 
@@ -74,7 +74,7 @@ class ModelCall:
         self.called = True
         ex, st, i = self._ex, self._step, self.microbatch
         last = ex.num_stages - 1
-        if ex.replay:
+        if ex.runner.body_runs_every_stage:  # this call runs its stage only
             return ex.forward_stage(st, self.stage, i, (args, kwargs))
         if self.stage == 0:
             out = ex.forward_stage(st, 0, i, (args, kwargs))

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -60,7 +60,7 @@ from annot.runtime.fault_store import report_failure
 from annot.runtime.model_call import ModelCall, StepState
 from annot.runtime.p2p_codec import tensors_requiring_grad
 from annot.runtime.pipeline_messages import PipelineMessages, check_shareable, posts_early
-from annot.runtime.replay import ReplayStage, StageDone
+from annot.runtime.replay import StageDone
 from annot.runtime.schedule_check import validate
 from annot.runtime.schedules import (
     CATEGORY,
@@ -74,11 +74,11 @@ from annot.runtime.schedules import (
     I,
     W,
     get_schedule,
-    stage_rank,
 )
 from annot.runtime.schedules import forward_only as _strip_backward
 from annot.runtime.split_backward import backward_input, backward_weight, release
-from annot.runtime.stage_values import call_stage, grad_pairs, handoff, input_grads, keep_grads
+from annot.runtime.stage_runner import ModelArgs, SourceRunner, StageRunner
+from annot.runtime.stage_values import grad_pairs, handoff, input_grads, keep_grads
 from annot.runtime.trace import Tracer
 
 __all__ = ["LocalStage", "PipelineExecutor"]
@@ -91,9 +91,11 @@ class LocalStage:
     """One pipeline stage held by this rank."""
 
     index: int  # global (virtual) stage index, 0 .. num_stages - 1
-    fn: Callable[..., Any]  # stage 0: fn(*args, **kwargs) of the model call; later
-    # stages: fn(**out) if the previous output is a dict, fn(*out) if a tuple, else fn(out)
+    fn: Callable[..., Any]  # called by the runner (StageRunner.run_stage); by default
+    # stage 0: fn(*args, **kwargs) of the model call; later stages: fn(**out) if the
+    # previous output is a dict, fn(*out) if a tuple, else fn(out)
     module: Optional[nn.Module] = None  # holds its parameters
+    runner: StageRunner = field(default_factory=SourceRunner)  # how fn runs
 
 
 class PipelineExecutor(PipelineMessages):
@@ -101,7 +103,9 @@ class PipelineExecutor(PipelineMessages):
 
     ``stages`` are the :class:`LocalStage` s this rank holds: with ``pp``
     ranks and ``chunks`` stages per rank, pipeline rank ``r`` holds stages
-    ``r, r + pp, ...`` of ``num_stages = pp * chunks``. ``ctx`` is the
+    ``r, r + pp, ...`` of ``num_stages = pp * chunks``; their runner
+    (:class:`~annot.runtime.stage_runner.StageRunner`, one for all) says where
+    the step body runs and how each stage's function is called. ``ctx`` is the
     :class:`annot.runtime.process_groups.ParallelContext` (None: one process, ``pp == 1``).
     ``output_arity`` is how many values the model returns, so that
     ``a, b = model(...)`` unpacks on ranks without the last stage.
@@ -152,9 +156,8 @@ class PipelineExecutor(PipelineMessages):
                 f"r, r + pp, ...), but was given stages {got}"
             )
         self.stages = {s.index: s for s in stages}
-        # Stages cut at run time (annot.runtime.replay): the body runs for every stage.
-        self.replay = any(isinstance(s.fn, ReplayStage) for s in stages)
         get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
+        self.runner = _one_runner(stages)
         self.peers = ctx.axis_ranks("pp") if ctx is not None else [0]
         self.group = ctx.pp_group if ctx is not None and self.pp > 1 else None
         self.device = ctx.device if ctx is not None else None
@@ -238,9 +241,6 @@ class PipelineExecutor(PipelineMessages):
 
     # -- actions --------------------------------------------------------------
 
-    def owner(self, stage: int) -> int:
-        return stage_rank(stage, self.pp)
-
     def _do(self, st: StepState, a: Action) -> None:
         kind, s, i = a
         cat = CATEGORY.get(kind, "p2p")
@@ -287,7 +287,7 @@ class PipelineExecutor(PipelineMessages):
         if (s, i) in st.forwarded:  # pp == 1: the body ran every stage already
             return
         last = self.num_stages - 1
-        if s != 0 and s != last and not self.replay:
+        if s != 0 and s != last and not self.runner.body_runs_every_stage:
             self.forward_stage(st, s, i)
             return
         call = ModelCall(self, st, i, s)
@@ -312,25 +312,18 @@ class PipelineExecutor(PipelineMessages):
                     result, i
                 )  # refused here, naming the microbatch, not at the step's end
 
-    def forward_stage(self, st: StepState, s: int, i: int, first_args: Any = None) -> Any:
+    def forward_stage(
+        self, st: StepState, s: int, i: int, model_args: Optional[ModelArgs] = None
+    ) -> Any:
+        """Run stage ``s`` on microbatch ``i``'s inputs (received, or handed
+        over on this rank) and, where the step body runs it, ``model_args``."""
         stage = self.stages[s]
-        if self.replay:
-            args, kwargs = first_args
-            inputs = st.inputs.pop((s, i)) if s > 0 else None
-            try:
-                out = stage.fn(inputs, lambda: stage.module(*args, **kwargs))
-            except StageDone:
-                self._forwarded(st, s, i, inputs, stage.fn.outputs)
-                raise
-            self._forwarded(st, s, i, inputs, out)
-            return out
-        if s == 0:
-            args, kwargs = first_args
-            inputs = None
-            out = stage.fn(*args, **kwargs)
-        else:
-            inputs = st.inputs.pop((s, i))
-            out = call_stage(stage.fn, inputs)
+        inputs = st.inputs.pop((s, i)) if s > 0 else None
+        try:
+            out = self.runner.run_stage(stage, inputs, model_args)
+        except StageDone:
+            self._forwarded(st, s, i, inputs, self.runner.outputs_at_cut(stage))
+            raise
         self._forwarded(st, s, i, inputs, out)
         return out
 
@@ -398,6 +391,17 @@ class PipelineExecutor(PipelineMessages):
                 f"rank {self.rank}: the step ended with values left over {left}; the schedule "
                 "and the executor disagree (please report this with the schedule name)"
             )
+
+
+def _one_runner(stages: list[LocalStage]) -> StageRunner:
+    """The runner of this rank's ``stages`` (one layout's: the same kind for all)."""
+    kinds = sorted({type(s.runner).__name__ for s in stages})
+    if len(kinds) > 1:
+        raise PipelineError(
+            f"this rank's stages have different runners ({', '.join(kinds)}); the stages of "
+            "one pipeline run one way (PipelineLayout.local_stages gives them their runner)"
+        )
+    return stages[0].runner
 
 
 def _scaler(loss_scale: LossScale, microbatches: int) -> Callable[[int], float]:

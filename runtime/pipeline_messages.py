@@ -5,14 +5,13 @@ receive of a RECV's message is received at the RECV (or, with the executor's
 ``post_receives``, posted one action early under gloo so that the peer's
 send writes at once; :func:`posts_early`), sends are async and waited
 at the end of the step, and the last stage's step outputs go to every rank of
-the pipeline. The executor sets the attributes used here (``peers``,
-``group``, ``device``, ``timeout_s``, ``rank``, ``pp``, ``pp_rank``,
-``num_stages``, ``tracer``, ``last_rank_outputs``) and ``owner``.
+the pipeline. The executor sets the attributes used here (declared on
+:class:`PipelineMessages`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,8 @@ from annot.core.errors import PipelineError
 from annot.runtime.model_call import StepState
 from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, simple_signature
-from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F
+from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F, stage_rank
+from annot.runtime.trace import Tracer
 from annot.runtime.trees import map_tensors
 
 __all__ = ["PipelineMessages", "check_shareable", "posts_early"]
@@ -42,24 +42,31 @@ class PipelineMessages:
     """The p2p half of :class:`~annot.runtime.pipeline.PipelineExecutor` (see
     the module docstring)."""
 
+    # set by the executor
+    peers: list[int]  # global rank of each pipeline rank
+    group: Optional[dist.ProcessGroup]  # the pp group (None: the default group, or pp == 1)
+    device: Optional[torch.device]  # where received tensors land (None: the comm device)
+    timeout_s: Optional[float]
+    rank: int  # global
+    pp: int
+    pp_rank: int
+    num_stages: int
+    tracer: Tracer
+    last_rank_outputs: Optional[list[Any]]  # the last run's, on the last stage's rank
+
+    def owner(self, stage: int) -> int:
+        """The pipeline rank holding ``stage``."""
+        return stage_rank(stage, self.pp)
+
     def broadcast_outputs(self) -> list[Any]:
         """The last :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s
         outputs (the step body's results on the last stage, checked by
         :func:`check_shareable` as they were made), tensors detached, on every rank
         of the pipeline."""
         last = self.num_stages - 1
-        holds_last = self.owner(last) == self.pp_rank
-        outputs = self.last_rank_outputs
-        if holds_last:
-            if outputs is None:
-                raise PipelineError("broadcast_outputs() before any run(): nothing to send")
-            outputs = map_tensors(torch.Tensor.detach, outputs)
-        if self.pp == 1:
-            return outputs
-        src = self.peers[self.owner(last)]
-        if not holds_last:
+        if self.owner(last) != self.pp_rank:  # pp > 1
             return recv_pytree(
-                src,
+                self.peers[self.owner(last)],
                 group=self.group,
                 device=self.device,
                 what="step outputs",
@@ -67,6 +74,12 @@ class PipelineMessages:
                 stage=self.pp_rank,
                 peer_stage=last,
             )
+        outputs = self.last_rank_outputs
+        if outputs is None:
+            raise PipelineError("broadcast_outputs() before any run(): nothing to send")
+        outputs = map_tensors(torch.Tensor.detach, outputs)
+        if self.pp == 1:
+            return outputs
         handles = [
             send_pytree(
                 outputs,
@@ -84,6 +97,7 @@ class PipelineMessages:
         return outputs
 
     def send(self, st: StepState, a: Action, payload: Any) -> None:
+        assert a.message is not None, f"{a} is not a SEND"
         direction, dst_stage, i = a.message
         dst = self.peers[self.owner(dst_stage)]
         handle = send_pytree(

@@ -12,27 +12,44 @@ Both runners run the same plan (the same boundaries, the same stages):
   (:mod:`annot.runtime.replay`); each stage holds the modules of its range of
   calls (:func:`annot.runtime.stages.call_order_stage_modules`).
 
-The rest of the runtime asks the runner, not how the layout was made.
+The rest of the runtime asks the runner, not how the layout was made: the
+build prunes by :attr:`StageRunner.cuts_at_run_time`, and the executor
+(:class:`annot.runtime.pipeline.PipelineExecutor`) runs the step body where
+:attr:`StageRunner.body_runs_every_stage` says and each stage's forward with
+:meth:`StageRunner.run_stage`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
 
 import torch.nn as nn
 
 from annot.core.errors import PipelineError
+from annot.runtime.stage_values import call_stage
 
-__all__ = ["ReplayRunner", "SourceRunner", "StageRunner"]
+if TYPE_CHECKING:
+    from annot.runtime.pipeline import LocalStage
+    from annot.runtime.replay import ReplayStage
+
+__all__ = ["ModelArgs", "ReplayRunner", "SourceRunner", "StageRunner"]
+
+ModelArgs = tuple[tuple[Any, ...], dict[str, Any]]  # the model call's (args, kwargs)
 
 
 class StageRunner(ABC):
     """One way to run the stages of a plan."""
 
     name: ClassVar[str]  # "source" or "replay": what build reports and explain shows
-    cuts_at_run_time: ClassVar[bool]  # every rank runs forward's code for every stage
+    # every rank runs forward's code for every stage: the build keeps placeholders
+    # (shadows) of the modules other ranks hold and logs their outputs
+    cuts_at_run_time: ClassVar[bool]
+    # the step body runs at every stage's forward (its model call runs that stage);
+    # False: at the first and the last stage's only, the middle stages running
+    # their stage functions on what they receive
+    body_runs_every_stage: ClassVar[bool]
 
     @abstractmethod
     def stage_modules(
@@ -47,6 +64,22 @@ class StageRunner(ABC):
         """This rank's stage functions by stage index (``wrap``: the
         ``@stage(checkpoint=True)`` recompute, identity otherwise)."""
 
+    @abstractmethod
+    def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
+        """The outputs of ``stage``'s forward, from ``inputs`` (the previous
+        stage's outputs; None for stage 0) and ``model_args`` (the step body's
+        model call, where the body runs this stage; else None). Raises
+        :class:`annot.runtime.replay.StageDone` where the forward stops at the
+        stage's end inside the model call (:meth:`outputs_at_cut`)."""
+
+    def outputs_at_cut(self, stage: LocalStage) -> Any:
+        """The outputs ``stage`` sends on after :meth:`run_stage` stopped with
+        ``StageDone``; only stages cut at run time stop so."""
+        raise PipelineError(
+            f"stage {stage.index}: the {self.name} runner's stages do not stop inside the "
+            "model call (please report this)"
+        )
+
     @property
     def output_arity(self) -> Optional[int]:
         return None
@@ -54,12 +87,16 @@ class StageRunner(ABC):
 
 class SourceRunner(StageRunner):
     """Stages as the stage methods the rewriter wrote
-    (:class:`annot.rewriters.stage_split.StageSplit`)."""
+    (:class:`annot.rewriters.stage_split.StageSplit`), or (``split`` None) stage
+    functions written by hand: stage 0 takes the model call's arguments, a
+    later stage the previous one's outputs (``f(**out)`` for a dict,
+    ``f(*out)`` for a tuple, else ``f(out)``)."""
 
     name = "source"
     cuts_at_run_time = False
+    body_runs_every_stage = False
 
-    def __init__(self, split: Any):
+    def __init__(self, split: Any = None):
         self.split = split
 
     def stage_modules(self, model, boundaries, n_stages):
@@ -77,9 +114,16 @@ class SourceRunner(StageRunner):
             s: wrap(getattr(module, self.split.stages[s].method)) for s in layout.local_stage_ids
         }
 
+    def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
+        if stage.index == 0:
+            assert model_args is not None, "the step body runs stage 0"
+            args, kwargs = model_args
+            return stage.fn(*args, **kwargs)
+        return call_stage(stage.fn, inputs)
+
     @property
     def output_arity(self) -> Optional[int]:
-        return self.split.output_arity
+        return self.split.output_arity if self.split is not None else None
 
 
 class ReplayRunner(StageRunner):
@@ -89,6 +133,7 @@ class ReplayRunner(StageRunner):
 
     name = "replay"
     cuts_at_run_time = True
+    body_runs_every_stage = True
 
     def __init__(self, calls: Optional[dict[int, set[str]]] = None):
         self.calls = calls
@@ -112,3 +157,17 @@ class ReplayRunner(StageRunner):
             install_output_log(module, layout.logged)
             module._annot_boundaries_installed = True
         return {s: ReplayStage(module, s, layout.boundaries) for s in layout.local_stage_ids}
+
+    def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
+        assert model_args is not None, "the step body runs every stage"
+        args, kwargs = model_args
+        module = stage.module
+        if module is None:
+            raise PipelineError(
+                f"stage {stage.index} is cut at run time from its model's forward: give "
+                "its LocalStage the model (module=)"
+            )
+        return stage.fn(inputs, lambda: module(*args, **kwargs))
+
+    def outputs_at_cut(self, stage: LocalStage) -> Any:
+        return cast("ReplayStage", stage.fn).outputs

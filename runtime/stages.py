@@ -258,11 +258,6 @@ class PipelineLayout:
     def output_arity(self) -> Optional[int]:
         return self.runner.output_arity
 
-    @property
-    def replay(self) -> bool:
-        """Stages cut at run time by :mod:`annot.runtime.replay` (boundaries at any depth)."""
-        return self.runner.cuts_at_run_time
-
     def owner(self, stage: int) -> int:
         return stage_rank(stage, self.pp)
 
@@ -279,7 +274,10 @@ class PipelineLayout:
 
         wrap = checkpoint_stage if self.checkpoint else (lambda f: f)
         fns = self.runner.stage_functions(module, self, wrap)
-        return [LocalStage(index=s, fn=fns[s], module=module) for s in self.local_stage_ids]
+        return [
+            LocalStage(index=s, fn=fns[s], module=module, runner=self.runner)
+            for s in self.local_stage_ids
+        ]
 
 
 def build_plan(
