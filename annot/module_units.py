@@ -11,13 +11,35 @@ runs until the next one begins; its cost is its parameter count, or its
 measured time. :func:`annot.runtime.partition.partition`
 then gives the exact min-bottleneck contiguous split::
 
-    plan = plan_module_boundaries(model, 4, sample={"input_ids": ids}, cost="time")
+    plan = annot.planner.plan(model, 4, units=ModuleUnits(), sample={"input_ids": ids}, cost="time")
     print(plan.table())
     annot.parallelize(LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=4), split=plan.boundaries)
 
 Measured time holds up under load: each unit's forward and backward are
 timed in ``repeats`` full steps and the *median* is kept (one load spike moves
 a mean or a single run, not a median).
+
+:func:`annot.planner.plan` with a :class:`ModuleUnits` is :func:`measure_units`
+then :func:`plan_units`. Its ``cost``: "params" (no sample needed; a meta model
+is fine: each unit's parameters as a proxy for its FLOPs per token, an
+embedding's table counting zero and a tied head counting in full,
+:attr:`Unit.work`), "time" (real weights and ``sample``), "flops" (``sample``,
+one microbatch of forward's arguments: a dict, a tuple or a tensor; a meta
+model and meta sample are fine) or a user's
+:class:`annot.planner_costs.UnitCost`. ``memory``: bytes each stage must fit
+(:mod:`annot.runtime.memory_model`: its weights, gradients, master copy and
+optimizer state by ``setup``, a tied weight in every stage that holds it, plus
+with a sample the activations of the microbatches the schedule keeps in flight
+on it). ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or
+the transformers tp plan splits hold ``1/tp``, and so do the activations
+computed from them); ``dp``: the data-parallel degree (what fsdp shards over).
+With a measured cost the split may also begin inside a block part
+(``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
+slowest stage more than :data:`DEEPER_GAIN` faster than the best split at the
+parts: such a boundary carries more tensors than one between parts.
+``stranded``: the module calls where no stage can begin
+(:func:`annot.runtime.stranded.stranded`; found on ``sample`` when not given):
+their units join the one before.
 """
 
 from __future__ import annotations
@@ -47,7 +69,6 @@ __all__ = [
     "coarser",
     "never_called",
     "measure_units",
-    "plan_module_boundaries",
     "plan_units",
     "split_layers",
     "tp_sharded",
@@ -584,7 +605,7 @@ class UnitMeasures:
     fine: list[Unit]
     figures: Optional[list[UnitFigures]]  # None: nothing ran (cost "params", no sample)
     timed: Optional[list[float]]
-    cost: str
+    cost: Any  # an annot.planner_costs.UnitCost
     setup: Any  # annot.runtime.memory_model.Training
 
 
@@ -615,7 +636,7 @@ def measure_units(
     model: nn.Module,
     *,
     sample: Any = None,
-    cost: str = "params",
+    cost: Any = "params",
     repeats: int = 7,
     order: Optional[list[str]] = None,
     stranded: Optional[dict[str, str]] = None,
@@ -623,26 +644,25 @@ def measure_units(
     min_units: int = 1,
     progress: Any = None,
 ) -> UnitMeasures:
-    """Step 1 of :func:`plan_module_boundaries`: the units, and with a sample
-    their FLOPs and saved bytes (and with ``cost="time"`` their times: on a
+    """Step 1 of :func:`annot.planner.plan` over :class:`ModuleUnits`: the
+    units, and with a sample their FLOPs and saved bytes (and with a ``cost``
+    that needs "time", its times: on a
     model built on the meta device, each unit materialized alone,
     :func:`annot.unit_timing.time_units_alone`). ``progress``: an
     :class:`annot.what_if.Progress` to note each unit timed on."""
+    from annot.planner_costs import WEIGHTED_PARAMS, resolve_cost
     from annot.runtime.memory_model import Training
     from annot.runtime.stages import record_calls
 
     setup = setup if setup is not None else Training()
-    if cost not in ("params", "time", "flops"):
-        raise HintError(
-            f"plan_module_boundaries: cost={cost!r}; expected 'params', 'time' or 'flops'"
-        )
-    if cost != "params" and sample is None:
-        raise HintError(f"plan_module_boundaries: cost={cost!r} needs sample= (one microbatch)")
+    cost = resolve_cost(cost, WEIGHTED_PARAMS, "modules")
+    if cost.needs != "params" and sample is None:
+        raise HintError(f"plan: cost={cost.name!r} needs sample= (one microbatch)")
     if order is None and sample is not None:
         order = call_order(record_calls(model, sample))
     # measured costs also weigh the parts of block parts (a parameter count is
     # too rough a proxy for that); without an order a block is one unit
-    fine = units(model, order, depth=1 if cost == "params" else 2)
+    fine = units(model, order, depth=1 if cost.needs == "params" else 2)
     if stranded is None and sample is not None:
         stranded = StagePoints(model, type(model), sample).stranded
     fine = _begin_where_possible(fine, stranded or {})
@@ -661,76 +681,13 @@ def measure_units(
             checkpoint=setup.checkpoint,
         )
     timed = None
-    if cost == "time" and _on_meta(model):  # one unit materialized at a time
+    if cost.needs == "time" and _on_meta(model):  # one unit materialized at a time
         from annot.unit_timing import time_units_alone
 
         timed = time_units_alone(model, fine, sample, repeats, progress)
-    elif cost == "time":
+    elif cost.needs == "time":
         timed = _times(model, fine, sample, repeats)
     return UnitMeasures(model, fine, figures, timed, cost, setup)
-
-
-def plan_module_boundaries(
-    model: nn.Module,
-    n_stages: int,
-    *,
-    sample: Any = None,
-    cost: str = "params",
-    repeats: int = 7,
-    order: Optional[list[str]] = None,
-    memory: Optional[int] = None,
-    fit: bool = False,
-    optimizer: str = "adamw",
-    tp: int = 1,
-    stranded: Optional[dict[str, str]] = None,
-    setup: Any = None,
-    dp: int = 1,
-) -> StagePlan:
-    """The balanced split of ``model`` into ``n_stages`` stages over its units.
-
-    ``cost``: "params" (no sample needed; a meta model is fine: each unit's
-    parameters as a proxy for its FLOPs per token, an embedding's table
-    counting zero and a tied head counting in full, :attr:`Unit.work`), "time"
-    (real weights and ``sample``) or "flops" (``sample``, one microbatch of
-    forward's arguments: a dict, a tuple or a tensor; a meta model and meta
-    sample are fine). ``order``: module paths in call order (default: the
-    call order on ``sample``, else registration order). ``memory``: bytes
-    each stage must fit (:mod:`annot.runtime.memory_model`: its weights,
-    gradients, master copy and optimizer state by ``setup``, a tied weight in
-    every stage that holds it, plus with a sample the activations of the
-    microbatches the schedule keeps in flight on it); ``fit``: the fewest
-    stages, at most ``n_stages``, that fit it (RaNNC's memory-fit mode).
-    ``setup``: an :class:`annot.runtime.memory_model.Training` (default:
-    ``optimizer``, fp32, 1F1B over 8 microbatches). ``tp``: the stages'
-    figures at that tp degree (the layers ``@shard`` or the transformers tp
-    plan splits hold ``1/tp``, and so do the activations computed from them);
-    ``dp``: the data-parallel degree (what fsdp shards over).
-
-    With a measured ``cost`` the split may also begin inside a block part
-    (``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
-    slowest stage more than :data:`DEEPER_GAIN` faster than the best split at
-    the parts: such a boundary carries more tensors than one between parts.
-
-    ``stranded``: the module calls where no stage can begin
-    (:func:`annot.runtime.stranded.stranded`; found on ``sample`` when not
-    given): their units join the one before."""
-    from annot.runtime.memory_model import Training
-
-    if fit and memory is None:
-        raise HintError("plan_module_boundaries: fit=True needs memory= (the budget)")
-    if setup is None:
-        setup = Training(optimizer=optimizer)
-    measures = measure_units(
-        model,
-        sample=sample,
-        cost=cost,
-        repeats=repeats,
-        order=order,
-        stranded=stranded,
-        setup=setup,
-        min_units=1 if fit else n_stages,
-    )
-    return plan_units(measures, n_stages, tp=tp, dp=dp, memory=memory, fit=fit)
 
 
 def plan_units(
@@ -743,7 +700,7 @@ def plan_units(
     fit: bool = False,
     sharded: Optional[set[int]] = None,
 ) -> StagePlan:
-    """Step 2 of :func:`plan_module_boundaries`: the balanced split of the
+    """Step 2 of :func:`annot.planner.plan` over :class:`ModuleUnits`: the balanced split of the
     measured units into ``n_stages`` stages at ``tp`` (and ``dp``, which only
     FSDP's shares depend on). ``sharded``: the ids of the parameters tp
     splits (default: found from the model's hints)."""
@@ -802,7 +759,7 @@ def _plan_level(
     is what the plan reports; where that charge refuses every split, the
     balanced split is checked stage by stage at its own figures."""
     from annot.planner import partition_units
-    from annot.planner_costs import segment_costs
+    from annot.planner_costs import apply_cost, facts_of, segment_costs, stage_memories
     from annot.runtime.cost import partition_args
     from annot.runtime.memory_model import in_flight
 
@@ -829,30 +786,26 @@ def _plan_level(
         owned,
         measured,
         optimizer=setup.optimizer,
-        cost="flops" if cost == "flops" else "params",
         tp=tp,
         sharded=sharded,
         setup=setup,
         dp=dp,
         pp=pp,
     )
-    if cost == "flops":
-        costs = [c.cost for c in costs_of]
-    else:
-        share = [1.0] * len(found)  # this rank's part of each unit at tp: params, or time alike
-        if tp > 1:
-            whole = [
-                sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
-            ]
-            share = [c.n_params / n if n else 1.0 for c, n in zip(costs_of, whole)]
-        if measures.timed is None:
-            base = [float(u.work) for u in found]
-        else:
-            base = [sum(measures.timed[i] for i in g) for g in groups]
-        costs = [b * f for b, f in zip(base, share)]
+    share = [1.0] * len(found)  # this rank's part of each unit at tp: params, or time alike
+    if tp > 1:
+        whole = [
+            sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
+        ]
+        share = [c.n_params / n if n else 1.0 for c, n in zip(costs_of, whole)]
+    if measures.timed is not None:
+        timed = [sum(measures.timed[i] for i in g) for g in groups]
+        costs_of = [dataclasses.replace(c, time=t) for c, t in zip(costs_of, timed)]
+    facts = [facts_of(c, ms, u.work, f) for c, ms, u, f in zip(costs_of, owned, found, share)]
+    costs_of = apply_cost(cost, costs_of, facts)
     recompute = [f.recomputed(tp) for f in figures] if figures and setup.checkpoint else None
     transient = [f.transient(tp) for f in figures] if figures else None
-    args = {**partition_args(costs_of), "costs": costs}
+    args = partition_args(costs_of)
     most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
     budget = memory - most_extra if memory is not None and most_extra else memory
     if budget is not None and budget <= 0:
@@ -870,18 +823,25 @@ def _plan_level(
     )
     if fit:
         flight = in_flight(setup.schedule, part.n_stages, setup.microbatches)
-    extra = Extra(recompute, transient)
-    detail = _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded)
-    if measures.timed is not None:
-        timed = [sum(measures.timed[i] for i in g) for g in groups]
-        costs_of = [dataclasses.replace(c, time=t) for c, t in zip(costs_of, timed)]
+    detail = stage_memories(
+        part,
+        owned,
+        setup,
+        per_microbatch=per_mb,
+        flight=flight,
+        tp=tp,
+        sharded=sharded,
+        dp=dp,
+        recompute=recompute,
+        transient=transient,
+    )
     plan = StagePlan(
         class_name=type(model).__name__,
         boundaries=tuple(found[b].path for b in part.boundaries),
         partition=part,
         segments=tuple(u.path for u in found),
-        costs=tuple(dataclasses.replace(c, cost=x) for c, x in zip(costs_of, costs)),
-        cost=cost,
+        costs=tuple(costs_of),
+        cost=cost.name,
         measured=figures is not None,
         tp=tp,
         memory_budget=memory,
@@ -894,33 +854,3 @@ def _plan_level(
         if detail[over].total > memory:
             raise StageMemoryError(plan, over)
     return plan
-
-
-@dataclass(frozen=True)
-class Extra:
-    """Per unit, what a stage holds once besides its microbatches in flight:
-    the block backward recomputes (checkpointing) and backward's transient."""
-
-    recompute: Optional[list[int]]
-    transient: Optional[list[int]]
-
-
-def _stage_detail(measures, found, owned, part, per_mb, extra, flight, tp, dp, sharded):
-    """Each stage's :class:`annot.runtime.memory_model.StageMemory`."""
-    from annot.runtime.memory_model import Activations, stage_memory
-
-    out = []
-    for s, (a, b) in enumerate(part.bounds):
-        acts = Activations(
-            per_microbatch=sum(per_mb[a:b]) if per_mb else 0,
-            in_flight=flight[s] if per_mb else 0,
-            recompute=max(extra.recompute[a:b]) if extra.recompute else 0,
-            transient=max(extra.transient[a:b]) if extra.transient else 0,
-        )
-        modules = [m for ms in owned[a:b] for m in ms]
-        out.append(
-            stage_memory(
-                modules, acts, measures.setup, tp=tp, sharded=sharded, dp=dp, pp=part.n_stages
-            )
-        )
-    return out

@@ -1,8 +1,9 @@
 """Automatic pipeline partitioning of a model's ``forward``: where to cut.
 
-:func:`plan_stages` answers "at which module paths should ``GPT.forward`` be
-split into ``n`` stages so that the slowest stage is as fast as possible and
-every stage fits in memory?" in four steps:
+:func:`plan` over :class:`annot.planner_segments.SourceSegments` answers "at
+which module paths should ``GPT.forward`` be split into ``n`` stages so that
+the slowest stage is as fast as possible and every stage fits in memory?" in
+four steps:
 
 1. **Split points.** :func:`split_points` lists every place
    :func:`annot.rewriters.stage_split.split_stages` can begin a stage: before each
@@ -23,6 +24,8 @@ every stage fits in memory?" in four steps:
    bytes are counted from the segments' modules; a parameter several segments
    use (an embedding tied to the LM head) becomes a shared group, charged once
    per stage that holds it. Without a sample only parameters are counted.
+   What is balanced is a :class:`annot.planner_costs.UnitCost` of each
+   segment: "time", "flops" or "params" (bytes held), or a user's own.
    A segment's time is its median of ``rounds`` passes over all segments
    (a busy machine preempts some runs; the median is the statistic
    :mod:`annot.module_units` keeps too, :func:`annot.planner_costs.median_round`).
@@ -32,7 +35,7 @@ every stage fits in memory?" in four steps:
    given split whole, to check a plan or compare it with a hand split.
 4. **Partition.** :func:`annot.runtime.partition.partition` (exact min-bottleneck,
    per-device ``memory`` budget), or :func:`annot.runtime.partition.fit` for the
-   fewest stages that fit (:func:`fit_stages`, RaNNC's memory-fit mode).
+   fewest stages that fit (``plan(..., fit=True)``, RaNNC's memory-fit mode).
 
 A single segment costlier than a whole mean stage (total / ``n_stages``)
 bounds the balance from below; the plan then carries a warning naming it.
@@ -69,8 +72,18 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.core.errors import PartitionError, RewriteError
-from annot.planner_costs import STATES, profile, segment_costs
+from annot.core.errors import HintError, PartitionError, RewriteError
+from annot.planner_costs import (
+    PARAM_BYTES,
+    STATES,
+    UnitCost,
+    apply_cost,
+    facts_of,
+    profile,
+    resolve_cost,
+    segment_costs,
+    stage_memories,
+)
 from annot.planner_points import (
     module_at,
     no_markers,
@@ -83,12 +96,11 @@ from annot.planner_segments import exec_class, stage_fn, stage_modules
 
 __all__ = [
     "StagePlan",
+    "TooFewSplitPoints",
+    "UnitCost",
+    "measure_split",
     "partition_units",
     "plan",
-    "TooFewSplitPoints",
-    "fit_stages",
-    "measure_split",
-    "plan_stages",
     "split_points",
 ]
 
@@ -96,9 +108,6 @@ __all__ = [
 class TooFewSplitPoints(PartitionError):
     """forward has fewer places to cut than the stages asked for (``annot
     plan`` then plans the model's nested blocks instead)."""
-
-
-_COSTS = ("time", "flops", "params")
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ def _measure(
     cls: type,
     *,
     sample: Union[tuple, dict, torch.Tensor, None],
-    cost: Optional[str],
+    cost: Union[str, UnitCost, None],
     optimizer: str,
     source_path: Optional[str],
     progress: bool,
@@ -143,15 +152,15 @@ def _measure(
     if not isinstance(model, cls):
         raise PartitionError(
             f"model is a {type(model).__name__}, not a {cls.__name__}; pass the built model and "
-            "its class: plan_stages(model, type(model), n)"
+            "its class: plan(model, n, units=SourceSegments(type(model)))"
         )
     if cost is None:
         cost = "time" if sample is not None else "params"
-    if cost not in _COSTS:
-        raise PartitionError(f"cost={cost!r}; expected 'time', 'flops' or 'params'")
-    if sample is None and cost != "params":
+    label = repr(cost) if isinstance(cost, str) else repr(getattr(cost, "name", cost))
+    cost = resolve_cost(cost, PARAM_BYTES, "segments")
+    if sample is None and cost.needs != "params":
         raise PartitionError(
-            f"cost={cost!r} is measured on a sample input: pass sample=(x, ...) (forward's "
+            f"cost={label} is measured on a sample input: pass sample=(x, ...) (forward's "
             "positional arguments) or sample={'idx': x, ...}, or use cost='params'"
         )
     if optimizer not in STATES:
@@ -211,14 +220,22 @@ def _measure(
         modules,
         measured,
         optimizer=optimizer,
-        cost=cost,
         tp=tp,
         sharded=sharded,
         setup=setup,
     )
+    costs = apply_cost(cost, costs, [facts_of(c, mods) for c, mods in zip(costs, modules)])
     on_meta = any(p.is_meta for p in model.parameters())
     return _Measured(
-        cls.__name__, names, costs, cost, sample is not None, modules, setup, sharded, not on_meta
+        cls.__name__,
+        names,
+        costs,
+        cost.name,
+        sample is not None,
+        modules,
+        setup,
+        sharded,
+        not on_meta,
     )
 
 
@@ -237,21 +254,21 @@ def _partition_args(m: _Measured, n_stages: int, bandwidth: Optional[float]) -> 
 
 
 def _stage_detail(m: _Measured, part: Any, tp: int) -> tuple:
-    """Each stage's :class:`annot.runtime.memory_model.StageMemory`: its
+    """Each stage's :class:`annot.runtime.memory_model.StageMemory`
+    (:func:`annot.planner_costs.stage_memories`, as for module units): its
     weights, gradients and optimizer state, its activations for the
     microbatches the schedule keeps in flight on it."""
-    from annot.runtime.memory_model import Activations, in_flight, stage_memory
+    from annot.runtime.memory_model import in_flight
 
-    flight = in_flight(m.setup.schedule, part.n_stages, m.setup.microbatches)
-    out = []
-    for s, (a, b) in enumerate(part.bounds):
-        acts = Activations(
-            per_microbatch=sum(c.activations for c in m.costs[a:b]),
-            in_flight=flight[s] if m.measured else 0,
-        )
-        modules = [mod for mods in m.modules[a:b] for mod in mods]
-        out.append(stage_memory(modules, acts, m.setup, tp=tp, sharded=m.sharded, pp=part.n_stages))
-    return tuple(out)
+    return stage_memories(
+        part,
+        m.modules,
+        m.setup,
+        per_microbatch=[c.activations for c in m.costs] if m.measured else None,
+        flight=in_flight(m.setup.schedule, part.n_stages, m.setup.microbatches),
+        tp=tp,
+        sharded=m.sharded,
+    )
 
 
 def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePlan:
@@ -326,103 +343,42 @@ def _check_count(m: _Measured, n: int, what: str) -> None:
         )
 
 
-def plan_stages(
+def _plan_segments(
     model: nn.Module,
-    cls: type,
+    units: Any,
     n_stages: int,
     *,
-    sample: Union[tuple, dict, torch.Tensor, None] = None,
-    cost: Optional[str] = None,
-    memory: Optional[int] = None,
-    optimizer: str = "adamw",
-    source_path: Optional[str] = None,
-    progress: bool = False,
-    cache_dir: Any = None,
-    tp: int = 1,
-    bandwidth: Optional[float] = None,
-    repeats: int = 1,
-    rounds: int = 5,
-    setup: Any = None,
+    sample: Union[tuple, dict, torch.Tensor, None],
+    cost: Any,
+    memory: Optional[int],
+    fit: bool,
+    optimizer: str,
+    tp: int,
+    setup: Any,
 ) -> StagePlan:
-    """The best split of ``cls.forward`` (``model`` is a built ``cls``) into
-    ``n_stages`` pipeline stages::
-
-        plan = plan_stages(model, GPT, 4, sample=(idx, targets), memory=16 * 2**30)
-        print(plan.table())
-        annot.parallelize(GPT, cfg, mesh=annot.Mesh(pp=4), split=list(plan.boundaries))
-
-    ``sample``: one microbatch, forward's positional arguments as a tuple or
-    its keyword arguments as a dict. ``cost``: "time" (default with a
-    sample), "flops" or "params" (default without). ``memory``: bytes per
-    device; :class:`PartitionError` (with the numbers) when no split fits.
-    ``bandwidth`` (bytes per unit of cost) charges the bytes crossing each cut.
-    ``tp``: see the module docstring. Each segment's time is its median of
-    ``rounds`` rounds over all the segments, a round timing the median of
-    ``repeats`` runs of each (on a busy machine a run is often preempted; the
-    median is robust to that, and :mod:`annot.module_units` keeps it too). Profiles are cached in ``cache_dir``.
-    ``setup``: how the model trains (:class:`annot.runtime.memory_model.Training`:
-    precision, optimizer, the schedule's microbatches in flight; default
-    ``optimizer`` in float32 under 1F1B over 8 microbatches), for memory.
-    """
+    """:func:`plan` over a :class:`annot.planner_segments.SourceSegments`:
+    steps 1 to 3 (:func:`_measure`), then the partition into ``n_stages``
+    stages, or with ``fit`` the fewest stages, at most ``n_stages``, whose
+    every stage fits ``memory`` (RaNNC's memory-fit mode)."""
+    if fit and memory is None:
+        raise PartitionError("plan: fit=True needs memory= (the budget)")
     m = _measure(
         model,
-        cls,
+        units.cls,
         sample=sample,
         cost=cost,
         optimizer=optimizer,
-        source_path=source_path,
-        progress=progress,
-        cache_dir=cache_dir,
+        source_path=units.source_path,
+        progress=units.progress,
+        cache_dir=units.cache_dir,
         tp=tp,
-        repeats=repeats,
-        rounds=rounds,
+        repeats=units.repeats,
+        rounds=units.rounds,
         setup=setup,
     )
-    _check_count(m, n_stages, "n_stages")
-    args = _partition_args(m, n_stages, bandwidth)
-    part = partition_units(args, n_stages, memory=memory)
-    return _result(m, part, memory, tp)
-
-
-def fit_stages(
-    model: nn.Module,
-    cls: type,
-    *,
-    memory: int,
-    max_stages: Optional[int] = None,
-    sample: Union[tuple, dict, torch.Tensor, None] = None,
-    cost: Optional[str] = None,
-    optimizer: str = "adamw",
-    source_path: Optional[str] = None,
-    progress: bool = False,
-    cache_dir: Any = None,
-    tp: int = 1,
-    bandwidth: Optional[float] = None,
-    repeats: int = 1,
-    rounds: int = 5,
-    setup: Any = None,
-) -> StagePlan:
-    """Memory-fit mode (RaNNC): the fewest stages (at most ``max_stages``,
-    default one per segment) whose every stage fits ``memory`` bytes, split
-    as :func:`plan_stages` would; ``.n_stages`` is the count."""
-    m = _measure(
-        model,
-        cls,
-        sample=sample,
-        cost=cost,
-        optimizer=optimizer,
-        source_path=source_path,
-        progress=progress,
-        cache_dir=cache_dir,
-        tp=tp,
-        repeats=repeats,
-        rounds=rounds,
-        setup=setup,
-    )
-    cap = len(m.segments) if max_stages is None else max_stages
-    _check_count(m, cap, "max_stages")
-    args = _partition_args(m, cap, bandwidth)
-    part = partition_units(args, cap, memory=memory, fit=True)
+    _check_count(m, n_stages, "max_stages" if fit else "n_stages")
+    args = _partition_args(m, n_stages, units.bandwidth)
+    part = partition_units(args, n_stages, memory=memory, fit=fit)
     return _result(m, part, memory, tp)
 
 
@@ -466,7 +422,7 @@ def plan(
     n_stages: int,
     *,
     units: Any,
-    cost: Optional[str] = None,
+    cost: Union[str, UnitCost, None] = None,
     memory: Optional[int] = None,
     fit: bool = False,
     sample: Any = None,
@@ -484,15 +440,24 @@ def plan(
 
         plan = annot.planner.plan(model, 4, units=ModuleUnits(), sample=batch, cost="flops")
         print(plan.table())
+        annot.parallelize(GPT, cfg, mesh=annot.Mesh(pp=4), split=list(plan.boundaries))
 
-    ``cost``: "params", "flops" or "time" (default: the unit source's,
-    :func:`plan_stages` / :func:`annot.module_units.plan_module_boundaries`);
-    ``memory``: bytes each stage must fit, ``fit``: the fewest stages, at
-    most ``n_stages``, that fit it; ``sample``: one microbatch of forward's
-    arguments; ``tp``, ``dp``: the degrees the figures are for (``dp``:
-    module units only, for fsdp's shares); ``setup``: how the model trains
-    (:class:`annot.runtime.memory_model.Training`)."""
-    from annot.module_units import ModuleUnits, plan_module_boundaries, plan_units
+    ``cost``: what is balanced, "params", "flops" or "time" (default: with
+    source segments "time" with a sample, else "params"; with module units
+    "params") or a user's :class:`annot.planner_costs.UnitCost` (an object
+    with ``name``, ``needs`` and ``unit_costs(units)``). With source
+    segments "params" is the bytes each segment holds; with module units the
+    parameters each unit multiplies by (:attr:`annot.module_units.Unit.work`).
+    ``memory``: bytes each stage must fit (:class:`PartitionError`, with
+    the numbers, when no split does); ``fit``: the fewest stages, at most
+    ``n_stages``, that fit it (RaNNC's memory-fit mode); ``sample``: one
+    microbatch of forward's arguments (a tuple, a dict or a tensor); ``tp``,
+    ``dp``: the degrees the figures are for (``tp``: see the module
+    docstring; ``dp``: module units only, for fsdp's shares); ``setup``: how
+    the model trains (:class:`annot.runtime.memory_model.Training`: precision,
+    optimizer, the schedule's microbatches in flight; default ``optimizer``
+    in float32 under 1F1B over 8 microbatches)."""
+    from annot.module_units import ModuleUnits, measure_units, plan_units
     from annot.planner_segments import SourceSegments
 
     if isinstance(units, ModuleUnits):
@@ -501,41 +466,30 @@ def plan(
                 units.measures, n_stages, tp=tp, dp=dp, memory=memory, fit=fit,
                 sharded=units.sharded,
             )  # fmt: skip
-        return plan_module_boundaries(
+        from annot.runtime.memory_model import Training
+
+        if fit and memory is None:
+            raise HintError("plan: fit=True needs memory= (the budget)")
+        measures = measure_units(
             model,
-            n_stages,
             sample=sample,
             cost=cost or "params",
             repeats=units.repeats,
             order=units.order,
-            memory=memory,
-            fit=fit,
-            optimizer=optimizer,
-            tp=tp,
             stranded=units.stranded,
-            setup=setup,
-            dp=dp,
+            setup=setup if setup is not None else Training(optimizer=optimizer),
+            min_units=1 if fit else n_stages,
+            progress=units.progress,
+        )
+        return plan_units(
+            measures, n_stages, tp=tp, dp=dp, memory=memory, fit=fit, sharded=units.sharded
         )
     if not isinstance(units, SourceSegments):
         raise PartitionError(
             f"plan: units={units!r}; expected annot.planner_segments.SourceSegments(cls) or "
             "annot.module_units.ModuleUnits(...)"
         )
-    common = dict(
-        sample=sample,
-        cost=cost,
-        optimizer=optimizer,
-        source_path=units.source_path,
-        progress=units.progress,
-        cache_dir=units.cache_dir,
-        tp=tp,
-        bandwidth=units.bandwidth,
-        repeats=units.repeats,
-        rounds=units.rounds,
-        setup=setup,
-    )
-    if fit:
-        if memory is None:
-            raise PartitionError("plan: fit=True needs memory= (the budget)")
-        return fit_stages(model, units.cls, memory=memory, max_stages=n_stages, **common)
-    return plan_stages(model, units.cls, n_stages, memory=memory, **common)
+    return _plan_segments(
+        model, units, n_stages, sample=sample, cost=cost, memory=memory, fit=fit,
+        optimizer=optimizer, tp=tp, setup=setup,
+    )  # fmt: skip

@@ -7,23 +7,209 @@ figures of ``@shard``-ed layers) and takes time, FLOPs, activation and sent
 bytes from the measurement. :func:`profile` measures them:
 :func:`annot.runtime.cost.profile_segments` over several rounds, each segment
 keeping its median round, cached on disk.
+
+What the partition balances is a :class:`UnitCost`: an object that gives each
+unit's cost from its :class:`UnitFacts`. The built-in ones are named by the
+strings :func:`annot.planner.plan` has always taken ("time", "flops",
+"params", :func:`resolve_cost`); a user's own is any object with the same
+three members::
+
+    class Heavy:  # the attention parts cost twice their FLOPs
+        name, needs = "heavy attention", "flops"
+
+        def unit_costs(self, units):
+            return [u.flops * (2 if "attn" in u.name else 1) for u in units]
+
+    annot.planner.plan(model, 4, units=ModuleUnits(), sample=batch, cost=Heavy())
+
+:func:`stage_memories` gives each stage's memory, for both unit sources.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import torch.nn as nn
 
 from annot.core.files import atomic_write
 from annot.runtime.memory_model import OPTIMIZER_STATES
 
-__all__ = ["STATES", "median_round", "profile", "segment_costs", "sharded_ids"]
+__all__ = [
+    "FLOPS",
+    "MEDIAN_TIME",
+    "NEEDS",
+    "PARAM_BYTES",
+    "STATES",
+    "WEIGHTED_PARAMS",
+    "UnitCost",
+    "UnitFacts",
+    "apply_cost",
+    "facts_of",
+    "median_round",
+    "profile",
+    "resolve_cost",
+    "segment_costs",
+    "sharded_ids",
+    "stage_memories",
+]
 
 STATES = OPTIMIZER_STATES  # optimizer states per element
+
+# what a cost needs measured, least first: nothing (no sample), one forward and
+# backward on the sample (FLOPs, activations), the units timed on real weights
+NEEDS = ("params", "flops", "time")
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """What the planner knows of one unit, at the tp degree planned for:
+    ``name`` (the split point or module path it begins at), ``params`` (bytes
+    of weights, gradients and optimizer state it holds), ``n_params``,
+    ``flops`` (forward + backward of the sample microbatch; 0 unmeasured),
+    ``time`` (seconds, the median of its measured runs; 0.0 unmeasured),
+    ``work`` (the parameters its forward multiplies by,
+    :attr:`annot.module_units.Unit.work`; ``n_params`` for a source segment),
+    ``share`` (this rank's part of it at tp, what ``time`` and ``work`` are
+    scaled by; 1.0 for a source segment, whose time is not scaled) and
+    ``modules`` (the modules it owns)."""
+
+    name: str
+    params: int
+    n_params: int
+    flops: int
+    time: float
+    work: int
+    share: float = 1.0
+    modules: tuple[nn.Module, ...] = ()
+
+
+@runtime_checkable
+class UnitCost(Protocol):
+    """What :func:`annot.planner.plan` balances: ``name`` (shown in the
+    table), ``needs`` (what must be measured for it: "params", nothing, no
+    sample needed; "flops", one forward and backward on the sample; "time",
+    the units timed on real weights) and :meth:`unit_costs`, one number per
+    unit, larger meaning a slower stage."""
+
+    name: str
+    needs: str
+
+    def unit_costs(self, units: Sequence[UnitFacts]) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    name: str
+    needs: str
+    field: str
+    scaled: bool = False  # times this rank's share at tp
+
+    def unit_costs(self, units: Sequence[UnitFacts]) -> list[float]:
+        out = [float(getattr(u, self.field)) for u in units]
+        return [c * u.share for c, u in zip(out, units)] if self.scaled else out
+
+
+MEDIAN_TIME: UnitCost = _Builtin("time", "time", "time", scaled=True)
+"""Measured time: each unit's median (:func:`median_round`), the one robust statistic."""
+FLOPS: UnitCost = _Builtin("flops", "flops", "flops")
+PARAM_BYTES: UnitCost = _Builtin("params", "params", "params")
+"""A source segment's "params": the bytes it holds."""
+WEIGHTED_PARAMS: UnitCost = _Builtin("params", "params", "work", scaled=True)
+"""A module unit's "params": the parameters its forward multiplies by."""
+
+
+def resolve_cost(cost: Union[str, UnitCost], params: UnitCost, who: str) -> UnitCost:
+    """``cost`` as a :class:`UnitCost`: "time", "flops" or "params" (this unit
+    source's ``params``), or a user's object, checked."""
+    builtins = {"time": MEDIAN_TIME, "flops": FLOPS, "params": params}
+    if isinstance(cost, str):
+        if cost not in builtins:
+            raise _cost_error(who, f"cost={cost!r}; expected 'time', 'flops' or 'params'")
+        return builtins[cost]
+    if not isinstance(cost, UnitCost) or not callable(getattr(cost, "unit_costs", None)):
+        raise _cost_error(
+            who,
+            f"cost={cost!r}; expected 'time', 'flops', 'params' or an object with name, needs "
+            "and unit_costs(units) (annot.planner_costs.UnitCost)",
+        )
+    if cost.needs not in NEEDS:
+        raise _cost_error(who, f"cost {cost.name!r}: needs={cost.needs!r}; expected one of {NEEDS}")
+    return cost
+
+
+def _cost_error(who: str, msg: str) -> Exception:
+    from annot.core.errors import HintError, PartitionError
+
+    return (HintError if who == "modules" else PartitionError)(msg)
+
+
+def apply_cost(cost: UnitCost, costs: Sequence[Any], facts: Sequence[UnitFacts]) -> list[Any]:
+    """``costs`` (:class:`annot.runtime.cost_segments.SegmentCost`) with ``.cost``
+    set to what ``cost`` says of each unit."""
+    values = list(cost.unit_costs(list(facts)))
+    if len(values) != len(facts):
+        raise _cost_error(
+            "",
+            f"cost {cost.name!r} gave {len(values)} unit costs for {len(facts)} units",
+        )
+    return [replace(c, cost=float(v)) for c, v in zip(costs, values)]
+
+
+def facts_of(
+    c: Any, modules: Sequence[nn.Module] = (), work: Optional[int] = None, share: float = 1.0
+) -> UnitFacts:
+    """A :class:`annot.runtime.cost_segments.SegmentCost`'s :class:`UnitFacts`."""
+    return UnitFacts(
+        name=c.name,
+        params=c.params,
+        n_params=c.n_params,
+        flops=c.flops,
+        time=c.time,
+        work=c.n_params if work is None else work,
+        share=share,
+        modules=tuple(modules),
+    )
+
+
+def stage_memories(
+    part: Any,
+    owned: Sequence[Sequence[nn.Module]],
+    setup: Any,
+    *,
+    per_microbatch: Optional[Sequence[int]],
+    flight: Sequence[int],
+    tp: int,
+    sharded: Any,
+    dp: int = 1,
+    recompute: Optional[Sequence[int]] = None,
+    transient: Optional[Sequence[int]] = None,
+) -> tuple[Any, ...]:
+    """Each stage's :class:`annot.runtime.memory_model.StageMemory` over the
+    partition ``part`` of the units (``owned``: each unit's modules), for
+    both unit sources: its weights, gradients and optimizer state under
+    ``setup``; with ``per_microbatch`` (each unit's activation bytes; None:
+    unmeasured) the activations of the microbatches the schedule keeps in
+    flight on it (``flight``, per stage); ``recompute`` / ``transient``: per
+    unit, what backward holds once (a recomputed block, gradients on their
+    way), a stage's largest."""
+    from annot.runtime.memory_model import Activations, stage_memory
+
+    out = []
+    for s, (a, b) in enumerate(part.bounds):
+        acts = Activations(
+            per_microbatch=sum(per_microbatch[a:b]) if per_microbatch else 0,
+            in_flight=flight[s] if per_microbatch else 0,
+            recompute=max(recompute[a:b]) if recompute else 0,
+            transient=max(transient[a:b]) if transient else 0,
+        )
+        modules = [m for ms in owned[a:b] for m in ms]
+        out.append(
+            stage_memory(modules, acts, setup, tp=tp, sharded=sharded, dp=dp, pp=part.n_stages)
+        )
+    return tuple(out)
 
 
 def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
@@ -63,14 +249,14 @@ def segment_costs(
     measured: Optional[Sequence[Any]],
     *,
     optimizer: str,
-    cost: str,
     tp: int,
     sharded: Optional[set[int]] = None,
     setup: Any = None,
     dp: int = 1,
     pp: int = 1,
 ):
-    """One SegmentCost per segment: parameter-side bytes counted here (shared
+    """One SegmentCost per segment (``.cost`` unset: :func:`apply_cost` sets
+    it): parameter-side bytes counted here (shared
     parameters keyed by their name in the model), the rest from ``measured``.
     ``sharded``: the ids of the parameters tp splits (default: the ``@shard``
     hints', :func:`sharded_ids`). The bytes per parameter element are
@@ -121,23 +307,23 @@ def segment_costs(
         scale = 1.0 - (n_sharded / total) * (1 - 1 / tp) if total and tp > 1 else 1.0
         buffers = {id(b): b.numel() * b.element_size() for m in modules[j] for b in m.buffers()}
         meas = measured[j] if measured is not None else None
-        c = SegmentCost(
-            name=names[j],
-            params=p_bytes,
-            n_params=n_params,
-            grads=g_bytes,
-            optimizer=s_bytes,
-            buffers=sum(buffers.values()),
-            activations=meas.activations if meas else 0,
-            flops=int(meas.flops * scale) if meas else 0,
-            forward_flops=int(meas.forward_flops * scale) if meas else 0,
-            time=meas.time if meas else 0.0,
-            output_bytes=meas.output_bytes if meas else 0,
-            shared=shared,
-            shared_numel=shared_numel,
+        out.append(
+            SegmentCost(
+                name=names[j],
+                params=p_bytes,
+                n_params=n_params,
+                grads=g_bytes,
+                optimizer=s_bytes,
+                buffers=sum(buffers.values()),
+                activations=meas.activations if meas else 0,
+                flops=int(meas.flops * scale) if meas else 0,
+                forward_flops=int(meas.forward_flops * scale) if meas else 0,
+                time=meas.time if meas else 0.0,
+                output_bytes=meas.output_bytes if meas else 0,
+                shared=shared,
+                shared_numel=shared_numel,
+            )
         )
-        value = {"time": c.time, "flops": float(c.flops), "params": float(c.params)}[cost]
-        out.append(replace(c, cost=value))
     return out
 
 

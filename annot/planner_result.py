@@ -130,7 +130,8 @@ class StagePlan:
 
     def table(self) -> str:
         """The plan as a terminal table, with the imbalance and any warnings."""
-        what = (_MODULE_COST_WORDS if self.units else _COST_WORDS)[self.cost]
+        words = _MODULE_COST_WORDS if self.units else _COST_WORDS
+        what = words.get(self.cost, f"{self.cost} (annot.planner_costs.UnitCost)")
         head = [
             f"annot plan: {self.class_name} in {self.n_stages} stages over "
             f"{len(self.segments)} {self.unit_kind}; balanced cost: {what}"

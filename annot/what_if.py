@@ -101,8 +101,8 @@ def what_if(
     """Every pp x tp x dp of ``world`` devices for the measured units
     (:class:`annot.module_units.UnitMeasures`), under ``memory`` bytes per
     device; fitting choices first, each group by :attr:`Choice.score`."""
+    from annot import planner
     from annot.module_units import ModuleUnits, StageMemoryError, tp_sharded
-    from annot.planner import plan as plan_stages
 
     setup = measures.setup
     m = setup.microbatches
@@ -123,7 +123,7 @@ def what_if(
             sharded[tp] = tp_sharded(measures.model, tp)
         try:
             units = ModuleUnits(measures=measures, sharded=sharded.get(tp))
-            plan = plan_stages(measures.model, pp, units=units, tp=tp, dp=dp, memory=memory)
+            plan = planner.plan(measures.model, pp, units=units, tp=tp, dp=dp, memory=memory)
             out.append(Choice(pp, tp, dp, plan, bubble, True))
         except StageMemoryError as exc:
             out.append(Choice(pp, tp, dp, exc.plan, bubble, False))

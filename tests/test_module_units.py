@@ -10,9 +10,17 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import PartitionError
-from annot.module_units import plan_module_boundaries
+from annot.module_units import ModuleUnits
+from annot.planner import plan
 
 NAP = 0.03  # seconds; far above this machine's timer noise
+
+
+def plan_modules(model, n, **kw):
+    """annot.planner.plan over the model's module units, the options of
+    :class:`ModuleUnits` given among plan's."""
+    opts = {k: kw.pop(k) for k in ("order", "stranded", "repeats") if k in kw}
+    return plan(model, n, units=ModuleUnits(**opts), **kw)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -49,7 +57,7 @@ class BackwardHeavy(nn.Module):
 
 def test_forward_only_glue_and_backward_heavy_units_are_measured_where_they_run():
     model = nn.Sequential(Glue(), BackwardHeavy(), nn.Linear(4, 4))
-    plan = plan_module_boundaries(model, 2, sample=torch.randn(2, 4), cost="time", repeats=3)
+    plan = plan_modules(model, 2, sample=torch.randn(2, 4), cost="time", repeats=3)
     costs = dict(zip((u.path for u in plan.units), plan.unit_costs))
     # forward x 3 would make the glue 3 naps and the backward-heavy unit ~0
     assert costs["1"] >= NAP * 0.9
@@ -73,7 +81,7 @@ def test_flops_are_the_units_forward_and_backward_counts():
     from torch.utils.flop_counter import FlopCounterMode
 
     model, x = _stack(), torch.randn(8, 16)
-    plan = plan_module_boundaries(model, 2, sample=(x,), cost="flops")
+    plan = plan_modules(model, 2, sample=(x,), cost="flops")
     with FlopCounterMode(display=False) as counter:
         model(x).float().sum().backward()
     counts = counter.get_flop_counts()
@@ -90,9 +98,9 @@ def test_flops_are_the_units_forward_and_backward_counts():
 def test_memory_counts_weights_gradients_and_optimizer_states():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     block = sum(p.numel() * 4 for p in model[0].parameters())  # float32 bytes
-    plan = plan_module_boundaries(model, 2, optimizer="none")  # weights + gradients
+    plan = plan_modules(model, 2, optimizer="none")  # weights + gradients
     assert plan.stage_memory == [2 * 2 * block, 2 * 2 * block]
-    plan = plan_module_boundaries(model, 2, optimizer="adamw")  # + 2 states each
+    plan = plan_modules(model, 2, optimizer="adamw")  # + 2 states each
     step = 4 * 2 * 2  # and AdamW's float32 step per parameter tensor: 2 layers x 2 tensors
     assert plan.stage_memory == [4 * 2 * block + step, 4 * 2 * block + step]
 
@@ -100,11 +108,11 @@ def test_memory_counts_weights_gradients_and_optimizer_states():
 def test_fit_takes_the_fewest_stages_within_the_budget():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     block = sum(p.numel() * 4 for p in model[0].parameters()) * 4 + 8  # with AdamW (+ steps)
-    plan = plan_module_boundaries(model, 4, memory=2 * block, fit=True)
+    plan = plan_modules(model, 4, memory=2 * block, fit=True)
     assert plan.boundaries == ("2",)
     assert plan.stage_memory == [2 * block, 2 * block]
     with pytest.raises(PartitionError, match="needs more than max_stages=2"):
-        plan_module_boundaries(model, 2, memory=block, fit=True)  # 4 would fit
+        plan_modules(model, 2, memory=block, fit=True)  # 4 would fit
 
 
 def test_tp_halves_what_the_transformers_tp_plan_splits():
@@ -126,9 +134,9 @@ def test_tp_halves_what_the_transformers_tp_plan_splits():
         m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))
     )
     whole = sum(p.numel() for p in model.parameters()) - split
-    plan = plan_module_boundaries(model, 2, tp=2)
+    plan = plan_modules(model, 2, tp=2)
     assert sum(plan.stage_memory) == 16 * (split // 2 + whole) + steps
-    assert sum(plan_module_boundaries(model, 2).stage_memory) == 16 * (split + whole) + steps
+    assert sum(plan_modules(model, 2).stage_memory) == 16 * (split + whole) + steps
 
 
 def test_a_block_whose_part_is_a_sequential_counts_its_weights():
@@ -146,7 +154,7 @@ def test_a_block_whose_part_is_a_sequential_counts_its_weights():
         stage = model.resnet.encoder.stages[i]
         assert found[f"resnet.encoder.stages.{i}"] == sum(p.numel() for p in stage.parameters())
     assert sum(found.values()) == sum(p.numel() for p in model.parameters())
-    plan = plan_module_boundaries(model, 2)
+    plan = plan_modules(model, 2)
     assert plan.boundaries[0].startswith("resnet.encoder.stages."), plan.table()
 
 
@@ -168,7 +176,7 @@ def test_without_a_sample_an_embedding_weighs_nothing_and_a_tied_head_in_full(ti
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    plan = plan_module_boundaries(model, 4)
+    plan = plan_modules(model, 4)
     work = {u.path: u.work for u in plan.units}
     assert work["model.embed_tokens"] == 0
     assert work["lm_head"] == 4096 * 64
@@ -205,7 +213,7 @@ def test_work_counts_each_module_once_across_nested_units():
             return x
 
     net = Net()
-    plan = plan_module_boundaries(net, 2, sample=torch.zeros(2, 8))
+    plan = plan_modules(net, 2, sample=torch.zeros(2, 8))
     assert sum(u.work for u in plan.units) == sum(p.numel() for p in net.parameters())
 
 
@@ -234,9 +242,9 @@ def test_without_a_call_order_blocks_are_whole_units():
 
     with torch.device("meta"):
         net = Net()
-    blind = plan_module_boundaries(net, 2)
+    blind = plan_modules(net, 2)
     assert [u.path for u in blind.units] == ["blocks.0", "blocks.1", "blocks.2"]
-    probed = plan_module_boundaries(Net(), 2, sample=torch.zeros(2, 8), cost="params")
+    probed = plan_modules(Net(), 2, sample=torch.zeros(2, 8), cost="params")
     assert "blocks.0.attn" in [u.path for u in probed.units]  # with a call order: the parts
 
 
@@ -317,13 +325,13 @@ def test_a_measured_split_begins_inside_a_part_only_where_it_pays():
     x = torch.randn(4, 16)
     # three blocks of three equal linears on two stages: at the parts, 6 | 3;
     # inside a part, 4 | 5
-    plan = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="flops")
+    plan = plan_modules(_Net(3), 2, sample=(x,), cost="flops")
     assert plan.boundaries == ("blocks.1.mlp.fc2",), plan.table()
     assert plan.imbalance == pytest.approx(10 / 9)
     # two blocks balance at a block: no boundary inside a part
-    assert plan_module_boundaries(_Net(2), 2, sample=(x,), cost="flops").boundaries == ("blocks.1",)
+    assert plan_modules(_Net(2), 2, sample=(x,), cost="flops").boundaries == ("blocks.1",)
     # parameter counts are too rough a proxy to go inside the parts
-    coarse = plan_module_boundaries(_Net(3), 2, sample=(x,), cost="params")
+    coarse = plan_modules(_Net(3), 2, sample=(x,), cost="params")
     assert all(u.level < 2 for u in coarse.units)
     assert coarse.imbalance > 1.3
 
@@ -343,7 +351,7 @@ def test_a_measured_split_never_begins_at_a_call_that_strands_a_tensor():
     for block in net.blocks:
         block.mlp.__class__ = _Gated
     assert "blocks.1.mlp.fc2" in stranded(net, x)
-    plan = plan_module_boundaries(net, 2, sample=(x,), cost="flops")
+    plan = plan_modules(net, 2, sample=(x,), cost="flops")
     assert plan.boundaries == ("blocks.1.mlp.fc3",), plan.table()  # 5 | 4, not 4 | 5 at fc2
 
 
@@ -381,7 +389,7 @@ def test_flops_of_a_part_include_what_it_computes_itself():
             return x
 
     net, x = Net(), torch.randn(3, 8, 16)
-    plan = plan_module_boundaries(net, 2, sample=(x,), cost="flops")
+    plan = plan_modules(net, 2, sample=(x,), cost="flops")
     with FlopCounterMode(display=False) as counter:
         net(x).sum().backward()
     part = sum(counter.get_flop_counts()["Net.blocks.1.attn"].values())
@@ -426,3 +434,46 @@ def test_a_part_forward_never_calls_is_no_unit_its_called_parts_are():
     for depth in (1, 2):
         found = [(u.path, u.level) for u in units(net, order, depth)]
         assert found[:3] == [("blocks.0", 0), ("blocks.0.p.a", 1), ("blocks.0.p.b", 1)], found
+
+
+# ---- a user's own cost ----------------------------------------------------------------------
+
+
+class _Isolate:
+    """A user's cost (annot.planner_costs.UnitCost): every unit costs 1, the one
+    at ``path`` a thousand."""
+
+    needs = "params"
+
+    def __init__(self, path):
+        self.path = path
+        self.name = f"1, {path} 1000"
+
+    def unit_costs(self, units):
+        return [1000.0 if u.name == self.path else 1.0 for u in units]
+
+
+def test_a_users_cost_object_isolates_the_unit_it_makes_expensive():
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    even = plan_modules(model, 3)
+    assert even.boundaries == ("2", "5")  # 2 + 3 + 3 equal units
+    plan = plan_modules(model, 3, cost=_Isolate("2"))
+    assert plan.boundaries == ("2", "3")  # the expensive unit alone in stage 1
+    assert plan.unit_costs == [1.0, 1.0, 1000.0, *[1.0] * 5]
+    assert plan.cost == "1, 2 1000"
+    assert "balanced cost: 1, 2 1000" in plan.table()
+    # the memory figures are the unit source's, whatever is balanced
+    assert plan.stage_memory == [d.total for d in plan.stage_detail]
+
+
+def test_a_users_cost_that_needs_a_sample_is_refused_without_one():
+    from annot.core.errors import HintError
+
+    class Measured(_Isolate):
+        needs = "flops"
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    with pytest.raises(HintError, match=r"cost='1, 0 1000' needs sample="):
+        plan_modules(model, 2, cost=Measured("0"))
+    with pytest.raises(HintError, match=r"annot\.planner_costs\.UnitCost"):
+        plan_modules(model, 2, cost=object())

@@ -13,12 +13,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from annot import Col, Row, shard
 from annot.module_units import (
+    ModuleUnits,
     StageMemoryError,
     block_paths,
     measure_units,
-    plan_module_boundaries,
     plan_units,
 )
+from annot.planner import plan as plan_any
+from annot.planner_segments import SourceSegments
 from annot.runtime.memory_model import Training, in_flight
 from annot.what_if import factorisations, format_what_if, what_if
 
@@ -64,7 +66,7 @@ def _gpt_sample(batch, seq, device="cpu"):
 def test_a_plan_on_meta_equals_the_plan_on_real_weights(which, cost):
     build, sample = (_llama, _hf_sample) if which == "llama" else (_gpt, _gpt_sample)
     plans = [
-        plan_module_boundaries(build(dev), 3, sample=sample(2, 16, dev), cost=cost)
+        plan_any(build(dev), 3, units=ModuleUnits(), sample=sample(2, 16, dev), cost=cost)
         for dev in ("cpu", "meta")
     ]
     real, meta = plans
@@ -77,11 +79,10 @@ def test_a_plan_on_meta_equals_the_plan_on_real_weights(which, cost):
 
 @pytest.mark.parametrize("cost", ["params", "flops"])
 def test_the_stage_planner_on_meta_equals_it_on_real_weights(cost):
-    from annot.planner import plan_stages
     from examples.gpt.model import GPT
 
     real, meta = (
-        plan_stages(_gpt(dev), GPT, 3, sample=_gpt_sample(2, 16, dev), cost=cost)
+        plan_any(_gpt(dev), 3, units=SourceSegments(GPT), sample=_gpt_sample(2, 16, dev), cost=cost)
         for dev in ("cpu", "meta")
     )
     assert meta.boundaries == real.boundaries
@@ -203,7 +204,7 @@ def test_what_if_table_of_four_mlp_blocks_by_hand():
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_stage_its_memory_and_the_budget():
     with pytest.raises(StageMemoryError) as info:
-        plan_module_boundaries(_mlps(), 2, memory=30000)
+        plan_any(_mlps(), 2, units=ModuleUnits(), memory=30000)
     # each stage: 2 blocks of 1072 elements x (4 + 4 + 8) bytes + 4 steps x 4 bytes = 34336
     assert str(info.value) == (
         "no split into 2 pipeline stages at tp=1 fits the memory budget of 29.3 KiB per "
@@ -249,7 +250,7 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
 
     ref = _llama("meta")
     order = call_order(record_calls(ref, sample_inputs(ref)))  # as parallelize probes it
-    expected = plan_module_boundaries(ref, 2, memory=400 * 1024, order=order)
+    expected = plan_any(ref, 2, units=ModuleUnits(order=order), memory=400 * 1024)
     for refused, boundaries, held in results:
         assert refused.startswith(
             "no split into 2 pipeline stages at tp=1 fits the memory budget of 200.0 KiB per "
@@ -304,11 +305,11 @@ def test_a_70b_plan_runs_as_the_readme_shows_in_seconds_and_little_memory(comman
 
 
 def test_the_stage_planner_counts_the_microbatches_in_flight_per_stage():
-    from annot.planner import plan_stages
     from examples.gpt.model import GPT
 
     setup = Training(microbatches=8, schedule="1f1b")
-    plan = plan_stages(_gpt("meta"), GPT, 3, sample=_gpt_sample(2, 16, "meta"), setup=setup)
+    units = SourceSegments(GPT)
+    plan = plan_any(_gpt("meta"), 3, units=units, sample=_gpt_sample(2, 16, "meta"), setup=setup)
     detail = plan.stage_detail
     assert [d.in_flight for d in detail] == [3, 2, 1]
     for st, d in zip(plan.stages(), detail):
@@ -342,6 +343,7 @@ def test_time_on_a_meta_model_materializes_one_unit_at_a_time():
     assert all(t > 0 for t in times)
     assert max(real_at_calls) == largest < sum(u.params for u in found)
     assert all(p.is_meta and p.grad is None for p in model.parameters())  # left as it was
-    plan = plan_module_boundaries(model, 2, sample=torch.zeros(8, 64, device="meta"), cost="time")
+    sample = torch.zeros(8, 64, device="meta")
+    plan = plan_any(model, 2, units=ModuleUnits(), sample=sample, cost="time")
     assert plan.cost == "time"
     assert len(plan.stage_costs) == 2

@@ -18,7 +18,8 @@ from torch.nn import functional as F
 
 from annot import Col, Row, shard
 from annot.core.errors import PartitionError
-from annot.planner import fit_stages, measure_split, plan_stages, split_points
+from annot.planner import measure_split, plan, split_points
+from annot.planner_segments import SourceSegments
 from annot.rewriters.stage_split import split_stages
 from annot.runtime.partition import partition
 
@@ -92,6 +93,16 @@ class Awkward(nn.Module):
         return self.c(h) + self.b(h)
 
 
+_UNIT_OPTIONS = ("source_path", "cache_dir", "progress", "bandwidth", "repeats", "rounds")
+
+
+def plan_source(m, cls, n, **kw):
+    """annot.planner.plan over the segments of ``cls.forward``, the options of
+    :class:`SourceSegments` given among plan's."""
+    opts = {k: kw.pop(k) for k in _UNIT_OPTIONS if k in kw}
+    return plan(m, n, units=SourceSegments(cls, **opts), **kw)
+
+
 def block_params(h, width=WIDTH):
     return 2 * width + (width * h + h) + (h * width + width)
 
@@ -147,7 +158,7 @@ def test_boundary_markers_leave_nothing_to_plan():
     with pytest.raises(
         PartitionError, match=r"annot.boundary\(\) markers \(boundary\(\)@\d+\).*nothing to plan"
     ):
-        plan_stages(Marked(), Marked, 2)
+        plan_source(Marked(), Marked, 2)
 
 
 # ---- the partition -----------------------------------------------------------------
@@ -155,7 +166,7 @@ def test_boundary_markers_leave_nothing_to_plan():
 
 def test_params_plan_equals_partition_of_hand_counted_parameters():
     m = model()
-    plan = plan_stages(m, Uneven, 4, cost="params")
+    plan = plan_source(m, Uneven, 4, cost="params")
     counts = segment_params()
     assert [c.n_params for c in plan.costs] == counts
     assert [c.cost for c in plan.costs] == [BYTES * n for n in counts]
@@ -176,7 +187,7 @@ def test_balanced_where_a_uniform_layer_split_is_not():
     uniform[-1] = [*uniform[-1], *counts[-2:]]
     stage = [sum(u) for u in uniform]
     assert max(stage) / (sum(stage) / 4) > 1.3  # the case is built to be uneven
-    plan = plan_stages(model(), Uneven, 4, cost="params")
+    plan = plan_source(model(), Uneven, 4, cost="params")
     assert plan.imbalance <= 1.10
     assert f"imbalance (max/mean stage cost): {plan.imbalance:.2f}" in plan.table()
 
@@ -186,11 +197,11 @@ def test_memory_budget_is_respected_and_infeasible_budgets_raise_with_numbers():
 
     m = model()
     one = Training(microbatches=1)  # one microbatch in flight: activations counted once
-    free = plan_stages(m, Uneven, 3, cost="flops", sample=sample(), setup=one)
+    free = plan_source(m, Uneven, 3, cost="flops", sample=sample(), setup=one)
     # the smallest possible largest stage memory of any 3-stage split
     budget = int(partition([c.memory for c in free.costs], None, 3).bottleneck)
     assert budget < max(free.partition.stage_memory)  # the budget binds
-    plan = plan_stages(m, Uneven, 3, cost="flops", sample=sample(), memory=budget, setup=one)
+    plan = plan_source(m, Uneven, 3, cost="flops", sample=sample(), memory=budget, setup=one)
     assert max(plan.partition.stage_memory) <= budget
     assert plan.boundaries != free.boundaries
     assert plan.partition.bottleneck > free.partition.bottleneck  # the price of fitting
@@ -201,20 +212,21 @@ def test_memory_budget_is_respected_and_infeasible_budgets_raise_with_numbers():
         match=r"no split into 4 stages fits memory budget 70000 bytes: the best 4-stage split "
         r"has a stage of \d+ bytes; 5 stages would fit",
     ):
-        plan_stages(m, Uneven, 4, cost="params", memory=70000)
+        plan_source(m, Uneven, 4, cost="params", memory=70000)
     with pytest.raises(PartitionError, match=rf"segment 0 alone needs {65536 + STEP} bytes"):
-        plan_stages(m, Uneven, 4, cost="params", memory=VOCAB * WIDTH * BYTES)
+        plan_source(m, Uneven, 4, cost="params", memory=VOCAB * WIDTH * BYTES)
 
 
-def test_fit_stages_finds_the_fewest_stages_that_fit():
+def test_fit_finds_the_fewest_stages_that_fit():
     m = model()
     total = sum(segment_params()) * BYTES * ADAMW
     budget = total // 3  # more than 3 stages needed
-    plan = fit_stages(m, Uneven, memory=budget, cost="params")
+    segments = len(HIDDENS) + 3  # emb, the blocks, norm, head: at most one stage each
+    plan = plan_source(m, Uneven, segments, memory=budget, cost="params", fit=True)
     assert max(plan.partition.stage_memory) <= budget
     assert plan.n_stages > 3
     with pytest.raises(PartitionError, match="memory budget"):
-        plan_stages(m, Uneven, plan.n_stages - 1, cost="params", memory=budget)
+        plan_source(m, Uneven, plan.n_stages - 1, cost="params", memory=budget)
 
 
 def test_tied_weights_are_charged_once_per_stage_that_holds_them():
@@ -223,9 +235,9 @@ def test_tied_weights_are_charged_once_per_stage_that_holds_them():
     tied = VOCAB * WIDTH * BYTES * ADAMW + STEP
     tensors = len(list(m.parameters()))  # the tied weight once
     unique = (sum(segment_params()) - VOCAB * WIDTH) * BYTES * ADAMW + tensors * STEP
-    one = plan_stages(m, Uneven, 1, cost="params")
+    one = plan_source(m, Uneven, 1, cost="params")
     assert one.partition.stage_memory == [unique]
-    two = plan_stages(m, Uneven, 2, cost="params")
+    two = plan_source(m, Uneven, 2, cost="params")
     assert sum(two.partition.stage_memory) == unique + tied  # in both end stages
     stages = two.stages()
     assert sum(s["params"] for s in stages) == sum(segment_params())
@@ -234,15 +246,15 @@ def test_tied_weights_are_charged_once_per_stage_that_holds_them():
 
 
 def test_a_dominating_segment_is_named():
-    plan = plan_stages(model(), Uneven, 8, cost="params")
+    plan = plan_source(model(), Uneven, 8, cost="params")
     assert any("'head' alone costs" in w for w in plan.warnings)
     assert "warning: segment 'head' alone costs" in plan.table()
     with pytest.raises(PartitionError, match="fewer than the 12 stages"):
-        plan_stages(model(), Uneven, 12, cost="params")
+        plan_source(model(), Uneven, 12, cost="params")
 
 
 def test_tp_divides_the_sharded_parameters():
-    plan = plan_stages(model(), Uneven, 2, cost="params", tp=2)
+    plan = plan_source(model(), Uneven, 2, cost="params", tp=2)
     for c, h in zip(plan.costs[1:-2], HIDDENS):
         # Col splits up's weight and bias; Row splits down's weight, not its bias
         assert c.n_params == 2 * WIDTH + (WIDTH * h + h) // 2 + (h * WIDTH) // 2 + WIDTH
@@ -252,9 +264,9 @@ def test_tp_divides_the_sharded_parameters():
 
 def test_cost_needs_a_sample_to_measure():
     with pytest.raises(PartitionError, match="sample"):
-        plan_stages(model(), Uneven, 2, cost="time")
+        plan_source(model(), Uneven, 2, cost="time")
     with pytest.raises(PartitionError, match="cost='bytes'"):
-        plan_stages(model(), Uneven, 2, cost="bytes", sample=sample())
+        plan_source(model(), Uneven, 2, cost="bytes", sample=sample())
 
 
 # ---- measured plans ------------------------------------------------------------------
@@ -277,7 +289,7 @@ def _compose(m, boundaries, args):
 def test_time_plan_measures_and_its_stages_compose_to_forward():
     m = model(tie=True)
     idx, targets = sample()
-    plan = plan_stages(m, Uneven, 3, sample=(idx, targets), cost="time")
+    plan = plan_source(m, Uneven, 3, sample=(idx, targets), cost="time")
     assert plan.measured
     assert plan.cost == "time"
     assert all(c.time > 0 for c in plan.costs)
@@ -296,7 +308,7 @@ def test_time_plan_measures_and_its_stages_compose_to_forward():
 def test_keyword_sample_flops_plan_and_json():
     m = model()
     idx, targets = sample()
-    plan = plan_stages(m, Uneven, 2, sample={"idx": idx, "targets": targets}, cost="flops")
+    plan = plan_source(m, Uneven, 2, sample={"idx": idx, "targets": targets}, cost="flops")
     wide, narrow = plan.costs[1].flops, plan.costs[-3].flops
     assert wide > 2 * narrow  # a 4x wider block does more work
     data = json.loads(json.dumps(plan.to_json()))
@@ -310,9 +322,9 @@ def test_keyword_sample_flops_plan_and_json():
 
 def test_profiles_are_cached(tmp_path):
     m = model()
-    first = plan_stages(m, Uneven, 2, sample=sample(), cache_dir=tmp_path)
+    first = plan_source(m, Uneven, 2, sample=sample(), cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 1
-    again = plan_stages(m, Uneven, 2, sample=sample(), cache_dir=tmp_path)
+    again = plan_source(m, Uneven, 2, sample=sample(), cache_dir=tmp_path)
     assert [c.time for c in again.costs] == [c.time for c in first.costs]
 
 
@@ -326,7 +338,7 @@ def test_measure_split_profiles_the_stages_of_a_given_split():
     with pytest.raises(PartitionError, match=r"cannot split Uneven.forward at \['nope'\]"):
         measure_split(m, Uneven, ["nope"], sample=sample())
     with pytest.raises(PartitionError, match="rounds=0"):
-        plan_stages(m, Uneven, 2, sample=sample(), rounds=0)
+        plan_source(m, Uneven, 2, sample=sample(), rounds=0)
 
 
 def test_plans_a_meta_model_by_params_and_flops():
@@ -334,44 +346,85 @@ def test_plans_a_meta_model_by_params_and_flops():
     with torch.device("meta"):
         meta = Uneven()
     real = model()
-    assert plan_stages(meta, Uneven, 4).boundaries == plan_stages(real, Uneven, 4).boundaries
+    assert plan_source(meta, Uneven, 4).boundaries == plan_source(real, Uneven, 4).boundaries
     idx, targets = sample()
-    by_flops = plan_stages(
+    by_flops = plan_source(
         meta, Uneven, 3, sample=(idx.to("meta"), targets.to("meta")), cost="flops"
     )
-    real_flops = plan_stages(real, Uneven, 3, sample=(idx, targets), cost="flops")
+    real_flops = plan_source(real, Uneven, 3, sample=(idx, targets), cost="flops")
     assert [c.flops for c in by_flops.costs] == [c.flops for c in real_flops.costs]
     assert by_flops.boundaries == real_flops.boundaries
+
+
+# ---- a user's own cost ---------------------------------------------------------------
+
+
+class _Isolate:
+    """A user's cost (annot.planner_costs.UnitCost): the segment at ``name`` a
+    thousand times the bytes the others hold."""
+
+    needs = "params"
+
+    def __init__(self, name):
+        self.name = f"{name} x1000"
+        self.segment = name
+
+    def unit_costs(self, units):
+        return [u.params * (1000.0 if u.name == self.segment else 1.0) for u in units]
+
+
+def test_a_users_cost_object_isolates_the_segment_it_makes_expensive():
+    m = model()
+    bytes_held = plan_source(m, Uneven, 3, cost="params")
+    assert "blocks.4" not in bytes_held.boundaries
+    plan = plan_source(m, Uneven, 3, cost=_Isolate("blocks.3"))
+    assert plan.boundaries == ("blocks.3", "blocks.4")  # stage 1 is blocks.3 alone
+    assert plan.unit_costs[4] == 1000 * bytes_held.unit_costs[4]
+    assert plan.cost == "blocks.3 x1000"
+    assert "balanced cost: blocks.3 x1000" in plan.table()
+    assert "'blocks.3' alone costs" in plan.warnings[0]
+    assert plan.stage_memory == [d.total for d in plan.stage_detail]
+
+
+def test_a_users_cost_needs_what_it_says():
+    class Timed(_Isolate):
+        needs = "time"
+
+    with pytest.raises(PartitionError, match=r"cost='emb x1000' is measured on a sample input"):
+        plan_source(model(), Uneven, 2, cost=Timed("emb"))
+
+    class Unknown(_Isolate):
+        needs = "bytes"
+
+    with pytest.raises(PartitionError, match=r"needs='bytes'; expected one of"):
+        plan_source(model(), Uneven, 2, cost=Unknown("emb"), sample=sample())
 
 
 # ---- the one entry point: plan() over either unit source -----------------------------
 
 
-def test_plan_over_source_segments_is_plan_stages_and_fit_stages():
-    from annot.planner import plan
-    from annot.planner_segments import SourceSegments
-
+def test_plan_over_source_segments_fits_as_it_splits():
     m = model()
     got = plan(m, 4, units=SourceSegments(Uneven), cost="params")
-    assert got.table() == plan_stages(m, Uneven, 4, cost="params").table()
     assert got.unit_kind == "segments"
     assert got.units == ()
     budget = 2 * VOCAB * WIDTH * BYTES * 4
     fit = plan(m, 5, units=SourceSegments(Uneven), cost="params", memory=budget, fit=True)
-    expected = fit_stages(m, Uneven, memory=budget, max_stages=5, cost="params")
-    assert fit.boundaries == expected.boundaries
+    assert max(fit.partition.stage_memory) <= budget
+    expected = plan(m, fit.n_stages, units=SourceSegments(Uneven), cost="params", memory=budget)
+    assert fit.partition.bottleneck == expected.partition.bottleneck
 
 
 def test_plan_over_module_units_is_one_stage_plan_with_one_table():
-    from annot.module_units import ModuleUnits, measure_units, plan_module_boundaries
-    from annot.planner import StagePlan, plan
+    from annot.module_units import ModuleUnits, measure_units, plan_units
+    from annot.planner import StagePlan
 
     m = model()
     got = plan(m, 3, units=ModuleUnits(), sample=sample(), cost="flops")
     assert isinstance(got, StagePlan)
     assert got.unit_kind == "units"
     assert got.segments == tuple(u.path for u in got.units)
-    expected = plan_module_boundaries(m, 3, sample=sample(), cost="flops")
+    expected = plan_units(measure_units(m, sample=sample(), cost="flops"), 3)
     assert got.boundaries == expected.boundaries
     assert got.table() == expected.table()
     assert got.table().startswith(f"annot plan: Uneven in 3 stages over {len(got.units)} units")
@@ -386,7 +439,5 @@ def test_plan_over_module_units_is_one_stage_plan_with_one_table():
 
 
 def test_plan_refuses_what_is_not_a_unit_source():
-    from annot.planner import plan
-
     with pytest.raises(PartitionError, match=r"expected annot\.planner_segments\.SourceSegments"):
         plan(model(), 2, units="modules")
