@@ -38,6 +38,7 @@ weights, later; ``B`` is both at once (torch's notation: ``1I3``, ``1W3``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 from annot.core.errors import PipelineError
@@ -297,7 +298,8 @@ def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
     return _with_comms(order, pp, pp)
 
 
-SCHEDULES = {
+# (pp, microbatches) -> Schedule; the interleaved one also takes chunks
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
