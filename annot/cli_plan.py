@@ -19,9 +19,8 @@ from typing import Optional
 
 from annot.cli_inputs import Refusal, build_model, degree, describe, import_target, parse_inputs
 from annot.core.errors import AnnotError
+from annot.planner import DEFAULT_SEQ_LEN
 from annot.runtime.memory_model import PRECISIONS, SCHEDULES
-
-DEFAULT_SEQ_LEN = 2048
 
 __all__ = ["add_plan"]
 
@@ -193,29 +192,6 @@ def _settings(args: argparse.Namespace, sample: Optional[dict], made: bool) -> s
     )
 
 
-def _hf_sample(model, args: argparse.Namespace) -> Optional[dict]:
-    """A transformers model's microbatch of ``--microbatch-size`` x ``--seq-len``
-    tokens (labels too, where forward takes them: the loss's saved tensors count),
-    from :func:`annot.hf.sample_inputs`'s tiny one."""
-    import torch
-
-    from annot.hf import sample_inputs
-
-    tiny = sample_inputs(model)
-    if tiny is None or "input_ids" not in tiny:
-        return tiny
-    shape = (args.microbatch_size or 1, args.seq_len or DEFAULT_SEQ_LEN)
-    out = {
-        k: torch.zeros(shape, dtype=torch.long) if k.endswith("input_ids") else v
-        for k, v in tiny.items()
-    }
-    import inspect
-
-    if "labels" in inspect.signature(type(model).forward).parameters:
-        out["labels"] = out["input_ids"]
-    return out
-
-
 def _to(device: str, sample):
     import torch
 
@@ -282,10 +258,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise Refusal(f"building {name} raised {describe(exc)}{how}") from None
         if not isinstance(model, cls):
             raise Refusal(f"--init built a {type(model).__name__}, not a {name}")
-        sample = parse_inputs(args.input, cls)
-        made = sample is None
-        if made:
-            sample = _hf_sample(model, args)
+        from annot.planner import assumed_sample
+
+        sample, made = assumed_sample(
+            model,
+            parse_inputs(args.input, cls),
+            seq_len=args.seq_len,
+            microbatch_size=args.microbatch_size,
+        )
         if sample is not None and device == "meta":
             sample = _to("meta", sample)
         if nested or args.world_size is not None:

@@ -97,12 +97,51 @@ from annot.planner_segments import exec_class, stage_fn, stage_modules
 __all__ = [
     "StagePlan",
     "TooFewSplitPoints",
+    "DEFAULT_SEQ_LEN",
     "UnitCost",
+    "assumed_sample",
     "measure_split",
     "partition_units",
     "plan",
     "split_points",
 ]
+
+
+# tokens per sequence of the microbatch a transformers model's plan assumes
+# when no sample is given (annot plan --seq-len, parallelize(memory=...))
+DEFAULT_SEQ_LEN = 2048
+
+
+def assumed_sample(
+    model: nn.Module,
+    sample: Any = None,
+    *,
+    seq_len: Optional[int] = None,
+    microbatch_size: Optional[int] = None,
+) -> tuple[Any, bool]:
+    """The microbatch a plan's activations are measured on, and whether it was
+    made here: ``sample`` as given; without one, for a transformers model,
+    ``microbatch_size`` (default 1) sequences of ``seq_len`` (default
+    :data:`DEFAULT_SEQ_LEN`) tokens (``labels`` too where forward takes
+    them: the loss's saved tensors count), made from
+    :func:`annot.hf.sample_inputs`'s tiny one (a model that takes no token ids
+    keeps that one's shape); else None: no activations. The one rule of
+    ``annot plan`` and ``parallelize(memory=...)``, so both fit a budget alike."""
+    if sample is not None:
+        return sample, False
+    from annot.hf import sample_inputs
+
+    tiny = sample_inputs(model)
+    if tiny is None or "input_ids" not in tiny:
+        return tiny, tiny is not None
+    shape = (microbatch_size or 1, seq_len or DEFAULT_SEQ_LEN)
+    out = {
+        k: torch.zeros(shape, dtype=torch.long) if k.endswith("input_ids") else v
+        for k, v in tiny.items()
+    }
+    if "labels" in inspect.signature(type(model).forward).parameters:
+        out["labels"] = out["input_ids"]
+    return out, True
 
 
 class TooFewSplitPoints(PartitionError):

@@ -63,17 +63,22 @@ def _module_boundaries(
 
     With ``sample`` (one microbatch) the units' FLOPs and activations are
     measured on meta, for the table; under a ``budget`` every stage must fit
-    it (with ``sample``, also its activations in flight), else
-    :class:`annot.module_units.StageMemoryError` names the stage."""
+    it, its activations in flight too: of ``sample``, else of the microbatch
+    ``annot plan --memory`` assumes (:func:`annot.planner.assumed_sample`: a
+    transformers model's 1 x 2048 tokens), so both choose the same split;
+    else :class:`annot.module_units.StageMemoryError` names the stage."""
     from annot.module_units import ModuleUnits
-    from annot.planner import plan
+    from annot.planner import assumed_sample, plan
 
     ref, order = points.ref, points.order
+    sample = points.sample
+    if budget is not None:
+        sample, _ = assumed_sample(ref, sample)
     planned = plan(
         ref,
         n_stages,
         units=ModuleUnits.of(points),
-        sample=_on_meta(points.sample),  # its figures, as annot plan --input shows them
+        sample=_on_meta(sample),  # its figures, as annot plan --input shows them
         memory=budget.bytes if budget is not None else None,
         setup=budget.training if budget is not None else None,
         dp=budget.dp if budget is not None else 1,
