@@ -242,23 +242,28 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
     from annot.testing import run_ranks
 
     # the model: 30 080 parameters, 16 bytes each with AdamW (+ 4 per tensor); no sample,
-    # so weights, gradients and optimizer state only
-    results = run_ranks(_parallelize_under, 2, "200KiB", "400KiB", timeout=240)
+    # so the activations of the microbatch annot plan assumes too (1 x 2048 tokens, on meta)
+    results = run_ranks(_parallelize_under, 2, "16MiB", "32MiB", timeout=240)
     from annot.hf import sample_inputs
     from annot.module_units import call_order
+    from annot.planner import assumed_sample
     from annot.runtime.stages import record_calls
 
     ref = _llama("meta")
     order = call_order(record_calls(ref, sample_inputs(ref)))  # as parallelize probes it
-    expected = plan_any(ref, 2, units=ModuleUnits(order=order), memory=400 * 1024)
+    made, _ = assumed_sample(ref)
+    made = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in made.items()}
+    units = ModuleUnits(order=order)
+    expected = plan_any(ref, 2, units=units, sample=made, memory=32 * 2**20)
     for refused, boundaries, held in results:
         assert refused.startswith(
-            "no split into 2 pipeline stages at tp=1 fits the memory budget of 200.0 KiB per "
+            "no split into 2 pipeline stages at tp=1 fits the memory budget of 16.0 MiB per "
             "device: stage "
         )
         assert boundaries == list(expected.boundaries)
-        assert 16 * held <= 400 * 1024  # what this rank holds: weights, grads, 2 AdamW states
-    assert max(expected.stage_memory) <= 400 * 1024
+        assert 16 * held <= 32 * 2**20  # what this rank holds: weights, grads, 2 AdamW states
+    assert max(expected.stage_memory) <= 32 * 2**20
+    assert min(d.activations for d in expected.stage_detail) > 0
 
 
 # ---- the README's 70B commands: their output as shown, in seconds, in little memory ------
