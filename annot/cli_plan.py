@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from annot.cli_inputs import Refusal, build_model, degree, describe, import_target, parse_inputs
 from annot.core.errors import AnnotError
@@ -364,7 +364,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
         if args.json:
             import json
 
-            doc = {
+            doc: dict[str, Any] = {
                 "assuming": settings,
                 "choices": [
                     {

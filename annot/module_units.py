@@ -115,9 +115,11 @@ class StageMemoryError(PartitionError):
             else ""
         )
         master = f", master copy {format_bytes(p.master)}" if p.master else ""
+        budget = plan.memory_budget
+        assert budget is not None  # a plan made under a budget
         super().__init__(
             f"no split into {n} pipeline stage{'s' if n != 1 else ''} at tp={plan.tp} fits the "
-            f"memory budget of {format_bytes(plan.memory_budget)} per device: stage {stage} "
+            f"memory budget of {format_bytes(budget)} per device: stage {stage} "
             f"({first} .. {last}) needs {format_bytes(d.total)} (weights "
             f"{format_bytes(p.weights)}, gradients {format_bytes(p.grads)}{master}, optimizer "
             f"state {format_bytes(p.optimizer)}{act}). To fix: more pipeline stages or "
@@ -226,7 +228,8 @@ def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -
         lvl = level(path) if in_block else 0
         out.append(Unit(path, n, (path,), _work(m, worked), lvl))
     # a unit that is the first part of a block (or of a part) begins at it
-    fixed, begun = [], set()
+    fixed: list[Unit] = []
+    begun: set[str] = set()
     for u in out:
         path, container = u.path, block_of(u.path)
         while container not in begun and inside(container):
@@ -455,7 +458,7 @@ def split_layers(model: nn.Module) -> dict[nn.Module, str]:
             target = getattr(m, name, None)
             if isinstance(target, nn.Module) and type(sp) in kinds:
                 out[target] = kinds[type(sp)]
-    hints = hints_from_hf_config(model)
+    hints: dict[str, object] = dict(hints_from_hf_config(model))
     if hints:
         named = dict(model.named_modules())
         for path, sp in resolve_hints(model, hints)[1].items():
@@ -592,7 +595,7 @@ def tp_sharded(model: nn.Module, tp: int) -> set[int]:
     from annot.hf import hints_from_hf_config
     from annot.planner_costs import sharded_ids
 
-    hints = hints_from_hf_config(model, tp=tp) if tp > 1 else None
+    hints: dict[str, object] = dict(hints_from_hf_config(model, tp=tp)) if tp > 1 else {}
     return sharded_ids(model, resolve_hints(model, hints)[1] if hints else None)
 
 
@@ -723,6 +726,7 @@ def plan_units(
             continue  # too few block parts, or they do not fit the memory; their parts may
         if best is None or _deeper_pays(best, plan):
             best = plan
+    assert best is not None  # the last level planned, or raised
     return best
 
 
@@ -776,9 +780,10 @@ def _plan_level(
     pp = n_stages
     flight = in_flight(setup.schedule, pp, setup.microbatches)
     most = max(flight)  # with fit, at most n_stages stages: never less than a stage holds
-    per_mb = [f.activations(tp, setup.checkpoint) for f in figures] if figures else None
+    per_mb: Optional[list[int]] = None
     measured = None
-    if figures is not None:
+    if figures:
+        per_mb = [f.activations(tp, setup.checkpoint) for f in figures]
         measured = [_measured(f.flops, a * most) for f, a in zip(figures, per_mb)]
     costs_of = segment_costs(
         model,
@@ -808,7 +813,7 @@ def _plan_level(
     args = partition_args(costs_of)
     most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
     budget = memory - most_extra if memory is not None and most_extra else memory
-    if budget is not None and budget <= 0:
+    if memory is not None and budget is not None and budget <= 0:
         from annot.runtime.cost_table import format_bytes
 
         raise PartitionError(

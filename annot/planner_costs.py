@@ -94,8 +94,11 @@ class UnitCost(Protocol):
     the units timed on real weights) and :meth:`unit_costs`, one number per
     unit, larger meaning a slower stage."""
 
-    name: str
-    needs: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs(self) -> str: ...
 
     def unit_costs(self, units: Sequence[UnitFacts]) -> list[float]: ...
 

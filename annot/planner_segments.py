@@ -11,9 +11,10 @@ wraps a stage method in :mod:`annot.runtime.cost`'s calling convention.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import linecache
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -108,18 +109,13 @@ def exec_class(text: str, qualname: str, cls: type, label: str) -> type:
     return ns[node.name]
 
 
-def stage_fn(stage, first: bool, kwargs: bool):
+def stage_fn(stage: Callable[..., Any], first: bool, kwargs: bool) -> Callable[..., Any]:
     """A segment callable in annot.runtime.cost's convention: the first one takes the
     sample (spread when a tuple), each next one the dict the stage before returned.
     ``__wrapped__`` is the stage method, so the profile cache keys on its code."""
-    if first and not kwargs:
+    spread = first and not kwargs
 
-        def run(*args):
-            return stage(*args)
-    else:
+    def run(*args: Any) -> Any:
+        return stage(*args) if spread else stage(**args[0])
 
-        def run(state):
-            return stage(**state)
-
-    run.__wrapped__ = stage
-    return run
+    return functools.update_wrapper(run, stage, assigned=(), updated=())  # __wrapped__ only

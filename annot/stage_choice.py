@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -116,7 +117,8 @@ def resplit(cls: type, boundaries: tuple[str, ...]):
     from annot.rewriters.stage_split import split_stages
 
     path = inspect.getfile(cls)
-    return split_stages(read_source(path), cls.__qualname__, list(boundaries), path=path)
+    source = read_source(Path(path))
+    return split_stages(source, cls.__qualname__, list(boundaries), path=path)
 
 
 def choose_boundaries(
