@@ -168,16 +168,19 @@ def parallelize(
     read once FSDP2 has sharded the parameters).
     ``memory=`` (bytes, or ``"80GiB"``) per device: the automatic split is
     planned so that every stage fits it (weights, gradients and AdamW state
-    by ``precision`` and ``fsdp``; with ``sample=`` also the activations of
-    the microbatches 1F1B keeps in flight, measured on meta;
+    by ``precision`` and ``fsdp``; also the activations of the microbatches
+    1F1B keeps in flight, measured on meta on ``sample=`` or, without one, on
+    the microbatch ``annot plan`` assumes (:func:`annot.planner.assumed_sample`);
     :mod:`annot.runtime.memory_model`), the planner ``annot plan`` uses; a
     model that cannot fit is refused before any rank allocates, naming the
     stage, its memory and the budget.
     ``runner=`` how the pipeline stages run (:mod:`annot.runtime.stage_runner`):
     ``"auto"`` chooses once from the plan (:func:`annot.stage_points.choose_runner`),
     ``"replay"`` cuts them at run time at module calls, ``"source"`` runs the
-    stage methods the rewriter cuts the root's forward into; the choice and its
-    reason are in ``model.report.runner`` and ``explain``.
+    stage methods the rewriter cuts the root's forward into (and the forwards it
+    calls, for boundaries in nested forwards: the split ``annot rewrite --pp``
+    prints); the choice and its reason are in ``model.report.runner`` and
+    ``explain``.
     Returns a :class:`ParallelModel`.
     """
     # first, before any option is rebound: the options as the caller gave them
@@ -443,7 +446,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
             source, tp, path=path, extra_hints=_external_for_module(specs, module)
         )
         if split_root and module.__name__ == cls.__module__:
-            split = split_stages(out, cls.__qualname__, list(boundaries), path=path)
+            split = split_stages(out, cls.__qualname__, list(boundaries), path=path, nested=True)
             splits["split"] = split
             out = split.source
         return out

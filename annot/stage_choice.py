@@ -118,7 +118,7 @@ def resplit(cls: type, boundaries: tuple[str, ...]):
 
     path = inspect.getfile(cls)
     source = read_source(Path(path))
-    return split_stages(source, cls.__qualname__, list(boundaries), path=path)
+    return split_stages(source, cls.__qualname__, list(boundaries), path=path, nested=True)
 
 
 def choose_boundaries(

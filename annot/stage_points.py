@@ -148,9 +148,12 @@ class StagePoints:
             )
         return _markers(path, self.cls.__qualname__)
 
-    def source_refusal(self, boundaries: tuple[str, ...]) -> Optional[str]:
+    def source_refusal(self, boundaries: tuple[str, ...], nested: bool = False) -> Optional[str]:
         """Why the source runner (the stage-split rewriter) cannot cut the
-        root's ``forward`` at ``boundaries``; None where it can."""
+        root's ``forward`` at ``boundaries``; None where it can. ``nested``:
+        also following boundaries into the forwards the root calls (the
+        nested split ``annot rewrite --pp`` prints, which ``runner="source"``
+        runs)."""
         path = _source_file(self.cls)
         if path is None:
             return f"{self.cls.__qualname__} has no source file to split"
@@ -158,7 +161,11 @@ class StagePoints:
         from annot.rewriters.stage_split import split_refusal
 
         return split_refusal(
-            read_source(path), self.cls.__qualname__, list(boundaries), path=_shown(path)
+            read_source(path),
+            self.cls.__qualname__,
+            list(boundaries),
+            path=_shown(path),
+            nested=nested,
         )
 
     def source_paths(self, model: nn.Module) -> list[str]:
@@ -246,9 +253,16 @@ def choose_runner(
     gradients as the replay, ``tests/test_runners.py``, and at least 5% faster
     on the same plans, ``benchmarks/runners.py``), else the replay, which cuts
     at any module call (the reason says why the source split cannot).
-    ``"source"`` / ``"replay"`` ask for one: the source split where the
-    rewriter cannot cut is refused with its reason; the replay cannot run
-    ``annot.boundary()`` markers."""
+    ``"source"`` / ``"replay"`` ask for one: ``"source"`` also runs the
+    nested split, which follows boundaries into the forwards the root calls
+    (an HF model's ``model.layers.4``; the same losses and gradients as the
+    replay, ``tests/test_runners.py``; a call asking a nested forward's output
+    capture for its outputs is refused at run time), and where the rewriter
+    cannot cut it is refused with its reason; the replay cannot run
+    ``annot.boundary()`` markers. Nested boundaries stay with the replay under
+    ``"auto"``: the replay's tests cover what nested models do around the
+    boundaries (raw parameters between towers, output capture, interleaved
+    stages), which the nested split's do not yet."""
     if runner not in RUNNERS:
         raise HintError(f"parallelize: runner={runner!r}; expected one of {', '.join(RUNNERS)}")
     name = type(points.ref).__name__
@@ -263,7 +277,7 @@ def choose_runner(
             "source", "annot.boundary() markers in forward: the rewriter cuts there"
         )
     if runner == "source":
-        refusal = points.source_refusal(boundaries)
+        refusal = points.source_refusal(boundaries, nested=True)
         if refusal is not None:
             raise HintError(
                 f"parallelize: runner='source', but the stage split cannot cut "
@@ -279,5 +293,12 @@ def choose_runner(
             "source",
             "the rewriter cuts the root's forward at these boundaries, "
             "and its stage methods run faster than the replay",
+        )
+    if points.source_refusal(boundaries, nested=True) is None:
+        return RunnerChoice(
+            "replay",
+            "the boundaries lie in forwards the root's forward calls, where the replay cuts "
+            "them (runner='source' runs the nested source split that annot rewrite --pp "
+            f"prints instead); the root's forward alone cannot be cut there: {refusal}",
         )
     return RunnerChoice("replay", f"the source split cannot cut there: {refusal}")

@@ -7,7 +7,7 @@ to run, heavy in parameters), a large LM head (heavy in both), and blocks of
 mixed MLP widths (some 4x wider than the others). Three ways to place the
 stage boundaries:
 
-* **annot**: :func:`annot.planner.plan_stages` with ``cost="time"`` on one
+* **annot**: :func:`annot.planner.plan` (``units=SourceSegments(...)``) with ``cost="time"`` on one
   microbatch (per-segment forward + backward times, exact min-bottleneck);
 * **uniform**: the same number of blocks per stage, the embedding with the
   first, the head with the last (torchtitan / torch.distributed.pipelining's
@@ -261,7 +261,8 @@ def _rank_steps(cfg: UnevenConfig, splits: dict[str, list[str]], pp: int, batch:
 
 
 def main() -> None:
-    from annot.planner import plan_stages
+    from annot.planner import plan as plan_stages
+    from annot.planner_segments import SourceSegments
     from annot.runtime.partition import evaluate, partition
     from annot.testing import run_ranks
     from benchmarks.partition_speed import median_time
@@ -292,7 +293,9 @@ def main() -> None:
     print(f"  {'pp':>2}  {'rule':<10} {'time':>5} {'FLOPs':>5}  {'plan s':>6}  boundaries")
     for pp in (2, 4):
         t0 = time.perf_counter()
-        plan = plan_stages(model, UnevenGPT, pp, sample=mb, cost="time", rounds=7)
+        plan = plan_stages(
+            model, pp, units=SourceSegments(UnevenGPT, rounds=7), sample=mb, cost="time"
+        )
         plan_s = time.perf_counter() - t0
         splits = {
             "annot": list(plan.boundaries),

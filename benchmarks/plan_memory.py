@@ -5,7 +5,7 @@ pipeline training step on gloo ranks.
     python benchmarks/plan_memory.py --hidden 2048 --intermediate 5632 --layers 16 \\
         --heads 16 --kv-heads 4                           # the 852.6M Llama
 
-1. The plan: :func:`annot.module_units.plan_module_boundaries` on the meta
+1. The plan: :func:`annot.planner.plan` (``units=ModuleUnits()``) on the meta
    device (no weight allocated) for a ``LlamaForCausalLM`` (untied head) at
    ``--pp`` stages, one microbatch of ``--microbatch-size`` x ``--seq-len``
    tokens with labels (the loss inside the model), AdamW in float32, 1F1B
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    from annot.module_units import plan_module_boundaries
+    from annot.module_units import ModuleUnits
+    from annot.planner import plan as plan_stages
     from annot.runtime.memory_model import Training
     from annot.testing import run_ranks
 
@@ -125,9 +126,10 @@ def main(argv=None) -> int:
     n = sum(p.numel() for p in ref.parameters())
     ids = torch.zeros(args.microbatch_size, args.seq_len, dtype=torch.long, device="meta")
     setup = Training(optimizer="adamw", microbatches=args.microbatches, schedule="1f1b")
-    plan = plan_module_boundaries(
+    plan = plan_stages(
         ref,
         args.pp,
+        units=ModuleUnits(),
         sample={"input_ids": ids, "labels": ids, "use_cache": False},
         setup=setup,
     )

@@ -9,7 +9,7 @@ cuts it inside the nested ``LlamaModel.forward`` (annot.runtime.replay). Per pp
 (2 and 4), three systems, steps interleaved (annot-auto, annot-uniform,
 torch, ...), 1F1B, 8 microbatches:
 
-* **auto**: ``annot.module_units.plan_module_boundaries(cost="time")`` on one
+* **auto**: ``annot.planner.plan(units=ModuleUnits(), cost="time")`` on one
   microbatch: each block part (attention | MLP) timed, median of 7 forwards;
 * **uniform**: the blocks spread evenly (``annot.hf.stages_from_hf_config``);
 * **torch**: ``PipelineStage`` + ``Schedule1F1B`` over hand-written stage
@@ -204,7 +204,8 @@ def main() -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from annot.module_units import plan_module_boundaries
+    from annot.module_units import ModuleUnits
+    from annot.planner import plan as plan_stages
     from annot.testing import run_ranks
 
     torch.set_num_threads(1)
@@ -221,7 +222,7 @@ def main() -> None:
     for pp in (int(x) for x in os.environ.get("BENCH_PP", "2,4").split(",")):
         t0 = time.perf_counter()
         plan = (
-            plan_module_boundaries(model, pp, sample=sample, cost="time")
+            plan_stages(model, pp, units=ModuleUnits(), sample=sample, cost="time")
             if "auto" in SPLITS
             else None
         )

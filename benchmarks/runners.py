@@ -55,6 +55,22 @@ def _model(kind: str, pp: int):
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, 256, (16, 64), generator=g)
         return GPT, (cfg,), split, (x, x)
+    if kind == "llama":  # blocks in a nested forward (LlamaForCausalLM -> LlamaModel)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        )
+        split = [f"model.layers.{8 // pp * s}" for s in range(1, pp)]
+        ids = torch.randint(0, 512, (16, 64), generator=torch.Generator().manual_seed(0))
+        return LlamaForCausalLM, (cfg,), split, (ids, ids)
     from benchmarks.pp_models import MLPStack
 
     split = [f"blocks.{8 // pp * s}" for s in range(1, pp)]
@@ -81,7 +97,10 @@ def _rank(kind: str, cache: str) -> tuple[float, float]:
         assert model.report.runner == runner
 
         def step(x, y, model=model):
-            _, loss = model(x, y)
+            if kind == "llama":
+                loss = model(input_ids=x, labels=y, use_cache=False).loss
+            else:
+                _, loss = model(x, y)
             model.backward(loss)
             return loss
 
@@ -109,7 +128,7 @@ def measure(kind: str, pp: int) -> tuple[float, float]:
 
 def main() -> None:
     print(f"{'model':8} {'pp':>3} {'source ms':>10} {'replay ms':>10} {'source/replay':>14}")
-    for kind in ("gpt", "mlp"):
+    for kind in os.environ.get("BENCH_MODELS", "gpt,mlp,llama").split(","):
         for pp in (2, 4):
             s, r = measure(kind, pp)
             print(f"{kind:8} {pp:3d} {s * 1e3:10.2f} {r * 1e3:10.2f} {s / r:14.3f}")

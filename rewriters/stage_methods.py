@@ -34,7 +34,9 @@ class StageMethod:
     returns, i.e. the next stage's inputs (None for the last stage, which
     returns forward's value). ``modules``: the ``self`` attribute paths the
     stage reads, as written (``"transformer.wte"``, ``"config"``), with loop
-    slices as ``"transformer.h[0:2]"`` / ``"transformer.h[2:]"``.
+    slices as ``"transformer.h[0:2]"`` / ``"transformer.h[2:]"``; in a
+    nested split, what a callee's stage reads as ``"model/layers[1:3]"``
+    (the use ``layers[1:3]`` relative to the submodule ``model``).
     ``source``: the stage method's source.
     """
 

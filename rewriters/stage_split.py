@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
@@ -73,6 +73,13 @@ from annot.rewriters.stage_methods import (
 __all__ = ["StageMethod", "StageSplit", "split_decorated", "split_refusal", "split_stages"]
 
 
+# Hugging Face's decorators that collect the layers' outputs over the whole
+# call (output_attentions=True, output_hidden_states=True): on a nested forward
+# they see its first stage only, and the flags that ask for them.
+OUTPUT_CAPTURE = frozenset({"capture_outputs", "check_model_inputs"})
+CAPTURE_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits")
+
+
 @dataclass(frozen=True)
 class StageSplit:
     """The result of :func:`split_stages`.
@@ -81,13 +88,18 @@ class StageSplit:
     ``n`` if every ``return`` of forward returns a tuple literal of ``n``
     items, else None. ``boundaries``: where each stage after the first
     begins, in forward order (the paths given, and ``boundary()@LINE`` for
-    ``annot.boundary()`` markers).
+    ``annot.boundary()`` markers). ``captures``: the nested forwards
+    (``"LlamaModel.forward"``) whose decorators capture their layers' outputs
+    (:data:`OUTPUT_CAPTURE`); they run on that forward's first stage only, so
+    a call that asks for the captured outputs cannot run on this split.
     """
 
     source: str
     stages: tuple[StageMethod, ...]
     output_arity: Optional[int]
     boundaries: tuple[str, ...] = ()
+    captures: tuple[str, ...] = ()
+    capture_flags: ClassVar[tuple[str, ...]] = CAPTURE_FLAGS  # the call's flags that ask them
 
 
 def _stage_decorator(cls: cst.ClassDef, qnames: Mapping) -> Optional[int]:
@@ -157,6 +169,16 @@ class _Level:
     caller: Optional[str]
 
 
+def _decorator_names(sp: Splitter) -> list[str]:
+    """The names of the split method's decorators (``capture_outputs`` for
+    ``@capture_outputs`` and ``@utils.capture_outputs(...)``)."""
+    out = []
+    for dec in sp.forward.decorators:
+        func = dec.decorator.func if isinstance(dec.decorator, cst.Call) else dec.decorator
+        out.append(func.attr.value if isinstance(func, cst.Attribute) else node_source(func))
+    return out
+
+
 def _chain(
     wrapper: MetadataWrapper,
     cls: cst.ClassDef,
@@ -184,9 +206,7 @@ def _chain(
         return
     sp = Splitter(wrapper, cls, path, method=method, nested=nested)
     if caller is not None:
-        for dec in sp.forward.decorators:
-            func = dec.decorator.func if isinstance(dec.decorator, cst.Call) else dec.decorator
-            name = func.attr.value if isinstance(func, cst.Attribute) else node_source(func)
+        for dec, name in zip(sp.forward.decorators, _decorator_names(sp)):
             if name not in FIRST_STAGE_DECORATORS:
                 raise sp.error(
                     dec,
@@ -246,6 +266,33 @@ def _header(sp: Splitter, plan: ForwardStages, caller: Optional[str]) -> str:
     return out
 
 
+def _stage_modules(level: _Level, done: dict[tuple[int, str], _Level]) -> list[StageMethod]:
+    """``level``'s stage methods with the modules they hold: a call of a
+    callee's stage method (``model._annot_stage_1``, or a helper method's
+    stage of this class) stands for what that stage reads, each as
+    ``callee/use`` (``"model/layers[1:3]"``: a use read relative to the
+    submodule ``model``), so each stage holds only its part of a nested
+    forward."""
+    stages = {}  # "model._annot_stage_1" -> the modules that part reads
+    for inner in level.plan.inner:
+        child_cls = inner.callee.cls
+        if child_cls is None:  # an nn.Sequential: sliced in place, paths as written
+            continue
+        child = done[(id(child_cls), inner.callee.method)]
+        under = inner.callee.path if inner.callee.kind == "module" else ""
+        for sm in _stage_modules(child, done):
+            name = f"{under}.{sm.method}" if under else sm.method
+            stages[name] = tuple(f"{under}/{m}" if under else m for m in sm.modules)
+    out = []
+    for _, sm in level.built:
+        modules: dict[str, None] = {}
+        for m in sm.modules:
+            for held in stages.get(m, (m,)):
+                modules.setdefault(held, None)
+        out.append(replace(sm, modules=tuple(modules)))
+    return out
+
+
 def _split(
     wrapper: MetadataWrapper,
     cls: cst.ClassDef,
@@ -286,7 +333,13 @@ def _split(
     transformer = StageSplitTransformer(inserts, cls, idx, comment)
     source = wrapper.module.visit(transformer).code
     labels = tuple(c.label for c in plan.cuts)
-    return StageSplit(source, tuple(p for _, p in built), output_arity(plan.returns), labels)
+    stages = tuple(_stage_modules(root, done))
+    captures = tuple(
+        f"{lv.splitter.cls.name.value}.{lv.splitter.method}"
+        for lv in done.values()
+        if lv.caller is not None and OUTPUT_CAPTURE & set(_decorator_names(lv.splitter))
+    )
+    return StageSplit(source, stages, output_arity(plan.returns), labels, captures)
 
 
 def split_stages(
@@ -315,14 +368,19 @@ def split_stages(
 
 
 def split_refusal(
-    source: str, class_name: str, boundaries: Sequence[str], *, path: str = "<string>"
+    source: str,
+    class_name: str,
+    boundaries: Sequence[str],
+    *,
+    path: str = "<string>",
+    nested: bool = False,
 ) -> Optional[str]:
     """Why :func:`split_stages` cannot cut ``class_name``'s forward at
     ``boundaries`` (its refusal, ``file:line:col: reason``), or None where it
     can: the answer the build chooses a runner by
     (:func:`annot.stage_points.choose_runner`), never an exception."""
     try:
-        split_stages(source, class_name, boundaries, path=path)
+        split_stages(source, class_name, boundaries, path=path, nested=nested)
     except RewriteError as err:
         return str(err)
     return None

@@ -5,8 +5,10 @@
 Both runners run the same plan (the same boundaries, the same stages):
 
 * :class:`SourceRunner`: the stage-split rewriter cut the root's ``forward``
-  into stage methods (``_annot_stage_k``); each stage is its method, and what
-  a stage holds and sends is read from the source.
+  into stage methods (``_annot_stage_k``), and for boundaries in the forwards
+  it calls, those too (the nested split: the root's stage k calls
+  ``self.model._annot_stage_k``); each stage is its method, and what a stage
+  holds and sends is read from the source.
 * :class:`ReplayRunner`: the model's own ``forward`` runs on every rank and
   the stages are cut at run time where a boundary module is called
   (:mod:`annot.runtime.replay`); each stage holds the modules of its range of
@@ -100,14 +102,17 @@ class SourceRunner(StageRunner):
         self.split = split
 
     def stage_modules(self, model, boundaries, n_stages):
-        from annot.runtime.stages import expand_module_paths
+        from annot.runtime.stages import expand_module_paths, with_aliases
 
         if len(self.split.stages) != n_stages:
             raise PipelineError(
                 f"the stage split has {len(self.split.stages)} stages but the mesh needs "
                 f"pp * chunks = {n_stages}"
             )
-        return {s.index: expand_module_paths(model, s.modules) for s in self.split.stages}
+        return {
+            s.index: with_aliases(model, expand_module_paths(model, s.modules))
+            for s in self.split.stages
+        }
 
     def stage_functions(self, module, layout, wrap):
         return {
@@ -118,8 +123,23 @@ class SourceRunner(StageRunner):
         if stage.index == 0:
             assert model_args is not None, "the step body runs stage 0"
             args, kwargs = model_args
+            if self.split is not None and self.split.captures:
+                self._check_no_capture(stage.fn, kwargs)
             return stage.fn(*args, **kwargs)
         return call_stage(stage.fn, inputs)
+
+    def _check_no_capture(self, fn: Callable, kwargs: dict) -> None:
+        """Refuse a call that asks a nested forward's output capture for what
+        it collects: its decorator runs on that forward's first stage only."""
+        config = getattr(getattr(fn, "__self__", None), "config", None)
+        asked = [f for f in self.split.capture_flags if kwargs.get(f, getattr(config, f, False))]
+        if asked:
+            raise PipelineError(
+                f"{asked[0]}=True on a pipeline run by the source split: "
+                f"{', '.join(self.split.captures)} collects its layers' outputs in a decorator "
+                "that runs on its first stage only, so later stages' layers would be missing. "
+                "Use runner='replay' (or leave runner= out), which collects them on every stage"
+            )
 
     @property
     def output_arity(self) -> Optional[int]:

@@ -177,9 +177,14 @@ def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
     """Module paths (``h.2``) for the uses the rewriter reported (``h[2:4]``,
     ``lm_head``, ``config``): each use is the longest prefix of its path that
     names a module, a parameter or a buffer (``scale.exp`` reads the raw
-    parameter ``scale``); other attributes are dropped."""
+    parameter ``scale``); other attributes are dropped. ``model/layers[1:3]``
+    (a nested split's) reads ``layers[1:3]`` of the submodule ``model``."""
     out: set[str] = set()
     for use in uses:
+        under, slash, inner = use.partition("/")
+        if slash:  # a nested split's use, relative to the submodule ``under``
+            out.update(f"{under}.{p}" for p in expand_module_paths(_get(root, under), (inner,)))
+            continue
         m = _SLICE.match(use)
         if m:
             seq = _get(root, m["path"])
@@ -192,6 +197,29 @@ def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
         found = _state_prefix(root, use)
         if found is not None:
             out.add(found)
+    return out
+
+
+def with_aliases(root: nn.Module, keep: set[str]) -> set[str]:
+    """``keep`` plus every other name of what it holds: a module registered
+    under two paths, and a module whose parameters are all tied to held ones
+    (T5's ``shared``, whose weight is ``encoder.embed_tokens.weight``; forward
+    never calls it), so pruning the other name drops nothing a stage uses."""
+    named = list(root.named_modules(remove_duplicate=False))
+    paths: dict[int, list[str]] = {}
+    for path, m in named:
+        paths.setdefault(id(m), []).append(path)
+    out = set(keep)
+    for path, m in named:
+        if path and covered(path, keep):
+            out.update(paths[id(m)])
+    held = {
+        id(p) for name, p in root.named_parameters(remove_duplicate=False) if covered(name, out)
+    }
+    for path, m in named:
+        own = [p for p in m._parameters.values() if p is not None]
+        if path and own and all(id(p) in held for p in own) and not any(m.children()):
+            out.add(path)
     return out
 
 

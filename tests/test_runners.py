@@ -29,6 +29,16 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
             )
             for _ in range(2)
         ]
+    elif model_name in ("llama", "t5"):  # blocks in nested forwards: the nested split
+        from tests.e2e.test_pp_nested import _llama, _t5
+
+        cls, args = _llama() if model_name == "llama" else _t5()
+        g = torch.Generator().manual_seed(1)
+        batches = []
+        for _ in range(2):
+            ids = torch.randint(0, 64, (4, 8), generator=g)
+            labels = ids[:, :4].contiguous() if model_name == "t5" else ids
+            batches.append(((), {"input_ids": ids, "labels": labels, "use_cache": False}))
     else:
         from examples.gpt.model import GPT, GPTConfig
 
@@ -50,7 +60,8 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
 
         @annot.jit(model, microbatches=4, schedule=schedule)
         def step(*a, model=model, **k):
-            _, loss = model(*a, **k)
+            out = model(*a, **k)
+            loss = out.loss if hasattr(out, "loss") else out[1]
             model.backward(loss)
             return loss
 
@@ -82,6 +93,20 @@ def test_source_and_replay_give_identical_losses_and_gradients(tmp_path):
     """Branchy: a tied embedding and head across the first and last stage, a
     module called twice, a branch on the data inside the cut loop, kwargs."""
     run_ranks(_both_runners, 2, "branchy", ["blocks.2"], 1, str(tmp_path))
+
+
+def test_nested_source_split_and_replay_identical_on_hf_llama(tmp_path):
+    """HF Llama cut inside LlamaModel.forward: runner="source" runs the nested
+    split (the root's stage methods call the base model's), the replay cuts the
+    same boundary at run time; its tied embedding and head span both stages."""
+    run_ranks(_both_runners, 2, "llama", ["model.layers.1"], 1, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_nested_source_split_and_replay_identical_on_t5(tmp_path):
+    """T5 cut in its decoder: the encoder and the decoder's embedding on stage 0
+    (``shared`` is the same weight, held under every name), the rest on stage 1."""
+    run_ranks(_both_runners, 2, "t5", ["decoder.block.1"], 1, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -134,18 +159,21 @@ def _refusals(cache: str):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
     from annot.core.errors import HintError
-    from tests.nested_models import TimmStyleViT
+    from tests.nested_models import TimmStyleViT, XStyleSubclass
     from tests.pipeline_models import Marked
 
     with pytest.raises(HintError, match="runner='replay', but Marked.forward places its stages"):
         annot.parallelize(Marked, mesh=annot.Mesh(pp=2), seed=0, runner="replay")
     with pytest.raises(HintError, match="runner='source', but the stage split cannot cut"):
         annot.parallelize(
-            TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"], runner="source"
+            XStyleSubclass, mesh=annot.Mesh(pp=2), seed=0, split=["layers.1.0"], runner="source"
         )
     with pytest.raises(HintError, match="runner='fast'; expected one of auto, source, replay"):
         annot.parallelize(Marked, mesh=annot.Mesh(pp=2), seed=0, runner="fast")
     model = annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
+    assert model.report.runner == "replay"
+    assert "runner='source' runs the nested source split" in model.report.runner_reason
+    model = annot.parallelize(XStyleSubclass, mesh=annot.Mesh(pp=2), seed=0, split=["layers.1.0"])
     assert model.report.runner == "replay"
     assert model.report.runner_reason.startswith("the source split cannot cut there: ")
 
@@ -153,3 +181,40 @@ def _refusals(cache: str):
 @pytest.mark.slow  # the refusal's reason: tests/test_stage_points.py, fast
 def test_a_runner_that_cannot_run_the_plan_is_refused(tmp_path):
     run_ranks(_refusals, 2, str(tmp_path))
+
+
+def _capture_refused(cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from annot.core.errors import PipelineError, RankFailure
+    from tests.e2e.test_pp_nested import _llama
+
+    cls, args = _llama()
+    model = annot.parallelize(
+        cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=["model.layers.1"], runner="source"
+    )
+
+    @annot.jit(model, microbatches=2)
+    def step(ids):
+        out = model(input_ids=ids, labels=ids, use_cache=False, output_hidden_states=True)
+        model.backward(out.loss)
+        return out.loss
+
+    with pytest.raises((PipelineError, RankFailure)) as err:
+        step(torch.randint(0, 64, (4, 8)))
+    return str(err.value)
+
+
+def test_nested_source_split_refuses_output_capture(tmp_path):
+    """HF's @capture_outputs on LlamaModel.forward runs on its first stage only
+    under the nested split: asking for output_hidden_states is refused on every
+    rank (the replay collects them across stages, tests/e2e/test_pp_nested.py)."""
+    texts = run_ranks(_capture_refused, 2, str(tmp_path))
+    assert "output_hidden_states=True on a pipeline run by the source split" in texts[0]
+    assert "LlamaModel.forward" in texts[0]
+    assert "runner='replay'" in texts[0]
+    assert "rank 0" in texts[1]

@@ -515,12 +515,13 @@ def test_measured_plans_split_inside_block_parts(tmp_path):
     # attention and an MLP (at pp=2 the blocks balance)
     import torch
 
-    from annot.module_units import plan_module_boundaries
+    from annot.module_units import ModuleUnits
+    from annot.planner import plan as plan_stages
 
     cls, args = _llama()
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    plan = plan_module_boundaries(cls(*args), 3, sample={"input_ids": ids}, cost="flops")
+    plan = plan_stages(cls(*args), 3, units=ModuleUnits(), sample={"input_ids": ids}, cost="flops")
     deep = {u.path for u in plan.units if u.level == 2}
     assert deep & set(plan.boundaries), plan.table()
     _run(tmp_path, "llama", [plan.boundaries], world=3)

@@ -488,3 +488,28 @@ def test_a_callee_forward_defined_by_a_base_class_in_the_file():
     model = mod.Net()
     x = torch.randn(3, 4)
     torch.testing.assert_close(_compose(model, 2, x), model(x), rtol=0, atol=0)
+
+
+def test_each_stage_holds_its_part_of_the_callees():
+    """A stage method calling a callee's stage (``self.body._annot_stage_0``,
+    through the helper ``features``) holds what that part reads, under the
+    callee's path (``body/layers[0:2]``: read relative to ``body``), so the
+    runtime keeps ``body.layers.0-1`` on stage 0, not the whole ``body``."""
+    split = split_stages(CHAIN_SRC, "Net", ["body.layers.2"], path="m.py", nested=True)
+    assert [s.modules for s in split.stages] == [
+        ("inp", "body/layers[0:2]", "body/depth"),
+        ("body/layers[2:]", "body/depth", "head"),
+    ]
+    assert split.captures == ()
+
+
+def test_a_nested_forward_that_captures_outputs_is_named():
+    """HF's @capture_outputs on a nested forward runs on its first stage only;
+    the split names that forward, so the runner can refuse a call asking for it."""
+    src = CHAIN_SRC.replace(
+        "    def forward(self, x, scale=1.0):\n",
+        "    @capture_outputs\n    def forward(self, x, scale=1.0):\n",
+    )
+    split = split_stages(src, "Net", ["body.layers.2"], path="m.py", nested=True)
+    assert split.captures == ("Body.forward",)
+    assert "output_hidden_states" in split.capture_flags

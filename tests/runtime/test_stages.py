@@ -1,11 +1,17 @@
-"""Which modules a replayed pipeline stage holds (annot.runtime.stages)."""
+"""Which modules a pipeline stage holds (annot.runtime.stages)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from annot.runtime.stages import call_order_stage_modules, record_calls, stage_calls
+from annot.runtime.stages import (
+    call_order_stage_modules,
+    expand_module_paths,
+    record_calls,
+    stage_calls,
+    with_aliases,
+)
 from tests.test_hf_gpt2 import LLAMA_KW
 
 
@@ -68,3 +74,31 @@ def test_the_call_order_probe_sees_weights_read_directly():
     held = call_order_stage_modules(model, ("layers.1",), stage_calls(calls, ("layers.1",)))
     assert "table" in held[0]
     assert "table" not in held[1]
+
+
+def test_a_nested_splits_uses_are_read_relative_to_their_callee():
+    """``model/layers[1:3]`` (a nested split's use) names ``model.layers.1-2``;
+    ``model/config`` names no state, where ``model.config`` would keep the whole
+    ``model`` (its longest prefix that names a module)."""
+    m = _llama()
+    assert expand_module_paths(m, ("model/layers[1:3]", "model/config")) == {
+        "model.layers.1",
+        "model.layers.2",
+    }
+    assert expand_module_paths(m, ("model.config",)) == {"model"}
+
+
+def test_every_name_of_a_held_module_or_tied_weight_is_held():
+    """T5-style: ``shared`` is never called, its weight is the embedding's; a
+    module registered twice is held under both paths."""
+    emb = nn.Embedding(4, 2)
+    root = nn.Module()
+    root.shared = emb
+    root.enc = nn.Module()
+    root.enc.embed = emb  # the same module under two paths
+    root.dec = nn.Module()
+    root.dec.embed = nn.Embedding(4, 2)
+    root.dec.embed.weight = emb.weight  # a weight tied by the parameter
+    root.head = nn.Linear(2, 2)
+    assert with_aliases(root, {"enc"}) == {"enc", "enc.embed", "shared", "dec.embed"}
+    assert with_aliases(root, {"head"}) == {"head"}
