@@ -3,6 +3,7 @@ torch.distributed.pipelining with the same uniform split done by hand.
 
     python benchmarks/pp_llama.py        # a few minutes on 2 CPU cores
     BENCH_PP=4 BENCH_STEPS=4 python benchmarks/pp_llama.py    # one pp, fewer steps
+    BENCH_SPLITS=uniform BENCH_RUNNER=source python benchmarks/pp_llama.py
 
 The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
 cuts it inside the nested ``LlamaModel.forward`` (annot.runtime.replay). Per pp
@@ -65,6 +66,9 @@ STEPS = int(os.environ.get("BENCH_STEPS", "6"))
 LAYERS = int(os.environ.get("BENCH_LAYERS", "8"))
 # "auto,uniform" (default) or "uniform": the automatic split is planned and timed too
 SPLITS = tuple(os.environ.get("BENCH_SPLITS", "auto,uniform").split(","))
+# the uniform split's runner: "auto" (the replay, for these nested boundaries) or
+# "source" (the nested source split, the stage methods annot rewrite --pp prints)
+RUNNER = os.environ.get("BENCH_RUNNER", "auto")
 MICRO = 8
 BATCH, SEQ = 16, 64
 
@@ -114,7 +118,12 @@ def _rank(pp: int, auto_split: list, cache: str):
         if name not in SPLITS:
             continue
         model = annot.parallelize(
-            LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=pp), seed=0, split=split
+            LlamaForCausalLM,
+            cfg,
+            mesh=annot.Mesh(pp=pp),
+            seed=0,
+            split=split,
+            runner=RUNNER if name == "uniform" else "auto",
         )
         models[name] = model
 

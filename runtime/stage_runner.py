@@ -109,10 +109,9 @@ class SourceRunner(StageRunner):
                 f"the stage split has {len(self.split.stages)} stages but the mesh needs "
                 f"pp * chunks = {n_stages}"
             )
-        return {
-            s.index: with_aliases(model, expand_module_paths(model, s.modules))
-            for s in self.split.stages
-        }
+        return with_aliases(
+            model, {s.index: expand_module_paths(model, s.modules) for s in self.split.stages}
+        )
 
     def stage_functions(self, module, layout, wrap):
         return {

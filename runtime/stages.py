@@ -200,26 +200,32 @@ def expand_module_paths(root: nn.Module, uses: tuple[str, ...]) -> set[str]:
     return out
 
 
-def with_aliases(root: nn.Module, keep: set[str]) -> set[str]:
-    """``keep`` plus every other name of what it holds: a module registered
-    under two paths, and a module whose parameters are all tied to held ones
-    (T5's ``shared``, whose weight is ``encoder.embed_tokens.weight``; forward
-    never calls it), so pruning the other name drops nothing a stage uses."""
+def with_aliases(root: nn.Module, stages: dict[int, set[str]]) -> dict[int, set[str]]:
+    """Each stage's paths plus every other name of what it holds: a module
+    registered under two paths is held under both; a module no stage holds
+    whose parameters are all tied to held ones (T5's ``shared``, the weight of
+    ``encoder.embed_tokens``; forward never calls it) goes with the stages
+    holding them. So pruning drops no name of a tensor a stage uses."""
     named = list(root.named_modules(remove_duplicate=False))
     paths: dict[int, list[str]] = {}
     for path, m in named:
         paths.setdefault(id(m), []).append(path)
-    out = set(keep)
-    for path, m in named:
-        if path and covered(path, keep):
-            out.update(paths[id(m)])
-    held = {
-        id(p) for name, p in root.named_parameters(remove_duplicate=False) if covered(name, out)
-    }
+    out = {}
+    for k, keep in stages.items():
+        out[k] = set(keep)
+        for path, m in named:
+            if path and covered(path, keep):
+                out[k].update(paths[id(m)])
+    anywhere = set().union(*out.values())
+    params = list(root.named_parameters(remove_duplicate=False))
     for path, m in named:
         own = [p for p in m._parameters.values() if p is not None]
-        if path and own and all(id(p) in held for p in own) and not any(m.children()):
-            out.add(path)
+        if not path or not own or any(m.children()) or covered(path, anywhere):
+            continue
+        for keep in out.values():
+            held = {id(p) for name, p in params if covered(name, keep)}
+            if all(id(p) in held for p in own):
+                keep.add(path)
     return out
 
 

@@ -100,5 +100,8 @@ def test_every_name_of_a_held_module_or_tied_weight_is_held():
     root.dec.embed = nn.Embedding(4, 2)
     root.dec.embed.weight = emb.weight  # a weight tied by the parameter
     root.head = nn.Linear(2, 2)
-    assert with_aliases(root, {"enc"}) == {"enc", "enc.embed", "shared", "dec.embed"}
-    assert with_aliases(root, {"head"}) == {"head"}
+    held = with_aliases(root, {0: {"enc"}, 1: {"head"}})
+    assert held == {0: {"enc", "enc.embed", "shared", "dec.embed"}, 1: {"head"}}
+    # a module a stage holds keeps its own place, tied or not
+    held = with_aliases(root, {0: {"enc"}, 1: {"dec", "head"}})
+    assert held == {0: {"enc", "enc.embed", "shared"}, 1: {"dec", "dec.embed", "head"}}
