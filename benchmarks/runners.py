@@ -14,18 +14,28 @@ pp=2 and pp=4 (4 ranks on 2 cores: both runners equally oversubscribed), 1F1B,
 (source, replay, source, ...); the median step of each is reported, and the
 ratio source / replay (below 0.95: the source split is the 5% faster fast path).
 
-Results (this 2-core CPU machine, shared with other work, 2026-11-26, BENCH_STEPS=10):
+HF Llama (8 layers, cut in ``LlamaModel.forward``): ``runner="source"`` runs the
+nested split (the root's stage methods call the base model's).
+
+Results (this 2-core CPU machine, quiet, 2026-11-26 evening, BENCH_STEPS=10):
 
     model     pp  source ms  replay ms  source/replay
-    gpt        2     108.49     115.50          0.939
-    gpt        4     123.72     159.08          0.778
-    mlp        2     115.69     120.29          0.962
-    mlp        4     165.28     243.96          0.677
+    gpt        2      66.76      75.31          0.886
+    gpt        4     102.13     117.27          0.871
+    mlp        2      54.55      63.76          0.856
+    mlp        4      72.32      91.77          0.788
+    llama      2     138.78     142.12          0.976
+    llama      4     167.84     192.28          0.873
 
-The source split is 5% faster or more on 3 of 4 (the replay's cost grows with
-the stages it replays on meta), so it stays the build's fast path where the
-rewriter can cut the root's forward (annot.stage_points.choose_runner);
-tests/test_runners.py checks both give identical losses and gradients.
+(Earlier that day, shared with other work: gpt 0.939 / 0.778, mlp 0.962 / 0.677,
+llama 0.959 / 0.894.)
+
+The root split is 5% faster or more on every model here (the replay's cost grows
+with the stages it replays on meta), so it stays the build's fast path where the
+rewriter can cut the root's forward (annot.stage_points.choose_runner); the
+nested split is at pp=4 but not at pp=2, so nested boundaries stay with the replay
+unless ``runner="source"`` asks for it. tests/test_runners.py checks both give
+identical losses and gradients.
 """
 
 from __future__ import annotations
