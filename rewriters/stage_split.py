@@ -50,7 +50,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Any, Optional
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
@@ -73,11 +73,15 @@ from annot.rewriters.stage_methods import (
 __all__ = ["StageMethod", "StageSplit", "split_decorated", "split_refusal", "split_stages"]
 
 
-# Hugging Face's decorators that collect the layers' outputs over the whole
-# call (output_attentions=True, output_hidden_states=True): on a nested forward
-# they see its first stage only, and the flags that ask for them.
-OUTPUT_CAPTURE = frozenset({"capture_outputs", "check_model_inputs"})
-CAPTURE_FLAGS = ("output_attentions", "output_hidden_states", "output_router_logits")
+# Hugging Face's decorators that collect or convert a forward's outputs over the
+# whole call, and the call's arguments that ask them to: on a split forward they
+# wrap single stages (each of the root's, a nested forward's first), so a call
+# asking cannot run on the split (StageSplit.output_request).
+OUTPUT_WRAPPERS = {
+    "capture_outputs": ("output_attentions", "output_hidden_states", "output_router_logits"),
+    "check_model_inputs": ("output_attentions", "output_hidden_states", "output_router_logits"),
+    "can_return_tuple": ("return_dict",),  # asked by return_dict=False
+}
 
 
 @dataclass(frozen=True)
@@ -88,18 +92,28 @@ class StageSplit:
     ``n`` if every ``return`` of forward returns a tuple literal of ``n``
     items, else None. ``boundaries``: where each stage after the first
     begins, in forward order (the paths given, and ``boundary()@LINE`` for
-    ``annot.boundary()`` markers). ``captures``: the nested forwards
-    (``"LlamaModel.forward"``) whose decorators capture their layers' outputs
-    (:data:`OUTPUT_CAPTURE`); they run on that forward's first stage only, so
-    a call that asks for the captured outputs cannot run on this split.
+    ``annot.boundary()`` markers). ``wrappers``: ``(forward, decorator)``
+    for each split forward decorated with one of :data:`OUTPUT_WRAPPERS`
+    (``("LlamaModel.forward", "capture_outputs")``).
     """
 
     source: str
     stages: tuple[StageMethod, ...]
     output_arity: Optional[int]
     boundaries: tuple[str, ...] = ()
-    captures: tuple[str, ...] = ()
-    capture_flags: ClassVar[tuple[str, ...]] = CAPTURE_FLAGS  # the call's flags that ask them
+    wrappers: tuple[tuple[str, str], ...] = ()
+
+    def output_request(self, kwargs: Mapping, config: Any) -> Optional[str]:
+        """The call's argument (or ``config``'s default) that asks a decorator
+        in :attr:`wrappers` for what it gives only around the whole call
+        (``output_hidden_states=True``, ``return_dict=False``), named with
+        the decorator; None where the call asks none."""
+        for where, name in self.wrappers:
+            for flag in OUTPUT_WRAPPERS[name]:
+                value = kwargs.get(flag, getattr(config, flag, None))
+                if (value is False) if flag == "return_dict" else bool(value):
+                    return f"{flag}={value!r} (for @{name} on {where})"
+        return None
 
 
 def _stage_decorator(cls: cst.ClassDef, qnames: Mapping) -> Optional[int]:
@@ -334,12 +348,13 @@ def _split(
     source = wrapper.module.visit(transformer).code
     labels = tuple(c.label for c in plan.cuts)
     stages = tuple(_stage_modules(root, done))
-    captures = tuple(
-        f"{lv.splitter.cls.name.value}.{lv.splitter.method}"
+    wrappers = tuple(
+        (f"{lv.splitter.cls.name.value}.{lv.splitter.method}", name)
         for lv in done.values()
-        if lv.caller is not None and OUTPUT_CAPTURE & set(_decorator_names(lv.splitter))
+        for name in _decorator_names(lv.splitter)
+        if name in OUTPUT_WRAPPERS
     )
-    return StageSplit(source, stages, output_arity(plan.returns), labels, captures)
+    return StageSplit(source, stages, output_arity(plan.returns), labels, wrappers)
 
 
 def split_stages(

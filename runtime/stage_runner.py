@@ -122,22 +122,23 @@ class SourceRunner(StageRunner):
         if stage.index == 0:
             assert model_args is not None, "the step body runs stage 0"
             args, kwargs = model_args
-            if self.split is not None and self.split.captures:
-                self._check_no_capture(stage.fn, kwargs)
+            if self.split is not None and self.split.wrappers:
+                self._check_output_request(stage.fn, kwargs)
             return stage.fn(*args, **kwargs)
         return call_stage(stage.fn, inputs)
 
-    def _check_no_capture(self, fn: Callable, kwargs: dict) -> None:
-        """Refuse a call that asks a nested forward's output capture for what
-        it collects: its decorator runs on that forward's first stage only."""
+    def _check_output_request(self, fn: Callable, kwargs: dict) -> None:
+        """Refuse a call that asks an output-wrapping decorator of a split
+        forward (HF's @capture_outputs, @can_return_tuple) for what it gives
+        around the whole call only: on the split it wraps single stages."""
         config = getattr(getattr(fn, "__self__", None), "config", None)
-        asked = [f for f in self.split.capture_flags if kwargs.get(f, getattr(config, f, False))]
-        if asked:
+        asked = self.split.output_request(kwargs, config)
+        if asked is not None:
             raise PipelineError(
-                f"{asked[0]}=True on a pipeline run by the source split: "
-                f"{', '.join(self.split.captures)} collects its layers' outputs in a decorator "
-                "that runs on its first stage only, so later stages' layers would be missing. "
-                "Use runner='replay' (or leave runner= out), which collects them on every stage"
+                f"{asked} on a pipeline run by the source split: the decorator collects or "
+                "converts the outputs of the whole call, and on the split it wraps single "
+                "stages, so it would see part of the model or a stage's dict. Use "
+                "runner='replay', which runs the model's own forward, or leave the argument out"
             )
 
     @property

@@ -183,7 +183,7 @@ def test_a_runner_that_cannot_run_the_plan_is_refused(tmp_path):
     run_ranks(_refusals, 2, str(tmp_path))
 
 
-def _capture_refused(cache: str):
+def _capture_refused(cache: str, asked: dict):
     import os
 
     os.environ["ANNOT_CACHE_DIR"] = cache
@@ -200,21 +200,30 @@ def _capture_refused(cache: str):
 
     @annot.jit(model, microbatches=2)
     def step(ids):
-        out = model(input_ids=ids, labels=ids, use_cache=False, output_hidden_states=True)
-        model.backward(out.loss)
-        return out.loss
+        out = model(input_ids=ids, labels=ids, use_cache=False, **asked)
+        loss = out[0] if isinstance(out, tuple) else out.loss
+        model.backward(loss)
+        return loss
 
     with pytest.raises((PipelineError, RankFailure)) as err:
         step(torch.randint(0, 64, (4, 8)))
     return str(err.value)
 
 
-def test_nested_source_split_refuses_output_capture(tmp_path):
+@pytest.mark.parametrize(
+    "asked, named",
+    [
+        ({"output_hidden_states": True}, "output_hidden_states=True (for @capture_outputs on "),
+        ({"return_dict": False}, "return_dict=False (for @can_return_tuple on "),
+    ],
+)
+def test_nested_source_split_refuses_what_wraps_the_whole_call(tmp_path, asked, named):
     """HF's @capture_outputs on LlamaModel.forward runs on its first stage only
-    under the nested split: asking for output_hidden_states is refused on every
-    rank (the replay collects them across stages, tests/e2e/test_pp_nested.py)."""
-    texts = run_ranks(_capture_refused, 2, str(tmp_path))
-    assert "output_hidden_states=True on a pipeline run by the source split" in texts[0]
-    assert "LlamaModel.forward" in texts[0]
+    under the nested split, @can_return_tuple on each of the root's stages:
+    asking them for what only the whole call gives is refused on every rank
+    (the replay runs the model's own forward, tests/e2e/test_pp_nested.py)."""
+    texts = run_ranks(_capture_refused, 2, str(tmp_path), asked)
+    assert named in texts[0]
+    assert "on a pipeline run by the source split" in texts[0]
     assert "runner='replay'" in texts[0]
     assert "rank 0" in texts[1]

@@ -500,16 +500,29 @@ def test_each_stage_holds_its_part_of_the_callees():
         ("inp", "body/layers[0:2]", "body/depth"),
         ("body/layers[2:]", "body/depth", "head"),
     ]
-    assert split.captures == ()
+    assert split.wrappers == ()
 
 
-def test_a_nested_forward_that_captures_outputs_is_named():
-    """HF's @capture_outputs on a nested forward runs on its first stage only;
-    the split names that forward, so the runner can refuse a call asking for it."""
+def test_a_forward_whose_decorator_wraps_its_outputs_is_named():
+    """HF's @capture_outputs on a nested forward runs on its first stage only,
+    @can_return_tuple on the root's on each stage; the split names them, and
+    which call arguments ask them for what only the whole call can give."""
     src = CHAIN_SRC.replace(
         "    def forward(self, x, scale=1.0):\n",
         "    @capture_outputs\n    def forward(self, x, scale=1.0):\n",
-    )
+    ).replace("    def forward(self, x):\n", "    @can_return_tuple\n    def forward(self, x):\n")
     split = split_stages(src, "Net", ["body.layers.2"], path="m.py", nested=True)
-    assert split.captures == ("Body.forward",)
-    assert "output_hidden_states" in split.capture_flags
+    assert set(split.wrappers) == {
+        ("Body.forward", "capture_outputs"),
+        ("Net.forward", "can_return_tuple"),
+    }
+    assert split.output_request({}, None) is None
+    assert split.output_request({"return_dict": True}, None) is None
+    asked = split.output_request({"output_hidden_states": True}, None)
+    assert asked == "output_hidden_states=True (for @capture_outputs on Body.forward)"
+    assert split.output_request({"return_dict": False}, None).startswith("return_dict=False")
+
+    class Config:
+        output_attentions = True
+
+    assert split.output_request({}, Config()).startswith("output_attentions=True")
