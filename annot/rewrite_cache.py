@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn as nn
 
@@ -76,7 +76,7 @@ class RewrittenModule:
     classes: dict[str, type] = field(default_factory=dict)
 
 
-def read_source(path: Path) -> str:
+def read_source(path: Union[str, Path]) -> str:
     import tokenize
 
     with tokenize.open(path) as f:  # honours a coding cookie / BOM
