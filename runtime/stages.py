@@ -211,21 +211,29 @@ def with_aliases(root: nn.Module, stages: dict[int, set[str]]) -> dict[int, set[
     for path, m in named:
         paths.setdefault(id(m), []).append(path)
     out = {}
+    cover = {}  # the same coverage in prefix form: keep and the aliases outside it
     for k, keep in stages.items():
-        out[k] = set(keep)
+        out[k], cover[k] = set(keep), set(keep)
         for path, m in named:
             if path and covered(path, keep):
                 out[k].update(paths[id(m)])
-    anywhere = set().union(*out.values())
-    params = list(root.named_parameters(remove_duplicate=False))
-    for path, m in named:
-        own = [p for p in m._parameters.values() if p is not None]
-        if not path or not own or any(m.children()) or covered(path, anywhere):
-            continue
-        for keep in out.values():
-            held = {id(p) for name, p in params if covered(name, keep)}
-            if all(id(p) in held for p in own):
-                keep.add(path)
+                cover[k].update(p for p in paths[id(m)] if not covered(p, keep))
+    anywhere = set().union(*cover.values())
+    orphans = [
+        (path, own)
+        for path, m in named
+        if path
+        and (own := [p for p in m._parameters.values() if p is not None])
+        and not any(m.children())
+        and not covered(path, anywhere)
+    ]
+    if orphans:
+        params = list(root.named_parameters(remove_duplicate=False))
+        for k in out:
+            held = {id(p) for name, p in params if covered(name, cover[k])}
+            for path, own in orphans:
+                if all(id(p) in held for p in own):
+                    out[k].add(path)
     return out
 
 
