@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What runs on a lent GPU machine, in one call (results go in benchmarks/GPU.md).
+# There: the image's python3 with its torch and transformers, no network; libcst,
+# typeguard and pytest-timeout come as wheels in .whl/ (carried from here), and
+# annot/runtime, annot/rewriters are linked to the top-level folders as the
+# install maps them. Everything lands under $OUT.
+#
+#   bash benchmarks/gpu_suite.sh            # on the device, from the repository root
+set -u
+OUT=${OUT:-/tmp/annot-gpu}
+mkdir -p "$OUT"
+SITE=/tmp/annot-site
+python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl >"$OUT/pip.txt" 2>&1
+ln -sfn ../runtime annot/runtime
+ln -sfn ../rewriters annot/rewriters
+export PYTHONPATH="$SITE:$PWD"
+export OMP_NUM_THREADS=1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c 'import torch, transformers, libcst, hypothesis; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "hypothesis", hypothesis.__version__)'
+} >"$OUT/versions.txt" 2>&1
+
+# The fast suite with CUDA visible: names of what fails, and a per-test limit so
+# one test that hangs cannot hide the others' results.
+timeout "${SUITE_S:-300}" python3 -m pytest -m "not slow" -n 15 -v --timeout 90 \
+    -p no:cacheprovider --junitxml "$OUT/fast.xml" >"$OUT/fast.txt" 2>&1
+echo "suite rc=$?" >>"$OUT/fast.txt"
+
+timeout 60 python3 -m pytest -q -p no:cacheprovider -k cuda \
+    tests/runtime/test_checkpointing.py tests/runtime/test_deferred_init.py >"$OUT/cuda_tests.txt" 2>&1
+
+timeout "${CHECK_S:-150}" torchrun --nproc-per-node 1 benchmarks/gpu_check.py --steps 10 \
+    >"$OUT/gpu_check.txt" 2>&1
+echo "gpu_check rc=$?" >>"$OUT/gpu_check.txt"
+
+cat "$OUT/versions.txt"
+grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/fast.txt" | tail -60
+tail -3 "$OUT/cuda_tests.txt"
+tail -30 "$OUT/gpu_check.txt"
