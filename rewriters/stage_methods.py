@@ -37,7 +37,9 @@ class StageMethod:
     slices as ``"transformer.h[0:2]"`` / ``"transformer.h[2:]"``; in a
     nested split, what a callee's stage reads as ``"model/layers[1:3]"``
     (the use ``layers[1:3]`` relative to the submodule ``model``).
-    ``source``: the stage method's source.
+    ``source``: the stage method's source. ``untouched``: the inputs its
+    code neither reads nor rebinds (a stage before the last only hands them
+    on; stage 0: parameters of forward it leaves as the caller gave them).
     """
 
     index: int
@@ -46,6 +48,7 @@ class StageMethod:
     outputs: Optional[tuple[str, ...]]
     modules: tuple[str, ...]
     source: str
+    untouched: tuple[str, ...] = ()
 
 
 def _strip_blank(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
@@ -170,7 +173,12 @@ def build_stages(
             stmt.visit(paths)
         modules = _with_methods(paths.found, sp.methods)
         src = cst.Module(body=[func.with_changes(leading_lines=())]).code
-        out.append((func, StageMethod(k, func.name.value, tuple(inputs), outputs, modules, src)))
+        touched = {
+            n for u in range(a, b) for n in (*units[u].effects.reads, *units[u].effects.assigned)
+        }
+        untouched = tuple(n for n in inputs if n not in touched)
+        method = StageMethod(k, func.name.value, tuple(inputs), outputs, modules, src, untouched)
+        out.append((func, method))
     return out
 
 

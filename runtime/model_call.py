@@ -81,10 +81,10 @@ class ModelCall:
             if not self.is_last:
                 raise StageDone()  # the rest of the body (the loss) runs on the last stage
             for s in range(1, ex.num_stages):  # pp == 1: every stage is here
-                out = ex.forward_stage(st, s, i)
+                out = ex.forward_stage(st, s, i, (args, kwargs))
             st.outputs.pop((last, i), None)
             return out
-        out = ex.forward_stage(st, last, i)
+        out = ex.forward_stage(st, last, i, (args, kwargs))
         st.outputs.pop((last, i), None)
         return out
 

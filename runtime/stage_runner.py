@@ -23,11 +23,14 @@ build prunes by :attr:`StageRunner.cuts_at_run_time`, and the executor
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
 
+import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from annot.core.errors import PipelineError
 from annot.runtime.stage_values import call_stage
@@ -36,7 +39,14 @@ if TYPE_CHECKING:
     from annot.runtime.pipeline import LocalStage
     from annot.runtime.replay import ReplayStage
 
-__all__ = ["ModelArgs", "ReplayRunner", "SourceRunner", "StageRunner"]
+__all__ = [
+    "FROM_CALL",
+    "ModelArgs",
+    "ReplayRunner",
+    "SourceRunner",
+    "StageRunner",
+    "call_supplied",
+]
 
 ModelArgs = tuple[tuple[Any, ...], dict[str, Any]]  # the model call's (args, kwargs)
 
@@ -87,12 +97,49 @@ class StageRunner(ABC):
         return None
 
 
+class _FromCall:
+    """What a middle stage holds for an argument the last stage takes from the call."""
+
+    def __repr__(self) -> str:
+        return "<taken from the model call on the last stage>"
+
+
+FROM_CALL = _FromCall()
+
+
+def call_supplied(stages: Sequence[Any]) -> frozenset[str]:
+    """The parameters of forward (stage 0's inputs) that the last stage reads
+    and every stage before it leaves untouched (``StageMethod.untouched``):
+    the last stage can take them from the model call where the step body
+    runs, instead of each stage handing them on."""
+    if len(stages) < 2:
+        return frozenset()
+    last = stages[-1]
+    return frozenset(
+        p
+        for p in stages[0].inputs
+        if p in last.inputs and all(p in s.untouched for s in stages[:-1] if p in s.inputs)
+    )
+
+
 class SourceRunner(StageRunner):
     """Stages as the stage methods the rewriter wrote
     (:class:`annot.rewriters.stage_split.StageSplit`), or (``split`` None) stage
     functions written by hand: stage 0 takes the model call's arguments, a
     later stage the previous one's outputs (``f(**out)`` for a dict,
-    ``f(*out)`` for a tuple, else ``f(out)``)."""
+    ``f(*out)`` for a tuple, else ``f(out)``).
+
+    An argument of the model call that only the last stage reads (a target
+    ``y`` in ``forward(x, y)``, HF's ``labels``: :func:`call_supplied`) is not
+    handed through the pipeline: the step body runs on the last stage's rank
+    with the same microbatch, and the last stage takes it from that call, as
+    torch.distributed.pipelining gives the target to the last stage. Stage 0
+    leaves it out of what it sends only where that is the same value: a
+    tensor that does not require grad (its gradient would stay on the last
+    rank), the very object the call passed (not one a decorator replaced) and
+    sharing no memory with another argument (which stage 0 might change in
+    place); otherwise it is sent as before. Middle stages hold
+    :data:`FROM_CALL` for it and never read it."""
 
     name = "source"
     cuts_at_run_time = False
@@ -100,6 +147,8 @@ class SourceRunner(StageRunner):
 
     def __init__(self, split: Any = None):
         self.split = split
+        self.from_call = call_supplied(split.stages) if split is not None else frozenset()
+        self._signature: Optional[inspect.Signature] = None  # stage 0's, for the call's names
 
     def stage_modules(self, model, boundaries, n_stages):
         from annot.runtime.stages import expand_module_paths, with_aliases
@@ -114,6 +163,8 @@ class SourceRunner(StageRunner):
         )
 
     def stage_functions(self, module, layout, wrap):
+        if self.from_call:
+            self._signature = inspect.signature(getattr(module, self.split.stages[0].method))
         return {
             s: wrap(getattr(module, self.split.stages[s].method)) for s in layout.local_stage_ids
         }
@@ -124,8 +175,54 @@ class SourceRunner(StageRunner):
             args, kwargs = model_args
             if self.split is not None and self.split.wrappers:
                 self._check_output_request(stage.fn, kwargs)
-            return stage.fn(*args, **kwargs)
-        return call_stage(stage.fn, inputs)
+            out = stage.fn(*args, **kwargs)
+            if self.from_call and isinstance(out, dict):
+                self._leave_out(out, model_args)
+            return out
+        if not (self.from_call and isinstance(inputs, dict)):
+            return call_stage(stage.fn, inputs)
+        missing = self.from_call.difference(inputs)
+        if missing:
+            inputs = {**inputs, **self._taken(missing, model_args, stage.index)}
+        out = stage.fn(**inputs)
+        if missing and isinstance(out, dict):
+            for p in missing:
+                if out.get(p) is FROM_CALL:
+                    del out[p]
+        return out
+
+    def _call_arguments(self, model_args: ModelArgs) -> dict[str, Any]:
+        assert self._signature is not None, "set by stage_functions"
+        args, kwargs = model_args
+        return self._signature.bind(*args, **kwargs).arguments
+
+    def _leave_out(self, out: dict, model_args: ModelArgs) -> None:
+        """Drop from stage 0's outputs the call's arguments the last stage takes
+        from its own call (see the class docstring)."""
+        called = self._call_arguments(model_args)
+        for p in self.from_call:
+            v = out.get(p)
+            if (
+                v is called.get(p)
+                and isinstance(v, torch.Tensor)
+                and not v.requires_grad
+                and not _shares_memory(v, [a for n, a in called.items() if n != p])
+            ):
+                del out[p]
+
+    def _taken(self, names: frozenset[str], model_args: Optional[ModelArgs], index: int) -> dict:
+        """What a stage after the first holds for ``names``, left out of its
+        inputs by stage 0: the last stage's model call's values, a middle
+        stage :data:`FROM_CALL`."""
+        if index != self.split.stages[-1].index:
+            return dict.fromkeys(names, FROM_CALL)
+        if model_args is None:
+            raise PipelineError(
+                f"stage {index} takes {sorted(names)} from the model call, but the step body "
+                "did not run it (please report this)"
+            )
+        called = self._call_arguments(model_args)
+        return {p: called[p] for p in names}
 
     def _check_output_request(self, fn: Callable, kwargs: dict) -> None:
         """Refuse a call that asks an output-wrapping decorator of a split
@@ -191,3 +288,12 @@ class ReplayRunner(StageRunner):
 
     def outputs_at_cut(self, stage: LocalStage) -> Any:
         return cast("ReplayStage", stage.fn).outputs
+
+
+def _shares_memory(t: torch.Tensor, others: Sequence[Any]) -> bool:
+    """Whether a tensor among ``others`` (any nesting) shares ``t``'s storage."""
+    mine = t.untyped_storage().data_ptr()
+    return any(
+        isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == mine
+        for o in tree_leaves(list(others))
+    )

@@ -5,7 +5,8 @@ data inside the split loop, a module called twice, an embedding tied to the
 head across the first and last stage, kwargs and a None crossing a boundary,
 an int and a float crossing, targets that only the last stage reads, and a
 loop over a prefix of its block list (``self.blocks[: self.depth]``, as Hugging
-Face writes it), cut in source.
+Face writes it), cut in source. ``Regression`` reads its target only in the
+last stage, and may change its input in place first.
 """
 
 import torch
@@ -63,3 +64,25 @@ class Marked(nn.Module):
         h = torch.tanh(self.b(h)) + x  # x crosses the boundary too
         out = self.c(h).squeeze(-1)
         return out, F.mse_loss(out, y)
+
+
+class Regression(nn.Module):
+    """A target ``y`` that only the last stage reads (the last stage takes it
+    from the model call); ``bump`` adds to ``x`` in place in the first stage,
+    which a ``y`` sharing ``x``'s memory sees."""
+
+    def __init__(self, width=8, depth=3, bump=0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.bump = bump
+
+    def forward(self, x, y, weight=None):
+        if self.bump:
+            x.add_(self.bump)
+        h = x.clone()  # no block saves the caller's tensor for backward
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        err = (h - y) ** 2
+        if weight is not None:
+            err = err * weight
+        return h, err.mean()

@@ -2,6 +2,7 @@
 step body runs, and how a stage's function is called on its inputs."""
 
 import pytest
+import torch
 import torch.nn as nn
 
 from annot.core.errors import PipelineError
@@ -54,3 +55,55 @@ def test_the_executor_takes_the_runner_of_its_stages_and_refuses_two():
     mixed = [LocalStage(index=0, fn=_echo), LocalStage(index=1, fn=_echo, runner=ReplayRunner())]
     with pytest.raises(PipelineError, match="different runners \\(ReplayRunner, SourceRunner\\)"):
         PipelineExecutor(mixed, num_stages=2, ctx=None, chunks=2, schedule="interleaved")
+
+
+def test_the_last_stage_takes_from_the_call_what_only_it_reads():
+    from types import SimpleNamespace
+
+    from annot.runtime.stage_runner import FROM_CALL, call_supplied
+
+    def method(index, inputs, untouched):
+        return SimpleNamespace(index=index, inputs=inputs, untouched=untouched)
+
+    stages = [
+        method(0, ("x", "y", "w"), ("y", "w")),
+        method(1, ("h", "y", "w"), ("y",)),  # reads w
+        method(2, ("h", "y", "w"), ()),
+    ]
+    assert call_supplied(stages) == {"y"}
+    assert call_supplied(stages[:1]) == frozenset()
+
+    class Model(nn.Module):
+        def _annot_stage_0(self, x, y, w=2):
+            return {"h": x + 1, "y": y, "w": w}
+
+        def _annot_stage_1(self, h, y, w):
+            seen.append(y)
+            return {"h": h * w, "y": y, "w": w}
+
+        def _annot_stage_2(self, h, y, w):
+            return h - y
+
+    seen: list = []
+    split = SimpleNamespace(
+        stages=[method(k, s.inputs, s.untouched) for k, s in enumerate(stages)], wrappers=()
+    )
+    for k, s in enumerate(split.stages):
+        s.method = f"_annot_stage_{k}"
+    runner = SourceRunner(split)
+    model = Model()
+    layout = SimpleNamespace(local_stage_ids=[0, 1, 2])
+    fns = runner.stage_functions(model, layout, lambda f: f)
+    x, y = torch.ones(2), torch.full((2,), 5.0)
+    out0 = runner.run_stage(LocalStage(0, fns[0]), None, ((x, y), {}))
+    assert set(out0) == {"h", "w"}  # y is left out: the last stage has the call
+    out1 = runner.run_stage(LocalStage(1, fns[1]), out0, None)
+    assert seen == [FROM_CALL]
+    assert set(out1) == {"h", "w"}
+    out2 = runner.run_stage(LocalStage(2, fns[2]), out1, ((x, y), {}))
+    assert torch.equal(out2, (x + 1) * 2 - y)
+    # sent as before where the call's value would differ from stage 0's
+    assert "y" in runner.run_stage(LocalStage(0, fns[0]), None, ((x, x[:1]), {}))  # shares x
+    assert "y" in runner.run_stage(LocalStage(0, fns[0]), None, ((x, y.requires_grad_()), {}))
+    with pytest.raises(PipelineError, match=r"takes \['y'\] from the model call"):
+        runner.run_stage(LocalStage(2, fns[2]), out1, None)
