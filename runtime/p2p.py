@@ -64,6 +64,7 @@ copied to it.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from typing import Any, Optional
@@ -460,24 +461,12 @@ def recv_pytree(
     target = comm if device is None else torch.device(device)
     labels = (what, stage, microbatch, src, peer_stage, timeout_s)
 
-    def receive(nbytes: int) -> torch.Tensor:
-        return _receive(nbytes, src, group, ch, labels)
-
     def reject(reason: str) -> PipelineError:
-        label = f" ({what})" if what else ""
-        message = f"recv_pytree from rank {src}{label}: {reason}"
-        me = dist.get_rank()
-        report_failure(
-            me, stage, _op("recv", what), microbatch, f"PipelineError: {message}", reporter=me
-        )
-        return PipelineError(
-            message + "\n  Both ranks must run the same annot version and post their sends and"
-            " receives between them in the same order (from one thread)."
-        )
+        return _rejected(reason, labels)
 
     size = ch.first
     if posted is None:
-        first = receive(size)
+        first = _receive(size, src, group, ch, labels)
     else:
         if posted.src != src or posted.group is not group:
             raise PipelineError(
@@ -511,6 +500,7 @@ def recv_pytree(
             raise reject("the sender repeats a previous header but none came on this channel")
         tree, metas, offsets, total = ch.parsed
     else:
+        receive = functools.partial(_receive, src=src, group=group, ch=ch, labels=labels)
         tree, metas, offsets, total = _parse_header(first, hlen, size, receive, reject)
     if total != plen:
         raise reject(
@@ -521,7 +511,7 @@ def recv_pytree(
     if plen and at is not None:
         payload = first[at : at + plen]  # a view: no copy
     else:
-        payload = receive(plen) if plen else None
+        payload = _receive(plen, src, group, ch, labels) if plen else None
     if hlen:  # checked: the channel's header from now on
         ch.parsed, ch.hlen = (tree, metas, offsets, total), hlen
         ch.views = [
@@ -555,6 +545,22 @@ def recv_pytree(
     if not tagged:
         return obj
     return (tuple(words[5:]) if has_tag else None), obj
+
+
+def _rejected(reason: str, labels: Labels) -> PipelineError:
+    """The error for a message that is not what the protocol promises,
+    reported to the fault store first (the sender then names this rank)."""
+    what, stage, microbatch, src = labels[:4]
+    label = f" ({what})" if what else ""
+    message = f"recv_pytree from rank {src}{label}: {reason}"
+    me = dist.get_rank()
+    report_failure(
+        me, stage, _op("recv", what), microbatch, f"PipelineError: {message}", reporter=me
+    )
+    return PipelineError(
+        message + "\n  Both ranks must run the same annot version and post their sends and"
+        " receives between them in the same order (from one thread)."
+    )
 
 
 def _host(buf: torch.Tensor) -> Any:

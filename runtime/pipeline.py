@@ -242,35 +242,44 @@ class PipelineExecutor(PipelineMessages):
     # -- actions --------------------------------------------------------------
 
     def _do(self, st: StepState, a: Action) -> None:
+        if not self.tracer.enabled:  # the hot path: no span, no event name
+            self._act(st, a)
+            return
+        args = {"stage": a.stage, "microbatch": a.microbatch}
+        with self.tracer.span(str(a), CATEGORY.get(a.kind, "p2p"), args, tid=a.stage):
+            self._act(st, a)
+
+    def _act(self, st: StepState, a: Action) -> None:
         kind, s, i = a
-        cat = CATEGORY.get(kind, "p2p")
-        with self.tracer.span(str(a), cat, {"stage": s, "microbatch": i}, tid=s):
-            try:
-                if kind == F:
-                    grad = torch.no_grad() if st.forward_only else contextlib.nullcontext()
-                    with grad, self.forward_context():
+        try:
+            if kind == F:
+                if st.forward_only:
+                    with torch.no_grad(), self.forward_context():
                         self._run_forward_action(st, s, i)
-                elif kind in (B, I):
-                    self._backward(st, s, i, split=kind == I)
-                elif kind == W:
-                    written = backward_weight(st.weight_work.pop((s, i)))
-                    if a in st.final_backward:  # written directly: no hook saw them
-                        st.grad_buckets.ready(written)
-                elif kind == SEND_F:
-                    out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
-                    self.send(st, a, out)
-                elif kind == SEND_B:
-                    self.send(st, a, st.in_grads.pop((s, i)))
-                elif kind == RECV_F:
-                    st.inputs[(s, i)] = x = self.recv(st, a)
-                    keep_grads(x)
-                elif kind == RECV_B:
-                    st.out_grads[(s, i)] = self.recv(st, a)
-            except RankFailure:
-                raise  # another rank failed first; the store already says who
-            except Exception as exc:
-                self._report(exc, a)
-                raise
+                else:
+                    with self.forward_context():
+                        self._run_forward_action(st, s, i)
+            elif kind in (B, I):
+                self._backward(st, s, i, split=kind == I)
+            elif kind == W:
+                written = backward_weight(st.weight_work.pop((s, i)))
+                if a in st.final_backward:  # written directly: no hook saw them
+                    st.grad_buckets.ready(written)
+            elif kind == SEND_F:
+                out = st.outputs[(s, i)] if not st.forward_only else st.outputs.pop((s, i))
+                self.send(st, a, out)
+            elif kind == SEND_B:
+                self.send(st, a, st.in_grads.pop((s, i)))
+            elif kind == RECV_F:
+                st.inputs[(s, i)] = x = self.recv(st, a)
+                keep_grads(x)
+            elif kind == RECV_B:
+                st.out_grads[(s, i)] = self.recv(st, a)
+        except RankFailure:
+            raise  # another rank failed first; the store already says who
+        except Exception as exc:
+            self._report(exc, a)
+            raise
 
     def _report(self, exc: BaseException, a: Action) -> None:
         """Record this rank's own failure in the fault store, so the ranks

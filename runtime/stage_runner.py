@@ -148,7 +148,9 @@ class SourceRunner(StageRunner):
     def __init__(self, split: Any = None):
         self.split = split
         self.from_call = call_supplied(split.stages) if split is not None else frozenset()
-        self._signature: Optional[inspect.Signature] = None  # stage 0's, for the call's names
+        # stage 0's parameters: where each of from_call sits in the call, and defaults
+        self._position: dict[str, int] = {}
+        self._default: dict[str, Any] = {}
 
     def stage_modules(self, model, boundaries, n_stages):
         from annot.runtime.stages import expand_module_paths, with_aliases
@@ -164,7 +166,15 @@ class SourceRunner(StageRunner):
 
     def stage_functions(self, module, layout, wrap):
         if self.from_call:
-            self._signature = inspect.signature(getattr(module, self.split.stages[0].method))
+            params = inspect.signature(getattr(module, self.split.stages[0].method)).parameters
+            positional = (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            for i, (name, param) in enumerate(params.items()):
+                if name in self.from_call and param.kind in positional:
+                    self._position[name] = i
+                self._default[name] = param.default
         return {
             s: wrap(getattr(module, self.split.stages[s].method)) for s in layout.local_stage_ids
         }
@@ -191,23 +201,26 @@ class SourceRunner(StageRunner):
                     del out[p]
         return out
 
-    def _call_arguments(self, model_args: ModelArgs) -> dict[str, Any]:
-        assert self._signature is not None, "set by stage_functions"
+    def _argument(self, name: str, model_args: ModelArgs) -> tuple[Any, list]:
+        """The model call's value of forward's parameter ``name`` (its default
+        where the call leaves it out) and the call's other arguments."""
         args, kwargs = model_args
-        return self._signature.bind(*args, **kwargs).arguments
+        if name in kwargs:
+            return kwargs[name], [*args, *(v for k, v in kwargs.items() if k != name)]
+        i = self._position.get(name, len(args))
+        if i < len(args):
+            return args[i], [*args[:i], *args[i + 1 :], *kwargs.values()]
+        return self._default.get(name), [*args, *kwargs.values()]
 
     def _leave_out(self, out: dict, model_args: ModelArgs) -> None:
         """Drop from stage 0's outputs the call's arguments the last stage takes
         from its own call (see the class docstring)."""
-        called = self._call_arguments(model_args)
         for p in self.from_call:
             v = out.get(p)
-            if (
-                v is called.get(p)
-                and isinstance(v, torch.Tensor)
-                and not v.requires_grad
-                and not _shares_memory(v, [a for n, a in called.items() if n != p])
-            ):
+            if not isinstance(v, torch.Tensor) or v.requires_grad:
+                continue
+            called, others = self._argument(p, model_args)
+            if v is called and not _shares_memory(v, others):
                 del out[p]
 
     def _taken(self, names: frozenset[str], model_args: Optional[ModelArgs], index: int) -> dict:
@@ -221,8 +234,7 @@ class SourceRunner(StageRunner):
                 f"stage {index} takes {sorted(names)} from the model call, but the step body "
                 "did not run it (please report this)"
             )
-        called = self._call_arguments(model_args)
-        return {p: called[p] for p in names}
+        return {p: self._argument(p, model_args)[0] for p in names}
 
     def _check_output_request(self, fn: Callable, kwargs: dict) -> None:
         """Refuse a call that asks an output-wrapping decorator of a split
@@ -293,7 +305,9 @@ class ReplayRunner(StageRunner):
 def _shares_memory(t: torch.Tensor, others: Sequence[Any]) -> bool:
     """Whether a tensor among ``others`` (any nesting) shares ``t``'s storage."""
     mine = t.untyped_storage().data_ptr()
-    return any(
-        isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == mine
-        for o in tree_leaves(list(others))
-    )
+    for o in others:
+        leaves = (o,) if isinstance(o, torch.Tensor) else tree_leaves(o)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() == mine:
+                return True
+    return False

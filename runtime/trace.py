@@ -32,6 +32,9 @@ EventsByRank = Union[Mapping[int, Events], Sequence[Events]]
 _SIM_UNIT_US = 1000.0
 
 
+_NO_SPAN = contextlib.nullcontext()
+
+
 class Tracer:
     """Collects Chrome ``X`` events for one rank. ``enabled=False`` makes
     :meth:`span` a no-op, so callers need no ``if``."""
@@ -41,7 +44,6 @@ class Tracer:
         self.enabled = enabled
         self.events: Events = []
 
-    @contextlib.contextmanager
     def span(
         self,
         name: str,
@@ -49,12 +51,17 @@ class Tracer:
         args: Optional[dict[str, Any]] = None,
         *,
         tid: int = 0,
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """Time the body; record it as one event on thread row ``tid``. The
         event is recorded even if the body raises (its args get ``error``)."""
         if not self.enabled:
-            yield
-            return
+            return _NO_SPAN
+        return self._span(name, cat, args, tid)
+
+    @contextlib.contextmanager
+    def _span(
+        self, name: str, cat: str, args: Optional[dict[str, Any]], tid: int
+    ) -> Iterator[None]:
         start = time.perf_counter_ns()
         event: dict[str, Any] = {
             "name": name,
