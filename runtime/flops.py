@@ -35,13 +35,24 @@ if _FLASH_CPU.default not in flop_registry and _FLASH_CPU not in flop_registry:
 
     @register_flop_formula(_FLASH_CPU)
     def _flash_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
-        return sdpa_flop_count(query_shape, key_shape, value_shape)
+        k, v = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
+        return sdpa_flop_count(query_shape, k, v)
 
     @register_flop_formula(_FLASH_CPU_BACKWARD)
     def _flash_cpu_backward_flop(
         grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
     ):
-        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        k, v = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, k, v)
+
+
+def _query_heads(query_shape, shape):
+    """Grouped-query attention's key or value shape with the query's head
+    count, as the kernel broadcasts it (torch before 2.12 counts only equal
+    heads, and asserts otherwise; later versions broadcast the same way)."""
+    if len(shape) == 4 and len(query_shape) == 4 and shape[1] != query_shape[1]:
+        return (shape[0], query_shape[1], *shape[2:])
+    return shape
 
 
 class SpanFlops:

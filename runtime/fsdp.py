@@ -47,6 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from annot.core.errors import MeshError
+
 __all__ = ["ShardedData", "blocks_of", "local", "full", "shard_like", "copy_full_into"]
 
 
@@ -128,7 +130,7 @@ class ShardedData:
         self.units.append(root)
         self.root = root  # module itself, its class now an FSDPModule
         # A replica whose step left a parameter unused still joins its reduce-scatter.
-        root.set_reduce_scatter_unused_params(True)
+        _reduce_scatter_unused(root)
         for name, p in module.named_parameters(remove_duplicate=False):
             for k, v in attrs.get(name, {}).items():
                 setattr(p, k, v)
@@ -195,3 +197,16 @@ def blocks_of(module: nn.Module, container: Optional[str]) -> list[nn.Module]:
         return []
     got = module.get_submodule(container)
     return [b for b in got.children() if next(b.parameters(), None) is not None]
+
+
+def _reduce_scatter_unused(root: FSDPModule) -> None:
+    """Have every replica join each reduce-scatter, also for a parameter its
+    step left unused (else the replicas' collectives would not match)."""
+    if not hasattr(root, "set_reduce_scatter_unused_params"):
+        raise MeshError(
+            f"parallelize(fsdp=True) on torch {torch.__version__}: its FSDP2 has no "
+            "set_reduce_scatter_unused_params, which annot needs so that a replica whose step "
+            "leaves a parameter unused still joins that parameter's reduce-scatter. Install "
+            "a newer torch (2.13 has it), or leave fsdp off (dp then all-reduces full gradients)"
+        )
+    root.set_reduce_scatter_unused_params(True)

@@ -186,3 +186,27 @@ def test_fsdp_dp2_equals_single_device(tmp_path):
 def test_fsdp_dp2_with_tp2_and_with_pp2(tmp_path, tp, pp, schedule):
     res = run_ranks(_fsdp, 4, str(tmp_path), tp, pp, schedule, timeout=300)
     _check_share(res, 4, 1.1)  # measured 1.05 (dp2 x tp2), 1.06-1.09 (dp2 x pp2: the tie)
+
+
+def _without_unused_params_api(cache: str) -> str:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    from torch.distributed.fsdp import FSDPModule
+
+    import annot
+    from annot.core.errors import MeshError
+
+    del FSDPModule.set_reduce_scatter_unused_params  # as in torch 2.11's FSDP2
+    try:
+        annot.parallelize(Awkward, mesh=annot.Mesh(dp=2), seed=0, fsdp=True)
+    except MeshError as err:
+        return str(err)
+    return "built"
+
+
+def test_fsdp_on_a_torch_without_reduce_scatter_of_unused_params_is_refused(tmp_path):
+    """torch 2.11's FSDP2 (seen on a GPU machine) lacks the call that makes a
+    replica join the reduce-scatter of a parameter it did not use: refused
+    before any step, naming torch and what to do, not an AttributeError."""
+    for message in run_ranks(_without_unused_params_api, 2, str(tmp_path)):
+        assert "set_reduce_scatter_unused_params" in message, message
+        assert "Install a newer torch" in message
