@@ -392,7 +392,7 @@ def test_hints_from_hf_config_llama_plan():
 
     model = _llama()
     layers = "model.layers.*."
-    assert hints_from_hf_config(model, tp=2) == {
+    expected = {
         "lm_head": Col(gather=True),
         "model.embed_tokens": Vocab(),
         layers + "self_attn.q_proj": Col(),
@@ -403,6 +403,9 @@ def test_hints_from_hf_config_llama_plan():
         layers + "mlp.up_proj": Col(),
         layers + "mlp.down_proj": Row(),
     }
+    if "model.embed_tokens" not in model.tp_plan:  # transformers before about 5.20
+        del expected["model.embed_tokens"]
+    assert hints_from_hf_config(model, tp=2) == expected
     # a config alone: base_model_tp_plan under the prefix given
     cfg_hints = hints_from_hf_config(LlamaConfig(**LLAMA_KW), prefix="model")
     assert cfg_hints["model.layers.*.self_attn.o_proj"] == Row()
