@@ -6,6 +6,7 @@
 # install maps them. Everything lands under $OUT.
 #
 #   bash benchmarks/gpu_suite.sh            # on the device, from the repository root
+#   TESTS="tests/test_fsdp.py" CHECK_S=1 bash benchmarks/gpu_suite.sh   # those tests only
 set -u
 OUT=${OUT:-/tmp/annot-gpu}
 mkdir -p "$OUT"
@@ -20,9 +21,10 @@ export OMP_NUM_THREADS=1
     python3 -c 'import torch, transformers, libcst, hypothesis; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "hypothesis", hypothesis.__version__)'
 } >"$OUT/versions.txt" 2>&1
 
-# The fast suite with CUDA visible: names of what fails, and a per-test limit so
-# one test that hangs cannot hide the others' results.
-timeout "${SUITE_S:-300}" python3 -m pytest -m "not slow" -n 15 -v --timeout 90 \
+# The fast suite with CUDA visible (or TESTS="file::test ..." only those): names of
+# what fails, and a per-test limit so one test that hangs cannot hide the others'.
+if [ -n "${TESTS:-}" ]; then set -- $TESTS; else set -- -m "not slow"; fi
+timeout "${SUITE_S:-300}" python3 -m pytest "$@" -n 15 -v --timeout 90 \
     -p no:cacheprovider --junitxml "$OUT/fast.xml" >"$OUT/fast.txt" 2>&1
 echo "suite rc=$?" >>"$OUT/fast.txt"
 
