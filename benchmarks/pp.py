@@ -50,6 +50,26 @@ torch's (not found), and for HF Llama at pp=4 the replay runner's re-run of the
 earlier stages' Python on meta every microbatch (about 8 ms a microbatch on the last
 stage under cProfile), which torch's hand-written stages do not do. At 32 layers
 compute dominates and both are within this machine's noise of each other.
+
+Later (2026-11-26, night, quiet machine), three runs each:
+
+    BENCH_STEPS=15 python benchmarks/pp.py --a
+      (a) pp=2 gpipe 0.98-1.10   pp=2 1f1b 1.10-1.23
+          pp=4 gpipe 1.10-1.16   pp=4 1f1b 1.03-1.16
+
+What changed: the model's target ``y`` (``forward(x, y)``, read by the last stage
+only) no longer rides along with the activations (the last stage takes it from
+its own call, as torch's schedule gives the target to the last stage): in
+interleaved A/B runs of the same build, pp=2 1f1b went from 1.13-1.23 to 1.12.
+Where a microbatch's time goes (``benchmarks/pp_profile.py``, main-thread CPU by
+``time.thread_time``): compute is the same on both sides; annot's sends and
+receives take 130-200 us of CPU a microbatch where torch's take 55-80, and
+gloo's own calls block for up to ms on 2 shared cores on both sides (mean
+isend/irecv post 200-500 us wall, 35-110 us CPU). Posting each receive one action
+early (``PipelineExecutor(post_receives=True)``) lowers annot's message CPU by a
+third and helped pp=2 (1f1b 1.07-1.09 against 1.12, gpipe 1.03-1.05 against
+1.08-1.13) but not pp=4 1f1b (1.18-1.20 against 1.13-1.18) nor the tiny model
+(c) reliably, so it stays off.
 """
 
 from __future__ import annotations
