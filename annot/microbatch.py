@@ -71,10 +71,25 @@ def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
 def _split(obj: Any, m: int) -> list:
     leaves, spec = flatten(obj)
     parts = [
-        list(torch.chunk(x, m, dim=0)) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m
+        [_own_version(c) for c in torch.chunk(x, m, dim=0)]
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+        else [x] * m
         for x in leaves
     ]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
+
+
+def _own_version(chunk: torch.Tensor) -> torch.Tensor:
+    """``chunk``'s memory as a tensor with its own version counter. Chunks of
+    one tensor are views sharing one counter, so a forward that changes its
+    input in place (``x.add_(1)``) on microbatch i + 1 would make autograd
+    refuse microbatch i's backward under 1F1B, whose memory it never touched;
+    single-device gradient accumulation runs each backward first. A chunk
+    that requires grad stays a view (its gradient flows to the whole)."""
+    if chunk.requires_grad or type(chunk) is not torch.Tensor or chunk.layout != torch.strided:
+        return chunk
+    own = torch.empty(0, dtype=chunk.dtype, device=chunk.device)
+    return own.set_(chunk.untyped_storage(), chunk.storage_offset(), chunk.shape, chunk.stride())
 
 
 def split_microbatches(
