@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from annot.core.errors import HintError
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 from tests.test_hf_gpt2 import LLAMA_KW
 
 LOSS_RTOL = 1e-4
@@ -158,7 +159,7 @@ def test_compile_option_pp2_equals_eager_single_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sp", "fsdp_dp2"])
+@pytest.mark.parametrize("mode", ["sp", pytest.param("fsdp_dp2", marks=fsdp_unused_params)])
 def test_compile_option_sp_and_fsdp_equal_eager_single_device(mode):
     run_ranks(_compile_option, 2, mode, "aot_eager", timeout=300)
 

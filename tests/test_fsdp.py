@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 
 
 class Awkward(nn.Module):
@@ -163,6 +164,7 @@ def _awkward(cache: str) -> None:
     compare_state(model, ref, "awkward model, fsdp dp=2, after 3 AdamW steps")
 
 
+@fsdp_unused_params
 def test_fsdp_empty_shards_scalars_tied_block_unused_layer_and_a_raised_step(tmp_path):
     run_ranks(_awkward, 2, str(tmp_path), timeout=240)
 
@@ -174,11 +176,13 @@ def _check_share(res: list, n: int, slack: float) -> None:
         assert r["mine"] <= slack * whole / n, (r, whole / n)
 
 
+@fsdp_unused_params
 def test_fsdp_dp2_equals_single_device(tmp_path):
     res = run_ranks(_fsdp, 2, str(tmp_path), 1, 1, "1f1b", timeout=240)
     _check_share(res, 2, 1.01)  # rows of 1/dp (measured 1.002: AdamW step counters)
 
 
+@fsdp_unused_params
 @pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize(
     "tp,pp,schedule", [(2, 1, "1f1b"), (1, 2, "1f1b"), (1, 2, "gpipe"), (1, 2, "zbh1")]
@@ -195,7 +199,8 @@ def _without_unused_params_api(cache: str) -> str:
     import annot
     from annot.core.errors import MeshError
 
-    del FSDPModule.set_reduce_scatter_unused_params  # as in torch 2.11's FSDP2
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        del FSDPModule.set_reduce_scatter_unused_params  # as in torch 2.11's FSDP2
     try:
         annot.parallelize(Awkward, mesh=annot.Mesh(dp=2), seed=0, fsdp=True)
     except MeshError as err:

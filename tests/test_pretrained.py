@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 
 LLAMA_KW = dict(
     vocab_size=64,
@@ -228,6 +229,7 @@ def _fsdp_load(cache, path, out):
     return (*loss, held, _saved_equals(model, plain, out))
 
 
+@fsdp_unused_params
 def test_llama_dp2_fsdp(cache, llama_dir, tmp_path):
     """dp2 with fsdp=True: each rank reads only its dp chunk; the loss equals
     transformers'; saved (each tensor gathered over dp), it reloads equal."""
