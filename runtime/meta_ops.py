@@ -69,7 +69,7 @@ def signature(leaf: Any) -> Any:
     return (type(leaf), leaf) if isinstance(leaf, _PLAIN) else type(leaf)
 
 
-_TAGS = {tuple: "t", list: "l", dict: "d"}
+_TAGS: dict[type, str] = {tuple: "t", list: "l", dict: "d"}
 
 
 # Not pytree: tree_flatten costs about 3.5 times as much per op on this hot path.
@@ -105,7 +105,7 @@ def recipe(out: Any, inputs: dict[int, int], state: frozenset = frozenset()) -> 
     outs: list = []
     spec = flat(out, outs)
     seen: dict[int, int] = {}
-    recipe = []
+    recipe: list[tuple[str, Any]] = []
     for j, x in enumerate(outs):
         if isinstance(x, torch.Tensor):
             if isinstance(x, torch.nn.Parameter) or id(x) in state:
@@ -222,7 +222,7 @@ def _op_key(func, args: tuple, kwargs: dict) -> tuple[Optional[tuple], list]:
     name = getattr(func, "__name__", "_")
     if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
         return None, leaves  # (resize_, unsqueeze_, ... change the operand's shape)
-    sig = []
+    sig: list[tuple] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             sig.append((x.shape, x.stride(), x.dtype, x.is_meta))

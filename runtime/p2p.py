@@ -110,7 +110,7 @@ class _Channel:
         self.hlen = 0  # receiver: the previous header's length (sizes the next first message)
         self.header: Optional[bytes] = None  # sender: the previous header
         self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
-        # receiver, from the checked header: (dtype, shape, requires_grad, offset) per
+        # receiver, from the checked header: (dtype, shape, strides, requires_grad, offset) per
         # tensor, and p2p_codec.rebuilder's function (None: unflatten each time)
         self.views: list[tuple] = []
         self.rebuild: Any = None
@@ -508,6 +508,7 @@ def recv_pytree(
         )
 
     at = _inline_payload_at(hlen, plen, size) if hlen <= size - PREAMBLE.size else None
+    payload: Optional[torch.Tensor]
     if plen and at is not None:
         payload = first[at : at + plen]  # a view: no copy
     else:
@@ -515,22 +516,22 @@ def recv_pytree(
     if hlen:  # checked: the channel's header from now on
         ch.parsed, ch.hlen = (tree, metas, offsets, total), hlen
         ch.views = [
-            (DTYPES[dtype_name], tuple(shape), requires_grad, off)
+            (DTYPES[dtype_name], tuple(shape), _contiguous_strides(shape), requires_grad, off)
             for (dtype_name, shape, requires_grad), off in zip(metas, offsets)
         ]
         ch.rebuild = None  # until unflatten accepted the tree once
     ch.first = _next_first(ch.hlen, plen)
     tensors = []
-    for dtype, shape, requires_grad, off in ch.views:
+    for dtype, shape, strides, requires_grad, off in ch.views:
         if off is None:
             t = torch.empty(shape, dtype=dtype, device=target)
         else:
+            assert payload is not None, "a tensor with bytes has a payload"
             # A fresh tensor on the buffer's storage: its own version counter.
             t = torch.empty(0, dtype=dtype, device=comm)
             # bytes (the payload may sit in the first message)
-            t.set_(
-                payload.untyped_storage(), (payload.storage_offset() + off) // dtype.itemsize, shape
-            )
+            start = (payload.storage_offset() + off) // dtype.itemsize
+            t.set_(payload.untyped_storage(), start, shape, strides)
             if target != comm:
                 t = t.to(target)
         tensors.append(t.requires_grad_(requires_grad))
@@ -545,6 +546,14 @@ def recv_pytree(
     if not tagged:
         return obj
     return (tuple(words[5:]) if has_tag else None), obj
+
+
+def _contiguous_strides(shape: list) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def _rejected(reason: str, labels: Labels) -> PipelineError:
