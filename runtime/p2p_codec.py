@@ -15,7 +15,7 @@ import dataclasses
 import operator
 import sys
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -157,7 +157,8 @@ def _flatten(x: Any, path: tuple, tensors: list, active: set) -> Any:
                 "k": "nt",
                 "type": ref,
                 "v": [
-                    _flatten(v, (path, "attr", f), tensors, active) for f, v in zip(x._fields, x)
+                    _flatten(v, (path, "attr", f), tensors, active)
+                    for f, v in zip(cast(Any, x)._fields, x)
                 ],
             }
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -326,7 +327,8 @@ def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> An
         used[i] += 1
         return tensors[i]
     if kind == "dtype":
-        dt = DTYPES.get(node.get("v"))
+        name = node.get("v")
+        dt = DTYPES.get(name) if isinstance(name, str) else None
         if dt is None:
             raise Malformed(f"unknown dtype {node.get('v')!r}")
         return dt
@@ -355,7 +357,7 @@ def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> An
             out[pair[0]] = rec(pair[1])
         return out
     if kind == "nt":
-        cls = _resolve_type(node, "nt")
+        cls: Any = _resolve_type(node, "nt")
         values = [rec(v) for v in _items(node)]
         if len(values) != len(cls._fields):
             raise Malformed(
@@ -363,19 +365,19 @@ def _unflatten(node: Any, tensors: list, device: torch.device, used: list) -> An
             )
         return cls._make(values)
     if kind == "dc":
-        cls = _resolve_type(node, "dc")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        values = {}
+        dc: Any = _resolve_type(node, "dc")
+        fields = {f.name: f for f in dataclasses.fields(dc)}
+        given: dict[str, Any] = {}
         for pair in _items(node):
             if not (isinstance(pair, list) and len(pair) == 2 and pair[0] in fields):
-                raise Malformed(f"{cls.__qualname__} has no field {pair!r:.60}")
-            values[pair[0]] = rec(pair[1])
-        if set(values) != set(fields):
+                raise Malformed(f"{dc.__qualname__} has no field {pair!r:.60}")
+            given[pair[0]] = rec(pair[1])
+        if set(given) != set(fields):
             raise Malformed(
-                f"{cls.__qualname__} fields {sorted(fields)} != received {sorted(values)}"
+                f"{dc.__qualname__} fields {sorted(fields)} != received {sorted(given)}"
             )
-        obj = cls(**{k: v for k, v in values.items() if fields[k].init})
-        for k, v in values.items():
+        obj = dc(**{k: v for k, v in given.items() if fields[k].init})
+        for k, v in given.items():
             if not fields[k].init:
                 object.__setattr__(obj, k, v)
         return obj
@@ -402,19 +404,26 @@ def _rebuilder(node: Any, depth: int) -> Optional[Callable[[list], Any]]:
     if kind == "T":
         return operator.itemgetter(node["i"])
     if kind in ("tuple", "list"):
-        parts = [_rebuilder(v, depth + 1) for v in node["v"]]
-        if any(p is None for p in parts):
+        parts = _all_rebuilders([v for v in node["v"]], depth)
+        if parts is None:
             return None
         if kind == "tuple":
             return lambda tensors: tuple([p(tensors) for p in parts])
         return lambda tensors: [p(tensors) for p in parts]
     if kind == "dict":
         keys = [k for k, _ in node["v"]]
-        parts = [_rebuilder(v, depth + 1) for _, v in node["v"]]
-        if any(p is None for p in parts):
+        values = _all_rebuilders([v for _, v in node["v"]], depth)
+        if values is None:
             return None
-        return lambda tensors: {k: p(tensors) for k, p in zip(keys, parts)}
+        return lambda tensors: {k: p(tensors) for k, p in zip(keys, values)}
     return None
+
+
+def _all_rebuilders(nodes: list, depth: int) -> Optional[list[Callable[[list], Any]]]:
+    """A rebuilder for each of ``nodes`` one level down, or None if one has none."""
+    parts = [_rebuilder(v, depth + 1) for v in nodes]
+    found = [p for p in parts if p is not None]
+    return found if len(found) == len(parts) else None
 
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
