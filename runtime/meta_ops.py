@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Container
 from typing import Any, Optional
 
 import torch
@@ -96,7 +97,9 @@ def _unflat(spec: Any, leaves: Any) -> Any:
     return tuple(values) if tag == "t" else list(values)
 
 
-def recipe(out: Any, inputs: dict[int, int], state: frozenset = frozenset()) -> Optional[tuple]:
+def recipe(
+    out: Any, inputs: dict[int, int], state: Container[int] = frozenset()
+) -> Optional[tuple]:
     """How to make ``out`` again for inputs of the same shapes: each tensor in
     it is input ``i`` (``inputs``: id -> position), an earlier output, or a new
     meta tensor of its shape, dtype and strides; None if ``out`` holds other

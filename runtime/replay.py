@@ -58,9 +58,11 @@ stage.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from types import CodeType
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -81,6 +83,9 @@ from annot.runtime.meta_ops import (
     unpack,
 )
 from annot.runtime.value_reads import DECISIONS, log_reads, unlog
+
+if TYPE_CHECKING:
+    from annot.runtime.stage_prune import Absent
 
 __all__ = [
     "ReplayStage",
@@ -119,7 +124,7 @@ class _Run:
         self.record = record
         self.outputs: Optional[dict] = None
         self.grad_mode = torch.is_grad_enabled()
-        self.top_code = None  # the frame where the walk stops (the runner's)
+        self.top_code: Optional[CodeType] = None  # the frame where the walk stops (the runner's)
         self.mode: Optional[_ReplayMode] = None  # while replaying
         self.patches: list = []  # value reads logged while running for real
         # The output log of the modules other stages hold as placeholders, by
@@ -169,7 +174,7 @@ def _entry(run: _Run, module: nn.Module) -> Optional[tuple]:
     return run.logged.get((call.key, call.n))
 
 
-def shadow_call(absent: nn.Module, args: tuple, kwargs: dict) -> Any:
+def shadow_call(absent: Absent, args: tuple, kwargs: dict) -> Any:
     """Another stage's module (the placeholder ``absent``) called while
     replaying: its outputs as the stage that ran it logged them (fresh meta
     tensors of the logged shapes, the same aliasing of inputs and outputs), and
@@ -193,7 +198,9 @@ def shadow_call(absent: nn.Module, args: tuple, kwargs: dict) -> Any:
         return remake(hit, leaves)
     pos = run.pos
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    out = absent.shadow(*meta[0], **meta[1])
+    shadow = absent.shadow
+    assert shadow is not None, "Absent.forward calls this only with a shadow"
+    out = shadow(*meta[0], **meta[1])
     if run.pos == pos:
         ins = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
         metas: list = []
@@ -205,7 +212,7 @@ def shadow_call(absent: nn.Module, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _recipe(out: Any, ins: dict, state: set) -> Optional[tuple]:
+def _recipe(out: Any, ins: dict, state: Container[int]) -> Optional[tuple]:
     """:func:`recipe` of ``out`` leaving out module state (the frame walk
     leaves state out, so a fresh meta tensor in its place would be one tensor
     too many); None also for a tensor without strides."""
@@ -460,7 +467,7 @@ def _log_enter(key: str, kind: str, exit_id: int):
     def hook(module: nn.Module, args: tuple) -> None:
         if not _ACTIVE:
             return
-        hooks = module._forward_hooks
+        hooks = cast("OrderedDict[int, Any]", module._forward_hooks)
         if exit_id in hooks and next(reversed(hooks)) != exit_id:
             hooks.move_to_end(exit_id)  # after hooks added since (output capture)
         run = _ACTIVE[-1]
@@ -534,6 +541,8 @@ def _make_hook(k: int, path: str):
 def _enter(run: _Run, frame) -> None:
     """Boundary ``run.index``: stop replaying, swap the received tensors in."""
     run.replaying = False
+    assert run.mode is not None, "a later stage replays until its boundary"
+    assert run.received is not None, "a later stage receives"
     run.mode.__exit__(None, None, None)  # (the checks below read shapes without it)
     mine = frame_tensors(frame, run.top_code, run.stage.state_ids)
     got = run.received["t"]
@@ -680,7 +689,7 @@ class ReplayStage:
                 ) from exc
             raise
         finally:
-            if run.replaying:
+            if run.replaying and run.mode is not None:
                 run.mode.__exit__(None, None, None)
             if run.patches:
                 unlog(run.patches)

@@ -39,6 +39,9 @@ class Absent(nn.Module):
     replays the earlier stages' part of forward (:mod:`annot.runtime.replay`) runs
     the shadow for shapes, and attribute reads fall through to it."""
 
+    shadow: Optional[nn.Module]  # set in __dict__: not a submodule
+    shapes: dict[Any, Any]
+
     def __init__(self, path: str, shadow: Optional[nn.Module] = None):
         super().__init__()
         self.path = path
