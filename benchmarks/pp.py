@@ -59,17 +59,20 @@ Later (2026-11-26, night, quiet machine), three runs each:
 
 What changed: the model's target ``y`` (``forward(x, y)``, read by the last stage
 only) no longer rides along with the activations (the last stage takes it from
-its own call, as torch's schedule gives the target to the last stage): in
-interleaved A/B runs of the same build, pp=2 1f1b went from 1.13-1.23 to 1.12.
+its own call, as torch's schedule gives the target to the last stage): in six
+interleaved A/B runs of the same build (the mechanism switched per step, the
+variants' order alternated), pp=2 1f1b 1.07-1.17 with it against 1.12-1.24
+without, better in each run by 0.01-0.09.
 Where a microbatch's time goes (``benchmarks/pp_profile.py``, main-thread CPU by
 ``time.thread_time``): compute is the same on both sides; annot's sends and
 receives take 130-200 us of CPU a microbatch where torch's take 55-80, and
 gloo's own calls block for up to ms on 2 shared cores on both sides (mean
 isend/irecv post 200-500 us wall, 35-110 us CPU). Posting each receive one action
 early (``PipelineExecutor(post_receives=True)``) lowers annot's message CPU by a
-third and helped pp=2 (1f1b 1.07-1.09 against 1.12, gpipe 1.03-1.05 against
-1.08-1.13) but not pp=4 1f1b (1.18-1.20 against 1.13-1.18) nor the tiny model
-(c) reliably, so it stays off.
+third, but with the variants' order alternated it gains nothing at pp=2 (1f1b
+1.04-1.12 either way; a first set of runs that always ran it second had shown a
+gain) and loses at pp=4 1f1b (1.14-1.19 against 1.11-1.15 in four of four runs),
+so it stays off.
 """
 
 from __future__ import annotations
