@@ -189,6 +189,10 @@ class SourceRunner(StageRunner):
             if self.from_call and isinstance(out, dict):
                 self._leave_out(out, model_args)
             return out
+        # The stage's code may change the containers it receives (``saved.pop()``
+        # of a received list); the executor finds the received tensors in
+        # ``inputs`` again for B, so the stage gets containers of its own.
+        inputs = _own_containers(inputs)
         if not (self.from_call and isinstance(inputs, dict)):
             return call_stage(stage.fn, inputs)
         missing = self.from_call.difference(inputs)
@@ -311,3 +315,16 @@ def _shares_memory(t: torch.Tensor, others: Sequence[Any]) -> bool:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() == mine:
                 return True
     return False
+
+
+def _own_containers(x: Any) -> Any:
+    """``x`` with each list, tuple and dict in it rebuilt (the values inside
+    are the same objects)."""
+    kind = type(x)
+    if kind is dict:
+        return {k: _own_containers(v) for k, v in x.items()}
+    if kind is list:
+        return [_own_containers(v) for v in x]
+    if kind is tuple:
+        return tuple(_own_containers(v) for v in x)
+    return x

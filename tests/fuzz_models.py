@@ -263,3 +263,118 @@ def batch(r: Recipe, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, r.vocab, (n, r.seq), generator=g)
     return ids, torch.randint(0, r.vocab, (n, r.seq), generator=g)
+
+
+def source_of(r: Recipe) -> str:
+    """A module with ``FuzzNet`` for ``r`` written out: the same parameters,
+    built in the same order (so ``parallelize(..., seed=0)`` equals
+    ``FuzzNet(r)`` under ``torch.manual_seed(0)``), with forwards that hold
+    only the parts ``r`` switches on and no ``if`` on the recipe: code the
+    stage-split rewriter can cut (``runner="source"``), as a person would
+    have written this model."""
+    made = "[fm.Attention(r, config) if k == 'a' else fm.MLP(r) for k in kinds]"
+    container = {
+        "list": "nn.ModuleList(made)",
+        "seq": "nn.Sequential(*made)",
+        "dict": 'nn.ModuleDict({f"b{i}": b for i, b in enumerate(made)})',
+        "nested": "nn.ModuleList(nn.Sequential(*made[i : i + 2]) for i in range(0, len(made), 2))",
+    }[r.container]
+    tower = [
+        "    def __init__(self, r, config):",
+        "        super().__init__()",
+        "        self.r = r",
+        "        kinds = [r.kinds[i % len(r.kinds)] for i in range(r.blocks)]",
+        f"        made = {made}",
+        f"        self.blocks = {container}",
+        "        self.norm = nn.LayerNorm(r.width)",
+        "",
+        "    def forward(self, x):",
+    ]
+    if not r.per_block_control:
+        if r.container == "seq":
+            tower.append("        return self.norm(self.blocks(x))")
+        else:
+            tower += ["        for pair in self.blocks:", "            x = pair(x)"]
+            tower.append("        return self.norm(x)")
+    else:
+        blocks = "self.blocks.values()" if r.container == "dict" else "self.blocks"
+        half = r.blocks // 2
+        if r.skip:
+            tower.append("        saved = []")
+        tower.append(f"        for i, block in enumerate({blocks}):")
+        if r.skip:
+            tower += [
+                f"            if i >= {r.blocks - half}:",
+                "                x = x + saved.pop()",
+            ]
+        tower.append("            x = block(x)")
+        if r.twice:
+            tower += ["            if i == 0:", "                x = block(x)"]
+        if r.skip:
+            tower += [f"            if i < {half}:", "                saved.append(x)"]
+        if r.branch:
+            tower += ["            if i == 0 and x.mean() > 0:", "                x = x * 0.5"]
+        tower.append("        return self.norm(x)")
+
+    init = [
+        "    def __init__(self, r):",
+        "        super().__init__()",
+        "        self.r = r",
+        "        config = fm.SharedConfig(r.heads, r.width)",
+        "        self.emb = nn.Embedding(r.vocab, r.width)",
+    ]
+    fwd = [
+        "    def forward(self, ids, targets):",
+        "        B, T = ids.shape",
+        "        x = self.emb(ids)",
+    ]
+    if r.pos_param:
+        init.append("        self.pos = nn.Parameter(torch.randn(r.seq, r.width) * 0.1)")
+        fwd.append("        x = x + self.pos[:T]")
+    if r.cls_token:
+        init.append("        self.cls = nn.Parameter(torch.randn(1, 1, r.width) * 0.1)")
+        fwd.append("        x = torch.cat([self.cls.expand(B, -1, -1), x], dim=1)")
+    init.append("        self.tower = Tower(r, config)")
+    fwd.append("        x = self.tower(x)")
+    if r.two_towers:
+        init += [
+            "        self.text_emb = nn.Embedding(r.vocab, r.width)",
+            "        self.text = Tower(r, config)",
+        ]
+        fwd.append("        t = self.text_emb(ids)")
+        if r.cls_token:
+            fwd.append("        t = torch.cat([self.cls.expand(B, -1, -1), t], dim=1)")
+        fwd.append("        x = x + self.text(t)")
+    if r.proj_param:
+        init.append(
+            "        self.proj = nn.Parameter(torch.randn(r.width, r.width) / math.sqrt(r.width))"
+        )
+        fwd.append("        x = x @ self.proj")
+    if r.scale_param:
+        init.append("        self.scale = nn.Parameter(torch.tensor(0.3))")
+        fwd.append("        x = x * self.scale.exp()")
+    init.append("        self.head = nn.Linear(r.width, r.vocab, bias=False)")
+    if r.tied:
+        init.append("        self.head.weight = self.emb.weight")
+    fwd.append("        logits = self.head(x)")
+    if r.cls_token:
+        fwd.append("        logits = logits[:, 1:]")
+    fwd += [
+        f"        loss = F.cross_entropy(logits.reshape(-1, {r.vocab}), targets.reshape(-1))",
+        "        return logits, loss",
+    ]
+    head = [
+        '"""FuzzNet written out for one recipe (tests/fuzz_models.py: source_of)."""',
+        "",
+        "import math",
+        "",
+        "import torch",
+        "import torch.nn as nn",
+        "import torch.nn.functional as F",
+        "",
+        "from tests import fuzz_models as fm",
+        "",
+        "",
+        "class Tower(nn.Module):",
+    ]
+    return "\n".join([*head, *tower, "", "", "class FuzzNet(nn.Module):", *init, "", *fwd, ""])

@@ -107,3 +107,18 @@ def test_the_last_stage_takes_from_the_call_what_only_it_reads():
     assert "y" in runner.run_stage(LocalStage(0, fns[0]), None, ((x, y.requires_grad_()), {}))
     with pytest.raises(PipelineError, match=r"takes \['y'\] from the model call"):
         runner.run_stage(LocalStage(2, fns[2]), out1, None)
+
+
+def test_a_stage_that_changes_the_containers_it_receives_leaves_them_whole():
+    """B finds the received tensors in the stage's inputs again: a stage that
+    pops from a received list (a U-Net's saved activations) must not take one
+    out of what the executor holds."""
+    runner = SourceRunner()
+
+    def stage(x, saved):
+        return x + saved.pop()
+
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    inputs = {"x": a, "saved": [b]}
+    runner.run_stage(LocalStage(1, stage), inputs, None)
+    assert inputs["saved"] == [b]
