@@ -8,11 +8,13 @@ parameters read in a forward that spans stages, two towers, U-Net skips, a
 block called twice, a branch on data, tied weights), a mode (tp2, pp2 at a
 drawn boundary, pp2 with the automatic split, tp2 x pp2; eager or under
 ``torch.compile``: ``torch.compile(model)`` in one stage, ``compile=`` in a
-pipeline) and sometimes a wrong hint on purpose. Each case must equal the
+pipeline; or the model written out as source and split there, ``runner="source"``)
+and sometimes a wrong hint on purpose. Each case must equal the
 single-device run (loss and every gradient, none all zeros where the
 reference's is not; compiled: the issue-30 tolerance against the eager
 model), or, where the oracle expects it (a wrong hint; the automatic split
-without a sample, whose call order annot cannot know), be refused with an
+without a sample, whose call order annot cannot know; a boundary the source
+split cannot cut, refused at build), be refused with an
 ``AnnotError`` by the first step. Wrong numbers, a raw crash, a hang or a
 refused supported case fail.
 
@@ -346,7 +348,8 @@ def test_fuzz_the_source_split_on_models_written_out():
 @pytest.mark.slow
 def test_fuzz_structures_long_profile():
     n = _examples(LONG)
-    seen = run_ranks(_fuzz, 2, n, ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), timeout=1800)[0]
+    modes = ("tp2", "pp2", "pp2_auto", "pp2_source")
+    seen = run_ranks(_fuzz, 2, n, modes, PINNED, _seed(), timeout=1800)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
 
