@@ -68,10 +68,10 @@ def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
             out[path + keystr(keys)] = x.shape[0]
 
 
-def _split(obj: Any, m: int) -> list:
+def _split(obj: Any, m: int, shared: frozenset = frozenset()) -> list:
     leaves, spec = flatten(obj)
     parts = [
-        [_own_version(c) for c in torch.chunk(x, m, dim=0)]
+        [_own_version(c, shared) for c in torch.chunk(x, m, dim=0)]
         if isinstance(x, torch.Tensor) and x.dim() > 0
         else [x] * m
         for x in leaves
@@ -79,17 +79,44 @@ def _split(obj: Any, m: int) -> list:
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
 
 
-def _own_version(chunk: torch.Tensor) -> torch.Tensor:
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor of its own memory that ``set_`` can stand for exactly."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not (t.is_quantized or t.is_conj() or t.is_neg() or t.is_meta)
+    )
+
+
+def _storages(values: Any) -> frozenset:
+    """The memory (storage address) that more than one tensor among the step's
+    arguments lives in: their chunks keep sharing a version counter."""
+    seen: set = set()
+    twice: set = set()
+    for x in flatten(list(values))[0]:
+        if isinstance(x, torch.Tensor) and _plain(x):
+            ptr = x.untyped_storage().data_ptr()
+            (twice if ptr in seen else seen).add(ptr)
+    return frozenset(twice)
+
+
+def _own_version(chunk: torch.Tensor, shared: frozenset) -> torch.Tensor:
     """``chunk``'s memory as a tensor with its own version counter. Chunks of
     one tensor are views sharing one counter, so a forward that changes its
     input in place (``x.add_(1)``) on microbatch i + 1 would make autograd
     refuse microbatch i's backward under 1F1B, whose memory it never touched;
-    single-device gradient accumulation runs each backward first. A chunk
-    that requires grad stays a view (its gradient flows to the whole)."""
-    if chunk.requires_grad or type(chunk) is not torch.Tensor or chunk.layout != torch.strided:
+    single-device gradient accumulation runs each backward first. Left a view:
+    a chunk that requires grad (its gradient flows to the whole), one whose
+    memory another argument shares (``step(t, t)``: autograd must still see
+    an in-place change of one as a change of the other) and anything ``set_``
+    cannot stand for (conjugate or negative views, quantized, sparse, meta)."""
+    if chunk.requires_grad or not _plain(chunk):
+        return chunk
+    storage = chunk.untyped_storage()
+    if storage.data_ptr() in shared:
         return chunk
     own = torch.empty(0, dtype=chunk.dtype, device=chunk.device)
-    return own.set_(chunk.untyped_storage(), chunk.storage_offset(), chunk.shape, chunk.stride())
+    return own.set_(storage, chunk.storage_offset(), chunk.shape, chunk.stride())
 
 
 def split_microbatches(
@@ -126,8 +153,9 @@ def split_microbatches(
                 f"a batch of {batch} is not divisible into {microbatches} microbatches; "
                 f"use a batch size that is a multiple of {microbatches}"
             )
+    shared = _storages(bound.arguments.values())
     per_arg = {
-        name: ([value] * microbatches if name in non_split else _split(value, microbatches))
+        name: ([value] * microbatches if name in non_split else _split(value, microbatches, shared))
         for name, value in bound.arguments.items()
     }
     out = []

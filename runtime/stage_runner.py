@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, cast
 
@@ -308,12 +309,15 @@ class ReplayRunner(StageRunner):
 
 def _shares_memory(t: torch.Tensor, others: Sequence[Any]) -> bool:
     """Whether a tensor among ``others`` (any nesting) shares ``t``'s storage."""
-    mine = t.untyped_storage().data_ptr()
-    for o in others:
-        leaves = (o,) if isinstance(o, torch.Tensor) else tree_leaves(o)
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() == mine:
-                return True
+    try:
+        mine = t.untyped_storage().data_ptr()
+        for o in others:
+            leaves = (o,) if isinstance(o, torch.Tensor) else tree_leaves(o)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() == mine:
+                    return True
+    except (RuntimeError, NotImplementedError):  # a sparse, nested or wrapper tensor
+        return True  # cannot tell: sent, as before
     return False
 
 
@@ -321,8 +325,8 @@ def _own_containers(x: Any) -> Any:
     """``x`` with each list, tuple and dict in it rebuilt (the values inside
     are the same objects)."""
     kind = type(x)
-    if kind is dict:
-        return {k: _own_containers(v) for k, v in x.items()}
+    if kind is dict or kind is OrderedDict:
+        return kind((k, _own_containers(v)) for k, v in x.items())
     if kind is list:
         return [_own_containers(v) for v in x]
     if kind is tuple:

@@ -1,5 +1,6 @@
 """Splitting a step's arguments into microbatches (annot.microbatch)."""
 
+import pytest
 import torch
 
 from annot.microbatch import split_microbatches
@@ -30,3 +31,29 @@ def test_a_chunk_that_requires_grad_stays_a_view_of_the_batch():
     parts = split_microbatches(_step, (x,), {}, 2)
     sum(args[0].sum() * (i + 1) for i, (args, _) in enumerate(parts)).backward()
     assert torch.equal(x.grad, torch.tensor([[1.0] * 3] * 2 + [[2.0] * 3] * 2))
+
+
+def _pair(x, y):
+    return x, y
+
+
+def test_arguments_sharing_memory_keep_sharing_a_version_counter():
+    """``step(t, t)``: a forward that saves one and changes the other in place
+    must meet autograd's refusal, as plain torch does, not a gradient of the
+    changed value."""
+
+    w = torch.ones(2, 3, requires_grad=True)
+    t = torch.ones(4, 3)
+    (first, _), _ = split_microbatches(_pair, (t, t), {}, 2)
+    x, y = first
+    out = (w * y).sum()  # saves y
+    x.add_(1.0)  # the same memory
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_a_conjugate_view_stays_one():
+    x = torch.randn(4, 3, dtype=torch.complex64).conj()
+    (first, _), (second, _) = split_microbatches(_step, (x,), {}, 2)
+    assert first[0].is_conj()
+    assert torch.equal(torch.cat([first[0], second[0]]), x)

@@ -122,3 +122,31 @@ def test_a_stage_that_changes_the_containers_it_receives_leaves_them_whole():
     inputs = {"x": a, "saved": [b]}
     runner.run_stage(LocalStage(1, stage), inputs, None)
     assert inputs["saved"] == [b]
+
+
+def test_an_argument_whose_memory_cannot_be_read_leaves_the_target_sent():
+    """A sparse tensor among the call's arguments: whether it shares the
+    target's memory cannot be asked, so the target is sent as before."""
+    from types import SimpleNamespace
+
+    class Model(nn.Module):
+        def _annot_stage_0(self, x, adj, y):
+            return {"h": torch.sparse.mm(adj, x), "y": y}
+
+        def _annot_stage_1(self, h, y):
+            return h - y
+
+    def method(index, inputs, untouched):
+        return SimpleNamespace(
+            index=index, inputs=inputs, untouched=untouched, method=f"_annot_stage_{index}"
+        )
+
+    split = SimpleNamespace(
+        stages=[method(0, ("x", "adj", "y"), ("y",)), method(1, ("h", "y"), ())], wrappers=()
+    )
+    runner = SourceRunner(split)
+    fns = runner.stage_functions(Model(), SimpleNamespace(local_stage_ids=[0, 1]), lambda f: f)
+    x, y = torch.ones(2, 2), torch.zeros(2, 2)
+    adj = torch.eye(2).to_sparse()
+    out = runner.run_stage(LocalStage(0, fns[0]), None, ((x, adj, y), {}))
+    assert out["y"] is y
