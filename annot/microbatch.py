@@ -68,10 +68,10 @@ def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
             out[path + keystr(keys)] = x.shape[0]
 
 
-def _split(obj: Any, m: int, shared: frozenset = frozenset()) -> list:
+def _split(obj: Any, m: int, bases: list[dict]) -> list:
     leaves, spec = flatten(obj)
     parts = [
-        [_own_version(c, shared) for c in torch.chunk(x, m, dim=0)]
+        [_own_version(c, bases[i]) for i, c in enumerate(torch.chunk(x, m, dim=0))]
         if isinstance(x, torch.Tensor) and x.dim() > 0
         else [x] * m
         for x in leaves
@@ -88,33 +88,45 @@ def _plain(t: torch.Tensor) -> bool:
     )
 
 
-def _storages(values: Any) -> frozenset:
-    """The memory (storage address) that more than one tensor among the step's
-    arguments lives in: their chunks keep sharing a version counter."""
-    seen: set = set()
-    twice: set = set()
+def _bases(values: Any) -> dict:
+    """For the memory (storage) that more than one tensor among the step's
+    arguments lives in: a fresh byte tensor over it, whose views one
+    microbatch's chunks of those arguments become (one version counter)."""
+    seen: dict = {}
+    bases: dict = {}
     for x in flatten(list(values))[0]:
         if isinstance(x, torch.Tensor) and _plain(x):
-            ptr = x.untyped_storage().data_ptr()
-            (twice if ptr in seen else seen).add(ptr)
-    return frozenset(twice)
+            storage = x.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in seen and ptr not in bases:
+                own = torch.empty(0, dtype=torch.uint8, device=x.device)
+                bases[ptr] = own.set_(storage)
+            seen[ptr] = True
+    return bases
 
 
-def _own_version(chunk: torch.Tensor, shared: frozenset) -> torch.Tensor:
-    """``chunk``'s memory as a tensor with its own version counter. Chunks of
-    one tensor are views sharing one counter, so a forward that changes its
-    input in place (``x.add_(1)``) on microbatch i + 1 would make autograd
-    refuse microbatch i's backward under 1F1B, whose memory it never touched;
-    single-device gradient accumulation runs each backward first. Left a view:
-    a chunk that requires grad (its gradient flows to the whole), one whose
-    memory another argument shares (``step(t, t)``: autograd must still see
-    an in-place change of one as a change of the other) and anything ``set_``
-    cannot stand for (conjugate or negative views, quantized, sparse, meta)."""
+def _own_version(chunk: torch.Tensor, bases: dict) -> torch.Tensor:
+    """``chunk``'s memory as a tensor with a version counter of its
+    microbatch's own. Chunks of one tensor are views sharing one counter, so a
+    forward that changes its input in place (``x.add_(1)``) on microbatch
+    i + 1 would make autograd refuse microbatch i's backward under 1F1B,
+    whose memory it never touched; single-device gradient accumulation runs
+    each backward first. Arguments sharing memory (``step(t, t)``) keep
+    sharing one counter within a microbatch (``bases``: one fresh tensor per
+    storage and microbatch, the chunks views of it), so autograd still sees
+    an in-place change of one as a change of the other, as plain torch does.
+    Left as it is: a chunk that requires grad (its gradient flows to the
+    whole) and anything ``set_`` cannot stand for (conjugate or negative
+    views, quantized, sparse, meta)."""
     if chunk.requires_grad or not _plain(chunk):
         return chunk
     storage = chunk.untyped_storage()
-    if storage.data_ptr() in shared:
-        return chunk
+    key = storage.data_ptr()
+    if key in bases:  # shared with another argument: a view of this microbatch's base
+        base = bases[key]
+        return base.view(chunk.dtype).as_strided(
+            chunk.shape, chunk.stride(), chunk.storage_offset()
+        )
     own = torch.empty(0, dtype=chunk.dtype, device=chunk.device)
     return own.set_(storage, chunk.storage_offset(), chunk.shape, chunk.stride())
 
@@ -153,9 +165,9 @@ def split_microbatches(
                 f"a batch of {batch} is not divisible into {microbatches} microbatches; "
                 f"use a batch size that is a multiple of {microbatches}"
             )
-    shared = _storages(bound.arguments.values())
+    bases = [_bases(bound.arguments.values()) for _ in range(microbatches)]
     per_arg = {
-        name: ([value] * microbatches if name in non_split else _split(value, microbatches, shared))
+        name: ([value] * microbatches if name in non_split else _split(value, microbatches, bases))
         for name, value in bound.arguments.items()
     }
     out = []
