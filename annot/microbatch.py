@@ -88,21 +88,28 @@ def _plain(t: torch.Tensor) -> bool:
     )
 
 
-def _bases(values: Any) -> dict:
-    """For the memory (storage) that more than one tensor among the step's
-    arguments lives in: a fresh byte tensor over it, whose views one
-    microbatch's chunks of those arguments become (one version counter)."""
-    seen: dict = {}
-    bases: dict = {}
+def _shared_storages(values: Any) -> list:
+    """The memory (storages) that more than one tensor among the step's
+    arguments lives in."""
+    seen: set = set()
+    shared: dict = {}
     for x in flatten(list(values))[0]:
         if isinstance(x, torch.Tensor) and _plain(x):
             storage = x.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr in seen and ptr not in bases:
-                own = torch.empty(0, dtype=torch.uint8, device=x.device)
-                bases[ptr] = own.set_(storage)
-            seen[ptr] = True
-    return bases
+            if ptr in seen:
+                shared[ptr] = (storage, x.device)
+            seen.add(ptr)
+    return list(shared.items())
+
+
+def _bases(shared: list) -> dict:
+    """One microbatch's fresh byte tensor over each shared storage: the chunks
+    of the arguments living there become views of it (one version counter)."""
+    return {
+        ptr: torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        for ptr, (storage, device) in shared
+    }
 
 
 def _own_version(chunk: torch.Tensor, bases: dict) -> torch.Tensor:
@@ -165,7 +172,8 @@ def split_microbatches(
                 f"a batch of {batch} is not divisible into {microbatches} microbatches; "
                 f"use a batch size that is a multiple of {microbatches}"
             )
-    bases = [_bases(bound.arguments.values()) for _ in range(microbatches)]
+    shared = _shared_storages(bound.arguments.values())
+    bases = [_bases(shared) for _ in range(microbatches)]
     per_arg = {
         name: ([value] * microbatches if name in non_split else _split(value, microbatches, bases))
         for name, value in bound.arguments.items()
