@@ -29,15 +29,17 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
             )
             for _ in range(2)
         ]
-    elif model_name in ("llama", "t5"):  # blocks in nested forwards: the nested split
+    elif model_name in ("llama", "llama_labels", "t5"):  # blocks in nested forwards
         from tests.e2e.test_pp_nested import _llama, _t5
 
-        cls, args = _llama() if model_name == "llama" else _t5()
+        cls, args = _t5() if model_name == "t5" else _llama()
         g = torch.Generator().manual_seed(1)
         batches = []
         for _ in range(2):
             ids = torch.randint(0, 64, (4, 8), generator=g)
             labels = ids[:, :4].contiguous() if model_name == "t5" else ids
+            if model_name == "llama_labels":  # its own tensor: the last stage takes it
+                labels = ids.clone()
             batches.append(((), {"input_ids": ids, "labels": labels, "use_cache": False}))
     else:
         from examples.gpt.model import GPT, GPTConfig
@@ -100,6 +102,12 @@ def test_nested_source_split_and_replay_identical_on_hf_llama(tmp_path):
     split (the root's stage methods call the base model's), the replay cuts the
     same boundary at run time; its tied embedding and head span both stages."""
     run_ranks(_both_runners, 2, "llama", ["model.layers.1"], 1, str(tmp_path))
+
+
+def test_labels_taken_from_the_call_identical_on_hf_llama(tmp_path):
+    """HF Llama's labels as a tensor of their own: the source split's last
+    stage takes them from its call (the replay sends them), bitwise equal."""
+    run_ranks(_both_runners, 2, "llama_labels", ["model.layers.1"], 1, str(tmp_path))
 
 
 @pytest.mark.slow
