@@ -39,6 +39,15 @@ Wire format: one message is one to three sends on the pair, in this order:
    starting at a multiple of 16 bytes, all dtypes in one buffer (so one send
    per message, not one per tensor or per dtype); absent when there are none.
 
+Lanes: a channel (one direction, one peer, one group) keeps the sizes and the
+header both ends agreed from its previous transfer, so a message of another
+kind between two alike (the pipeline's step outputs after its activations)
+would make the next one a two-part transfer with a new header. Such traffic
+goes on a lane of its own (``send_pytree(..., lane=1)`` and the same lane on
+the receiving side): lanes keep their agreements apart and do not reorder
+anything (messages between two ranks still arrive in the order they were
+sent, whatever their lane).
+
 Under gloo, a receiver that knows a message will come may post the receive of
 its first part ahead (:func:`post_recv`, then ``recv_pytree(..., posted=)``):
 both ends know its size from the channel's previous transfer, and gloo's send
@@ -121,8 +130,8 @@ class _Channel:
 _CHANNELS: dict[tuple, _Channel] = {}
 
 
-def _channel(direction: str, peer: int, group: Any) -> _Channel:
-    key = (direction, peer, id(group) if group is not None else 0)
+def _channel(direction: str, peer: int, group: Any, lane: int) -> _Channel:
+    key = (direction, peer, id(group) if group is not None else 0, lane)
     ch = _CHANNELS.get(key)
     if ch is None:
         ch = _CHANNELS[key] = _Channel(group)
@@ -309,6 +318,7 @@ def send_pytree(
     microbatch: Optional[int] = None,
     peer_stage: Optional[int] = None,
     tag: Optional[tuple[int, int, int]] = None,
+    lane: int = 0,
 ) -> Handle:
     """Start sending ``obj`` to global rank ``dst``; returns a :class:`Handle`
     to ``wait()`` on. ``what`` labels the message in errors (``"activations"``);
@@ -316,7 +326,8 @@ def send_pytree(
     microbatch and the destination's stage in fault messages, which read
     ``... waited in send activations of microbatch 3``: keep ``what`` short and
     pass the microbatch separately. ``tag``: three ints carried beside the
-    object (``recv_pytree(..., tagged=True)`` returns them).
+    object (``recv_pytree(..., tagged=True)`` returns them). ``lane``: the
+    channel's lane (see the module docstring); the receiver passes the same.
 
     Unsupported values raise PipelineError before anything is sent; a peer that
     fails or hangs raises RankFailure (here or in ``wait()``)."""
@@ -330,7 +341,7 @@ def send_pytree(
     # the payload too when that also fits (steady shapes: one message a
     # transfer, the tensors copied straight into it). Its size is what both
     # ends agreed from the channel's previous transfer.
-    ch = _channel("send", dst, group)
+    ch = _channel("send", dst, group, lane)
     comm, size = ch.comm, ch.first
     wire = b"" if raw == ch.header else raw  # empty: "the previous header"
     inline = len(wire) <= size - PREAMBLE.size
@@ -386,10 +397,10 @@ class PostedRecv:
     """The receive of the channel's next message's first part, posted ahead
     by :func:`post_recv`; hand it to :func:`recv_pytree` (``posted=``)."""
 
-    __slots__ = ("buf", "group", "src", "work")
+    __slots__ = ("buf", "group", "lane", "src", "work")
 
-    def __init__(self, src: int, group: Any, buf: torch.Tensor, work: Any):
-        self.src, self.group, self.buf, self.work = src, group, buf, work
+    def __init__(self, src: int, group: Any, lane: int, buf: torch.Tensor, work: Any):
+        self.src, self.group, self.lane, self.buf, self.work = src, group, lane, buf, work
 
 
 def post_recv(
@@ -401,6 +412,7 @@ def post_recv(
     stage: Optional[int] = None,
     microbatch: Optional[int] = None,
     peer_stage: Optional[int] = None,
+    lane: int = 0,
 ) -> PostedRecv:
     """Post the receive of the next message's first part from ``src`` now,
     before it is needed; :func:`recv_pytree` (``posted=``) completes it.
@@ -413,14 +425,14 @@ def post_recv(
     received whole, and only when a message will come: gloo cannot take a
     posted receive back. The labels are :func:`recv_pytree`'s, for fault
     messages."""
-    ch = _channel("recv", src, group)
+    ch = _channel("recv", src, group, lane)
     buf = torch.empty(ch.first, dtype=torch.uint8, device=ch.comm)
     try:
         work = dist.irecv(buf, src=src, group=group)
     except Exception as exc:
         labels = (what, stage, microbatch, src, peer_stage, timeout_s)
         raise _failure(exc, "post recv", labels) from exc
-    return PostedRecv(src, group, buf, work)
+    return PostedRecv(src, group, lane, buf, work)
 
 
 def _receive(nbytes: int, src: int, group: Any, ch: _Channel, labels: Labels) -> torch.Tensor:
@@ -445,6 +457,7 @@ def recv_pytree(
     peer_stage: Optional[int] = None,
     tagged: bool = False,
     posted: Optional[PostedRecv] = None,
+    lane: int = 0,
 ) -> Any:
     """Receive one object sent by :func:`send_pytree` from global rank ``src``
     (blocking, with the timeout). Tensors land on ``device`` (default: the comm
@@ -452,11 +465,11 @@ def recv_pytree(
     ``tagged``: return ``(tag, obj)``, the tag None when the sender gave none.
     ``posted``: the receive :func:`post_recv` posted ahead for this message
     (the channel's next: nothing else is received from ``src`` in ``group``
-    between the two calls).
+    between the two calls). ``lane``: the sender's (see the module docstring).
 
     RankFailure if ``src`` (or a rank before it) fails or hangs; PipelineError
     if the message is not what the protocol promises."""
-    ch = _channel("recv", src, group)
+    ch = _channel("recv", src, group, lane)
     comm = ch.comm
     target = comm if device is None else torch.device(device)
     labels = (what, stage, microbatch, src, peer_stage, timeout_s)
@@ -468,10 +481,11 @@ def recv_pytree(
     if posted is None:
         first = _receive(size, src, group, ch, labels)
     else:
-        if posted.src != src or posted.group is not group:
+        if posted.src != src or posted.group is not group or posted.lane != lane:
             raise PipelineError(
                 f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
                 + (" in another group" if posted.group is not group else "")
+                + (f" on lane {posted.lane}, not {lane}" if posted.lane != lane else "")
             )
         if posted.buf.numel() != size or posted.work is None:
             raise PipelineError(

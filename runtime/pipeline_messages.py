@@ -27,6 +27,9 @@ from annot.runtime.trees import map_tensors
 __all__ = ["PipelineMessages", "check_shareable", "posts_early"]
 
 _DIRECTIONS = (F, B)  # a message tag's first int
+# The step outputs' lane (annot.runtime.p2p): once a step, they would otherwise
+# make the next step's first message on the pair a two-part transfer.
+_OUTPUTS_LANE = 1
 
 
 def posts_early(group: Any) -> bool:
@@ -73,6 +76,7 @@ class PipelineMessages:
                 timeout_s=self.timeout_s,
                 stage=self.pp_rank,
                 peer_stage=last,
+                lane=_OUTPUTS_LANE,
             )
         outputs = self.last_rank_outputs
         if outputs is None:
@@ -88,6 +92,7 @@ class PipelineMessages:
                 what="step outputs",
                 timeout_s=self.timeout_s,
                 stage=last,
+                lane=_OUTPUTS_LANE,
             )
             for dst in self.peers
             if dst != self.rank

@@ -95,3 +95,43 @@ def test_rebuilder_matches_unflatten():
     # kinds that need unflatten's device or class lookup are not rebuilt directly
     for obj in ({"d": torch.device("cpu")}, {"s": torch.Size([2])}, torch.float16):
         assert rebuilder(flatten(obj)[0]) is None
+
+
+def _lanes_session(outputs_lane: int) -> Any:
+    """Activations on lane 0, each followed by a small message of another kind
+    on ``outputs_lane``; the sender counts the sends each transfer took."""
+    rank = dist.get_rank()
+    if rank == 0:
+        real, counts = dist.isend, []
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            counts[-1] += 1
+            return real(*args, **kwargs)
+
+        dist.isend = counting
+        try:
+            for i in range(6):
+                counts.append(0)
+                h = torch.full((4, 256), float(i))  # 4 KiB: past the first 4 KiB message
+                send_pytree({"h": h}, 1, timeout_s=TIMEOUT_S).wait()
+                send_pytree(torch.tensor(float(i)), 1, lane=outputs_lane, timeout_s=TIMEOUT_S).wait()
+        finally:
+            dist.isend = real
+        return counts
+    got = []
+    for i in range(6):
+        h = recv_pytree(0, timeout_s=TIMEOUT_S)["h"]
+        loss = recv_pytree(0, lane=outputs_lane, timeout_s=TIMEOUT_S)
+        got.append(bool(torch.equal(h, torch.full((4, 256), float(i)))) and float(loss) == i)
+    return got
+
+
+def test_a_lane_keeps_a_channel_steady_between_other_messages():
+    counts, got = run_ranks(_lanes_session, 2, 1, timeout=240)
+    assert all(got)
+    # the first transfer learns the size (two parts per activation, one per loss);
+    # after it, an activation and the loss on its own lane are one send each
+    assert counts[0] == 3 and counts[1:] == [2] * 5, counts
+    counts, got = run_ranks(_lanes_session, 2, 0, timeout=240)
+    assert all(got)
+    assert counts[1:] == [3] * 5, counts  # one lane: each loss resets the activation's size
