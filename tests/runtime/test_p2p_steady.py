@@ -114,7 +114,9 @@ def _lanes_session(outputs_lane: int) -> Any:
                 counts.append(0)
                 h = torch.full((4, 256), float(i))  # 4 KiB: past the first 4 KiB message
                 send_pytree({"h": h}, 1, timeout_s=TIMEOUT_S).wait()
-                send_pytree(torch.tensor(float(i)), 1, lane=outputs_lane, timeout_s=TIMEOUT_S).wait()
+                send_pytree(
+                    torch.tensor(float(i)), 1, lane=outputs_lane, timeout_s=TIMEOUT_S
+                ).wait()
         finally:
             dist.isend = real
         return counts
@@ -131,7 +133,8 @@ def test_a_lane_keeps_a_channel_steady_between_other_messages():
     assert all(got)
     # the first transfer learns the size (two parts per activation, one per loss);
     # after it, an activation and the loss on its own lane are one send each
-    assert counts[0] == 3 and counts[1:] == [2] * 5, counts
+    assert counts[0] == 3, counts
+    assert counts[1:] == [2] * 5, counts
     counts, got = run_ranks(_lanes_session, 2, 0, timeout=240)
     assert all(got)
     assert counts[1:] == [3] * 5, counts  # one lane: each loss resets the activation's size
