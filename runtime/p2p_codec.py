@@ -222,15 +222,16 @@ def _tensor_key(x: Any) -> Optional[tuple]:
 
 
 def simple_signature(obj: Any) -> Optional[tuple[tuple, list[torch.Tensor]]]:
-    """For the common messages of a pipeline (tensors and None in tuples,
-    lists and dicts with str keys, nested a few levels): a key that
-    determines :func:`flatten`'s structure and each tensor's dtype, shape and
-    requires_grad, with the tensors in :func:`flatten`'s order. None for
-    anything else (use :func:`flatten`).
+    """For the common messages of a pipeline (tensors, None, bools, ints,
+    floats and strs in tuples, lists and dicts with str keys, nested a few
+    levels): a key that determines :func:`flatten`'s structure, its plain
+    values and each tensor's dtype, shape and requires_grad, with the tensors
+    in :func:`flatten`'s order. None for anything else (use :func:`flatten`).
 
-    The key compares by exact type (``type(obj)``, str keys, None), never by
-    value equality, where ``True == 1 == 1.0`` would merge different
-    structures: two objects with equal keys flatten to equal structures."""
+    The key compares by exact type (``type(obj)``, str keys, None, a plain
+    value with its type, a float by its bits), never by value equality alone,
+    where ``True == 1 == 1.0`` would merge different structures: two objects
+    with equal keys flatten to equal structures."""
     tensors: list[torch.Tensor] = []
     key = _simple_key(obj, tensors, 0)
     return None if key is None else (key, tensors)
@@ -242,11 +243,15 @@ _MAX_SIMPLE_DEPTH = 4
 def _simple_key(x: Any, tensors: list, depth: int) -> Optional[tuple]:
     if x is None:
         return ()
+    kind = type(x)
+    if kind is bool or kind is int or kind is str:  # the type too: True == 1 == 1.0
+        return kind, x
+    if kind is float:  # by its bits: -0.0 == 0.0, and every NaN is "NaN" in JSON
+        return kind, x.hex()
     key = _tensor_key(x)
     if key is not None:
         tensors.append(x)
         return key
-    kind = type(x)
     if kind in (tuple, list):
         values, names = x, None
     elif kind is dict and all(type(k) is str for k in x):

@@ -165,8 +165,10 @@ def _small_tensor(spec):
 small_tensors = st.tuples(
     st.sampled_from([torch.float32, torch.int64]), st.sampled_from([1, 2]), st.booleans()
 ).map(lambda s: _small_tensor(s) if s[0] is torch.float32 else _small_tensor((*s[:2], False)))
+# Plain values that compare equal but encode apart (True == 1 == 1.0, 0.0 == -0.0).
+plain_values = st.sampled_from([True, 1, 1.0, False, 0, 0.0, -0.0, float("nan"), "a", "1"])
 simple_trees = st.recursive(
-    small_tensors | st.none(),
+    small_tensors | st.none() | plain_values,
     lambda inner: st.one_of(
         st.lists(inner, max_size=2),
         st.lists(inner, max_size=2).map(tuple),
@@ -195,9 +197,12 @@ def test_simple_signature_never_merges_by_value_equality():
     t = torch.ones(1)
     assert simple_signature([t])[0] != simple_signature((t,))[0]
     assert simple_signature([t, None])[0] != simple_signature([None, t])[0]
-    # plain leaves (where True == 1 == 1.0) and other containers take flatten's path
     assert simple_signature(([t], None))[0] != simple_signature(([t, None],))[0]
-    for obj in ([t, 1], (t, [True]), {1: t}, {True: t}, Pair(t, t), Out(t), [[[[[t]]]]]):
+    # plain leaves keep their type (True == 1 == 1.0) and a float its bits (0.0 == -0.0)
+    keys = {simple_signature([t, v])[0] for v in (True, 1, 1.0, 0.0, -0.0, "1")}
+    assert len(keys) == 6
+    # other containers and leaves take flatten's path
+    for obj in ({1: t}, {True: t}, Pair(t, t), Out(t), [[[[[t]]]]], [t, 1j], [t, torch.float32]):
         assert simple_signature(obj) is None
     assert simple_signature(torch.ones(1).to_sparse()) is None
     assert simple_signature(torch.ones(1, device="meta")) is None
