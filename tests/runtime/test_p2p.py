@@ -310,6 +310,7 @@ def _p2p_session(examples: list) -> Any:
                 handles.pop(0).wait()
         for n in range(1, 5):
             handles.append(send_pytree({"x": torch.full((n, 3), float(n))}, 1, **kw))
+        handles += [send_pytree(obj, 1, **kw) for obj in _views()]
         for h in handles:
             h.wait()
         # gradients: send a non-leaf activation, get its gradient back
@@ -342,6 +343,7 @@ def _p2p_session(examples: list) -> Any:
         return pickle.dumps(w.grad)  # plain pickle: a queued tensor dies with its rank
     received = [recv_pytree(0, what=f"example {i}", **kw) for i in range(len(examples))]
     shapes = [tuple(recv_pytree(0, **kw)["x"].shape) for _ in range(4)]
+    views = [recv_pytree(0, **kw) for _ in _views()]
     inp = recv_pytree(0, what="activations", **kw)
     flags = [t.requires_grad for t in flatten(inp)[1]]
     loss = (inp["h"] ** 2).sum() * inp["n"] + inp["aux"][0] * 3
@@ -367,7 +369,17 @@ def _p2p_session(examples: list) -> Any:
         except PipelineError as err:
             errors.append(str(err))
     after = recv_pytree(0, **kw)
-    return pickle.dumps((received, shapes, flags, steady, errors, after))
+    return pickle.dumps((received, shapes, views, flags, steady, errors, after))
+
+
+def _views() -> list:
+    """Tensors the first message's numpy copy leaves to torch: strides, conj and
+    neg bits (made on each rank: pickling a conj view drops its bit), and a
+    dtype numpy lacks."""
+    return [
+        {"t": torch.arange(6.0).view(2, 3).t(), "c": torch.tensor([1 + 2j, 3 - 1j]).conj()},
+        [torch.tensor([1 + 2j]).conj().imag, torch.tensor([1.5, -2.0], dtype=torch.bfloat16)],
+    ]
 
 
 def _reference_grad() -> torch.Tensor:
@@ -387,13 +399,16 @@ def test_p2p_between_two_gloo_ranks():
         Pair(Out(torch.ones(1, requires_grad=True)), (torch.zeros(0), torch.tensor(True))),
         None,
         [],
+        (torch.ones(3, dtype=torch.int8), torch.full((2,), 7.0), torch.tensor([True])),  # gaps
     ]
     results = run_ranks(_p2p_session, 2, examples, timeout=240)
-    w_grad, (received, shapes, flags, steady, errors, after) = map(pickle.loads, results)
+    w_grad, (received, shapes, views, flags, steady, errors, after) = map(pickle.loads, results)
     assert len(received) == len(examples)
     for sent, got in zip(examples, received):
         assert same(sent, got), (sent, got)
     assert shapes == [(1, 3), (2, 3), (3, 3), (4, 3)]
+    for sent, got in zip(_views(), views, strict=True):
+        assert same(sent, got), (sent, got)
     assert flags == [True, True, False]  # h, aux[0] (non-leaves that need grad); arange
     torch.testing.assert_close(w_grad, _reference_grad())
     refused = "recv_pytree from rank 1 was given a receive posted for rank 0"
