@@ -73,6 +73,7 @@ copied to it.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import struct
@@ -98,7 +99,7 @@ from annot.runtime.p2p_codec import (
 __all__ = ["Handle", "PostedRecv", "post_recv", "recv_pytree", "send_pytree"]
 
 MAGIC = int.from_bytes(b"annotP2P", "big")
-VERSION = 3
+VERSION = 4  # 4: lanes; a steady message's layout agreed from the previous one
 PREAMBLE = struct.Struct("<8q")  # MAGIC, VERSION, header bytes, payload bytes, tagged, tag[3]
 # Size of the first message of a transfer (preamble + header when it fits).
 FIRST_BYTES = 4096
@@ -113,12 +114,28 @@ class _Channel:
     header it checked then (steady shapes: each later message is one receive
     into a fresh buffer, a preamble check, and views of the buffer)."""
 
-    __slots__ = ("backend", "comm", "first", "header", "hlen", "parsed", "rebuild", "views")
+    __slots__ = (
+        "backend",
+        "comm",
+        "first",
+        "header",
+        "hlen",
+        "key",
+        "layout",
+        "parsed",
+        "rebuild",
+        "views",
+    )
 
     def __init__(self, group: Any) -> None:
         self.first = FIRST_BYTES  # bytes of the next first message
         self.hlen = 0  # receiver: the previous header's length (sizes the next first message)
         self.header: Optional[bytes] = None  # sender: the previous header
+        # sender: the previous message's simple signature (p2p_codec.simple_signature; None
+        # if it had none) and its payload (offsets, bytes): a message with the same key is
+        # steady, sent without encoding
+        self.key: Optional[tuple] = None
+        self.layout: tuple = ()
         self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
         # receiver, from the checked header: (dtype, shape, strides, requires_grad, offset) per
         # tensor, and p2p_codec.rebuilder's function (None: unflatten each time)
@@ -219,16 +236,20 @@ def _op(verb: str, what: str) -> str:
 
 # Encoded headers of the simple messages (p2p_codec.simple_signature): steady
 # shapes skip flatten, json and the layout.
-_ENCODED: dict[tuple, tuple[bytes, list, int]] = {}
+_ENCODED: collections.OrderedDict[tuple, tuple[bytes, list, int]] = collections.OrderedDict()
 _MAX_ENCODED = 64
 
 
-def _encode(obj: Any, what: str, dst: int) -> tuple[bytes, list, list, int]:
+def _encode(
+    obj: Any, what: str, dst: int, simple: Optional[tuple]
+) -> tuple[bytes, list, list, int]:
     """``obj``'s header bytes, its tensors, their payload offsets and the
-    payload size (errors name the message and ``dst``)."""
-    simple = simple_signature(obj)
+    payload size (errors name the message and ``dst``); ``simple`` is its
+    simple signature or None."""
     if simple is not None:
         hit = _ENCODED.get(simple[0])
+        if hit is not None:
+            _ENCODED.move_to_end(simple[0])  # least recently used first out
         if hit is not None:
             return hit[0], simple[1], hit[1], hit[2]
     where = f" ({_op('send', what)} to rank {dst})"
@@ -249,8 +270,8 @@ def _encode(obj: Any, what: str, dst: int) -> tuple[bytes, list, list, int]:
         )
     offsets, total = _layout(metas)
     if simple is not None:
-        if len(_ENCODED) >= _MAX_ENCODED:
-            _ENCODED.clear()
+        if len(_ENCODED) >= _MAX_ENCODED:  # (a plain value changing every message)
+            _ENCODED.popitem(last=False)
         _ENCODED[simple[0]] = raw, offsets, total
     return raw, tensors, offsets, total
 
@@ -302,7 +323,7 @@ class Handle:
         self._keep = keep
         self._labels = labels
         self._backend = backend
-        self._reusable = reusable  # a buffer of the pool (_reused), back once sent
+        self._reusable = reusable  # a buffer of the pool (_pool_buffer), back once sent
 
     def is_completed(self) -> bool:
         """True once every send finished (gloo reports completion only after
@@ -346,21 +367,34 @@ def send_pytree(
 
     Unsupported values raise PipelineError before anything is sent; a peer that
     fails or hangs raises RankFailure (here or in ``wait()``)."""
-    if tag is not None and not (
-        type(tag) is tuple and len(tag) == 3 and all(type(v) is int for v in tag)
-    ):
+    if tag is None:
+        tagged: tuple = (0, 0, 0, 0)
+    elif type(tag) is tuple and len(tag) == 3 and all(type(v) is int for v in tag):
+        tagged = (1, *tag)
+    else:
         where = f" ({_op('send', what)} to rank {dst})"
         raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
-    raw, tensors, offsets, total = _encode(obj, what, dst)
+    simple = simple_signature(obj)  # (a simple message is always sendable)
+    encoded = _encode(obj, what, dst, None) if simple is None else None  # refused here
+    ch = _channel("send", dst, group, lane)
+    comm, size = ch.comm, ch.first
+    labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
+    if simple is not None and simple[0] == ch.key and comm.type == "cpu":
+        # Steady: what the channel's previous message was (its header, not sent
+        # again; its layout; a first message that holds it all, both ends agreed).
+        offsets, total = ch.layout
+        buf = _pool_buffer(size)
+        arr = buf.numpy()
+        PREAMBLE.pack_into(arr, 0, MAGIC, VERSION, 0, total, *tagged)
+        _write_tensors(arr, buf, PREAMBLE.size, PREAMBLE.size, simple[1], offsets)
+        return _post([buf], dst, group, labels, ch.backend, buf)
+    raw, tensors, offsets, total = encoded or _encode(obj, what, dst, simple)
     # The first message: the preamble, the header when it is new and fits, and
     # the payload too when that also fits (steady shapes: one message a
     # transfer, the tensors copied straight into it). Its size is what both
     # ends agreed from the channel's previous transfer.
-    ch = _channel("send", dst, group, lane)
-    comm, size = ch.comm, ch.first
     wire = b"" if raw == ch.header else raw  # empty: "the previous header"
     inline = len(wire) <= size - PREAMBLE.size
-    tagged = (1, *tag) if tag is not None else (0, 0, 0, 0)
     prefix = PREAMBLE.pack(MAGIC, VERSION, len(wire), total, *tagged) + (wire if inline else b"")
     at = _inline_payload_at(len(wire), total, size) if inline else None
     pre = _first_message(prefix, size, comm, at, tensors, offsets)
@@ -372,19 +406,24 @@ def send_pytree(
         if payload is not None:
             bufs.append(payload)
     ch.first, ch.header = _next_first(len(raw), total), raw
-    labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
+    # steady from now on if it is simple (its header then fits the next first message)
+    ch.key, ch.layout = (simple[0], (offsets, total)) if simple is not None else (None, ())
+    return _post(bufs, dst, group, labels, ch.backend, pre if comm.type == "cpu" else None)
+
+
+def _post(bufs: list, dst: int, group: Any, labels: Labels, backend: str, reusable: Any) -> Handle:
     try:
         works = [dist.isend(b, dst=dst, group=group) for b in bufs]
     except Exception as exc:
         raise _failure(exc, "send", labels) from exc
-    return Handle(works, tuple(bufs), labels, ch.backend, pre if comm.type == "cpu" else None)
+    return Handle(works, tuple(bufs), labels, backend, reusable)
 
 
 # The first messages' CPU buffers, reused once their send completed
 # (Handle.wait gives them back): new memory each message cost its zeroing and
 # page faults, about 35 us of an 80 KiB message's send on a loaded CPU. At most
 # POOL_BYTES are kept.
-_POOL: dict[int, list[torch.Tensor]] = {}
+_POOL: dict[int, list[torch.Tensor]] = {}  # (one thread sends, as the module requires)
 POOL_BYTES = 64 << 20
 _pooled = 0  # bytes in _POOL
 
@@ -404,7 +443,6 @@ def _first_message(
     a typed view of the bytes is valid), zeros elsewhere. On the CPU a buffer
     of the pool's when it has one of that size, written through numpy (a few
     microseconds less than a torch op per piece)."""
-    global _pooled
     if comm.type != "cpu":
         buf = torch.zeros(size, dtype=torch.uint8, device=comm)
         buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
@@ -413,35 +451,50 @@ def _first_message(
                 if off is not None:
                     _copy_into(buf, at + off, t.detach())
         return buf
+    buf = _pool_buffer(size)
+    arr = buf.numpy()
+    arr[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    if at is None:
+        arr[len(prefix) :] = 0
+    else:
+        _write_tensors(arr, buf, len(prefix), at, tensors, offsets)
+    return buf
+
+
+def _pool_buffer(size: int) -> torch.Tensor:
+    """A CPU buffer of ``size`` bytes: the pool's, else a new one."""
+    global _pooled
     free = _POOL.get(size)
     if free:
-        buf = free.pop()
         _pooled -= size
-    else:
-        buf = torch.empty(size, dtype=torch.uint8)
-    arr = buf.numpy()
-    cursor = len(prefix)
-    arr[:cursor] = np.frombuffer(prefix, dtype=np.uint8)
-    if at is not None:
-        for t, off in zip(tensors, offsets):
-            if off is None:
-                continue
-            start = at + off
-            arr[cursor:start] = 0
-            src = t.detach()
-            if (
-                src.dtype in _NUMPY_DTYPES
-                and src.device.type == "cpu"
-                and src.is_contiguous()
-                and not (src.is_conj() or src.is_neg())
-            ):
-                raw = src.numpy().reshape(-1).view(np.uint8)
-                arr[start : start + raw.size] = raw
-                cursor = start + raw.size
-            else:
-                cursor = _copy_into(buf, start, src)
+        return free.pop()
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _write_tensors(
+    arr: np.ndarray, buf: torch.Tensor, cursor: int, at: int, tensors: list, offsets: list
+) -> None:
+    """Copy each non-empty tensor to ``buf`` (``arr``: its numpy view) at
+    ``at`` + its offset, and zero the bytes from ``cursor`` that no tensor
+    covers: numpy where it can view the tensor's bytes, torch for the rest."""
+    for t, off in zip(tensors, offsets):
+        if off is None:
+            continue
+        start = at + off
+        arr[cursor:start] = 0
+        src = t.detach()
+        if (
+            src.dtype in _NUMPY_DTYPES
+            and src.device.type == "cpu"
+            and src.is_contiguous()
+            and not (src.is_conj() or src.is_neg() or src._is_zerotensor())
+        ):
+            raw = src.numpy().reshape(-1).view(np.uint8)
+            arr[start : start + raw.size] = raw
+            cursor = start + raw.size
+        else:
+            cursor = _copy_into(buf, start, src)
     arr[cursor:] = 0
-    return buf
 
 
 # dtypes numpy can view (the others, bfloat16 and float8, are copied by torch)

@@ -374,11 +374,12 @@ def _p2p_session(examples: list) -> Any:
 
 def _views() -> list:
     """Tensors the first message's numpy copy leaves to torch: strides, conj and
-    neg bits (made on each rank: pickling a conj view drops its bit), and a
-    dtype numpy lacks."""
+    neg bits (made on each rank: pickling a conj view drops its bit), a dtype
+    numpy lacks, a ZeroTensor."""
     return [
         {"t": torch.arange(6.0).view(2, 3).t(), "c": torch.tensor([1 + 2j, 3 - 1j]).conj()},
         [torch.tensor([1 + 2j]).conj().imag, torch.tensor([1.5, -2.0], dtype=torch.bfloat16)],
+        {"zeros": torch._efficientzerotensor(3)},  # no numpy view
     ]
 
 
