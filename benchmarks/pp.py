@@ -73,6 +73,37 @@ third, but with the variants' order alternated it gains nothing at pp=2 (1f1b
 1.04-1.12 either way; a first set of runs that always ran it second had shown a
 gain) and loses at pp=4 1f1b (1.14-1.19 against 1.11-1.15 in four of four runs),
 so it stays off.
+
+2026-11-27 (quiet machine), three runs each:
+
+    BENCH_STEPS=15 python benchmarks/pp.py --a
+      (a) pp=2 gpipe 0.96-1.04   pp=2 1f1b 1.06-1.14
+          pp=4 gpipe 1.03-1.09   pp=4 1f1b 1.04-1.14
+    BENCH_LAYERS=8|32 BENCH_SPLITS=uniform BENCH_RUNNER=source BENCH_STEPS=5 python benchmarks/pp_llama.py
+      HF Llama, uniform split, the source runner   pp=2         pp=4
+      8 layers                                     0.99-1.11    1.02-1.05
+      32 layers                                    1.01-1.06    0.99-1.03
+    (the replay, the default runner for these nested boundaries, one run: 1.16 / 1.14)
+
+What changed, each found by measuring a stage's main-thread CPU per action
+(``time.thread_time``) beside torch's and the whole process's per thread:
+the step outputs (the loss, once a step) go on a p2p lane of their own, so
+they no longer reset the pair's agreed first-message size and header (the
+next step's first gradient had become a two-part transfer with a JSON
+header; pp=2 1f1b 1.22 -> 1.17 in alternated whole runs); messages with plain
+values beside their tensors, as every transformers stage message has, reuse
+the cached header instead of flatten and JSON each time (a Llama stage's
+activation send 305 -> 190 us of CPU a microbatch under load); a steady
+message is built in a pooled buffer through numpy without encoding. On HF
+Llama at pp=4 the source runner's total CPU over the four ranks went from
+1.16x torch's to 1.01-1.06x. What is left on the MLP stack: 4 KiB messages
+whose cost is latency, not CPU; a stage's messages take about 300 us of
+main-thread CPU a microbatch against torch's 120 under load (the Python of
+the general protocol: tags, the receiver's checks and views), and gloo's
+loop thread does 2-3x torch's work for annot's messages (the same count of
+isends and irecvs; not found why). Replacing the protocol by raw isend/irecv
+of known shapes in the executor (an experiment, not shippable: no checks, no
+shape changes) gave 0.95-1.04 on pp=2 1f1b: that is the bound for this path.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ Wire format: one message is one to three sends on the pair, in this order:
    from the sizes of the previous transfer, so with steady shapes a transfer is
    one message. ``header bytes`` is 0 when the header is byte for byte the
    channel's previous one (steady shapes: the receiver reuses the header it
-   parsed and checked then). The tag is three ints the caller may attach
+   parsed and checked then; the sender, seeing the channel's previous simple
+   signature (:func:`~annot.runtime.p2p_codec.simple_signature`) again, skips
+   encoding altogether and writes the preamble and the tensors into a buffer
+   of its pool, given back when the send completed). The tag is three ints the caller may attach
    (``send_pytree(..., tag=)``; the pipeline's ``(direction, stage,
    microbatch)``), so a message's key does not make its header differ;
 2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
@@ -77,7 +80,7 @@ import collections
 import functools
 import json
 import struct
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 import torch
@@ -385,7 +388,7 @@ def send_pytree(
         offsets, total = ch.layout
         buf = _pool_buffer(size)
         arr = buf.numpy()
-        PREAMBLE.pack_into(arr, 0, MAGIC, VERSION, 0, total, *tagged)
+        PREAMBLE.pack_into(cast(Any, arr), 0, MAGIC, VERSION, 0, total, *tagged)
         _write_tensors(arr, buf, PREAMBLE.size, PREAMBLE.size, simple[1], offsets)
         return _post([buf], dst, group, labels, ch.backend, buf)
     raw, tensors, offsets, total = encoded or _encode(obj, what, dst, simple)
@@ -629,7 +632,7 @@ def recv_pytree(
         posted.work = None  # consumed
         _wait(work, ch.backend, "recv", labels)
     words = PREAMBLE.unpack_from(
-        first.numpy() if comm.type == "cpu" else _host(first[: PREAMBLE.size])
+        cast(Any, first.numpy() if comm.type == "cpu" else _host(first[: PREAMBLE.size]))
     )
     magic, version, hlen, plen, has_tag = words[:5]
     if magic != MAGIC:
@@ -671,7 +674,7 @@ def recv_pytree(
         ch.rebuild = None  # until unflatten accepted the tree once
     ch.first = _next_first(ch.hlen, plen)
     tensors = []
-    storage = payload.untyped_storage() if plen else None
+    storage = payload.untyped_storage()  # (read only where a tensor has bytes: plen > 0)
     for dtype, shape, strides, requires_grad, off in ch.views:
         if off is None:
             t = torch.empty(shape, dtype=dtype, device=target)
