@@ -96,8 +96,10 @@ def _stage_times(events: list, n_stages: int) -> list[float]:
     return busy
 
 
-def _rank(pp: int, auto_split: list, cache: str):
-    os.environ["ANNOT_CACHE_DIR"] = cache
+def torch_pipeline(cfg, uniform: list):
+    """torch.distributed.pipelining at the ``uniform`` split on this rank: the
+    stage modules written by hand (embedding + blocks, blocks, blocks + norm +
+    head), 1F1B over MICRO microbatches; returns ``(step(ids), stage)``."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -105,41 +107,9 @@ def _rank(pp: int, auto_split: list, cache: str):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from transformers import LlamaForCausalLM
 
-    import annot
-    from annot.hf import stages_from_hf_config
-
-    torch.set_num_threads(1)
-    cfg = _config()
-    with torch.device("meta"):
-        uniform = stages_from_hf_config(LlamaForCausalLM(cfg), pp)
-    steps = {}
-    models = {}
-    for name, split in (("auto", auto_split), ("uniform", uniform)):
-        if name not in SPLITS:
-            continue
-        model = annot.parallelize(
-            LlamaForCausalLM,
-            cfg,
-            mesh=annot.Mesh(pp=pp),
-            seed=0,
-            split=split,
-            runner=RUNNER if name == "uniform" else "auto",
-        )
-        models[name] = model
-
-        @annot.jit(model, microbatches=MICRO, schedule="1f1b", trace=True)
-        def step(ids, model=model):
-            logits = model(ids).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
-            model.backward(loss)
-            return loss
-
-        steps[name] = step
-
-    # torch.distributed.pipelining at the uniform split, stage modules by hand
     torch.manual_seed(0)
     full = LlamaForCausalLM(cfg)
-    rank = dist.get_rank()
+    rank, pp = dist.get_rank(), dist.get_world_size()
     blocks = [int(b.rsplit(".", 1)[1]) for b in uniform]
     lo = ([0] + blocks)[rank]
     hi = (blocks + [cfg.num_hidden_layers])[rank]
@@ -174,6 +144,50 @@ def _rank(pp: int, auto_split: list, cache: str):
             sched.step(target=ids)
         else:
             sched.step()
+
+    return torch_step, stage
+
+
+def _rank(pp: int, auto_split: list, cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    import annot
+    from annot.hf import stages_from_hf_config
+
+    torch.set_num_threads(1)
+    cfg = _config()
+    with torch.device("meta"):
+        uniform = stages_from_hf_config(LlamaForCausalLM(cfg), pp)
+    steps = {}
+    models = {}
+    for name, split in (("auto", auto_split), ("uniform", uniform)):
+        if name not in SPLITS:
+            continue
+        model = annot.parallelize(
+            LlamaForCausalLM,
+            cfg,
+            mesh=annot.Mesh(pp=pp),
+            seed=0,
+            split=split,
+            runner=RUNNER if name == "uniform" else "auto",
+        )
+        models[name] = model
+
+        @annot.jit(model, microbatches=MICRO, schedule="1f1b", trace=True)
+        def step(ids, model=model):
+            logits = model(ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            model.backward(loss)
+            return loss
+
+        steps[name] = step
+
+    torch_step, stage = torch_pipeline(cfg, uniform)
+    rank = dist.get_rank()
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
