@@ -122,6 +122,20 @@ REPEATS = int(os.environ.get("BENCH_STEPS", "10"))
 PP = tuple(int(x) for x in os.environ.get("BENCH_PP", "2,4").split(","))  # (a)'s degrees
 
 
+def torch_step(sched, x, y) -> None:
+    """One step of torch.distributed.pipelining's schedule on this rank: the
+    input on the first stage, the target on the last."""
+    import torch.distributed as dist
+
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        sched.step(x)
+    elif rank == pp - 1:
+        sched.step(target=y, losses=[])
+    else:
+        sched.step()
+
+
 def pipelines(cls, kw: dict, schedule: str, microbatches: int, *, trace: bool = False):
     """On this rank, the same model split into ``pp`` equal runs of blocks (the
     world size) twice: annot's (``model``, its jit step) and
@@ -170,7 +184,6 @@ def _rank(kind: str, schedule: str, microbatches: int, cache: str):
 
     torch.set_num_threads(1)
     pp = dist.get_world_size()
-    rank = dist.get_rank()
     if kind == "mlp":
         cls, kw, batch, width = MLPStack, {"width": 256, "depth": 8}, 32, 256
     elif kind == "tiny":
@@ -179,20 +192,12 @@ def _rank(kind: str, schedule: str, microbatches: int, cache: str):
         cls, kw, batch, width = SleepStack, {"depth": pp}, microbatches, 4
     model, annot_step, submod, sched = pipelines(cls, kw, schedule, microbatches)
 
-    def torch_step(x, y):
-        if rank == 0:
-            sched.step(x)
-        elif rank == pp - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=g)
     y = torch.randn(batch, width, generator=g)
     ta, tb = [], []
     for i in range(REPEATS + 2):
-        for fn, acc in ((lambda: annot_step(x, y), ta), (lambda: torch_step(x, y), tb)):
+        for fn, acc in ((lambda: annot_step(x, y), ta), (lambda: torch_step(sched, x, y), tb)):
             dist.barrier()
             t = time.perf_counter()
             fn()

@@ -75,7 +75,7 @@ def _systems(kind: str):
     import torch
     import torch.distributed as dist
 
-    rank, pp = dist.get_rank(), dist.get_world_size()
+    pp = dist.get_world_size()
     if kind == "llama":
         import torch.nn.functional as F
         from transformers import LlamaForCausalLM
@@ -98,14 +98,14 @@ def _systems(kind: str):
             model.backward(loss)
             return loss
 
-        torch_step, stage = torch_pipeline(cfg, uniform)
+        their_step, stage = torch_pipeline(cfg, uniform)
         ids = torch.randint(
             0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)
         )
         params = list(model.parameters()) + list(stage.submod.parameters())
-        return (lambda: annot_step(ids)), (lambda: torch_step(ids)), params
+        return (lambda: annot_step(ids)), (lambda: their_step(ids)), params
 
-    from benchmarks.pp import pipelines
+    from benchmarks.pp import pipelines, torch_step
     from benchmarks.pp_models import MLPStack
 
     if kind == "tiny":
@@ -119,17 +119,9 @@ def _systems(kind: str):
         torch.randn(batch, kw["width"], generator=g),
     )
 
-    def torch_step():
-        if rank == 0:
-            sched.step(x)
-        elif rank == pp - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
-
     return (
         (lambda: annot_step(x, y)),
-        torch_step,
+        (lambda: torch_step(sched, x, y)),
         list(model.parameters()) + list(submod.parameters()),
     )
 
