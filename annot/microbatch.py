@@ -9,6 +9,7 @@ divisible by the number of microbatches.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -68,8 +69,9 @@ def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
             out[path + keystr(keys)] = x.shape[0]
 
 
-def _split(obj: Any, m: int, bases: list[dict]) -> list:
-    leaves, spec = flatten(obj)
+def _split(flat: tuple[list, Any], m: int, bases: list[dict]) -> list:
+    """The ``m`` microbatches of one argument (``flat``: its leaves and spec)."""
+    leaves, spec = flat
     parts = [
         [_own_version(c, bases[i]) for i, c in enumerate(torch.chunk(x, m, dim=0))]
         if isinstance(x, torch.Tensor) and x.dim() > 0
@@ -144,7 +146,7 @@ def split_microbatches(
     """``[(args_i, kwargs_i) for each microbatch i]`` for calling ``fn``."""
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
-    sig = inspect.signature(fn)
+    sig = _signature(fn)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -155,18 +157,24 @@ def split_microbatches(
             f"non_split={non_split!r} names {sorted(unknown)}, which are not parameters of "
             f"{fn.__qualname__}{sig}"
         )
-    sizes: dict[str, int] = {}
-    for name, value in bound.arguments.items():
-        if name not in non_split:
-            _batch_sizes(value, name, sizes)
-    if len(set(sizes.values())) > 1:
+    flat = {name: flatten(v) for name, v in bound.arguments.items() if name not in non_split}
+    batches = {
+        x.shape[0]
+        for leaves, _ in flat.values()
+        for x in leaves
+        if isinstance(x, torch.Tensor) and x.dim() > 0
+    }
+    if len(batches) > 1:
+        sizes: dict[str, int] = {}
+        for name in flat:
+            _batch_sizes(bound.arguments[name], name, sizes)
         raise PipelineError(
             "tensors split into microbatches must share the batch size (dim 0); got "
             + ", ".join(f"{k}: {v}" for k, v in sizes.items())
             + "; pass the others in non_split=(...)"
         )
-    if sizes:
-        batch = next(iter(sizes.values()))
+    if batches:
+        batch = next(iter(batches))
         if batch % microbatches:
             raise PipelineError(
                 f"a batch of {batch} is not divisible into {microbatches} microbatches; "
@@ -175,7 +183,9 @@ def split_microbatches(
     shared = _shared_storages(bound.arguments.values())
     bases = [_bases(shared) for _ in range(microbatches)]
     per_arg = {
-        name: ([value] * microbatches if name in non_split else _split(value, microbatches, bases))
+        name: (
+            [value] * microbatches if name in non_split else _split(flat[name], microbatches, bases)
+        )
         for name, value in bound.arguments.items()
     }
     out = []
@@ -183,3 +193,9 @@ def split_microbatches(
         ba = inspect.BoundArguments(sig, {k: v[i] for k, v in per_arg.items()})
         out.append((ba.args, ba.kwargs))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Callable) -> inspect.Signature:
+    """``inspect.signature(fn)``, once per step function (each step asks)."""
+    return inspect.signature(fn)

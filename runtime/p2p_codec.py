@@ -208,17 +208,21 @@ def _container(x: Any, kind: type, path: tuple, tensors: list, active: set) -> A
 _SENDABLE_DTYPES = frozenset(DTYPES.values())
 
 
-def _tensor_key(x: Any) -> Optional[tuple]:
-    """``(dtype, shape, requires_grad)`` of a tensor :func:`flatten` takes as
-    is, else None."""
-    if (
+def _sendable(x: Any) -> bool:
+    """A tensor :func:`flatten` takes as is (a dense, non-meta tensor of a
+    sendable dtype, no subclass)."""
+    return (
         type(x) in (torch.Tensor, torch.nn.Parameter)
         and x.layout == torch.strided
         and x.dtype in _SENDABLE_DTYPES
         and not x.is_meta
-    ):
-        return x.dtype, tuple(x.shape), x.requires_grad
-    return None
+    )
+
+
+def _tensor_key(x: Any) -> Optional[tuple]:
+    """``(dtype, shape, requires_grad)`` of a tensor :func:`flatten` takes as
+    is, else None."""
+    return (x.dtype, tuple(x.shape), x.requires_grad) if _sendable(x) else None
 
 
 def simple_signature(obj: Any) -> Optional[tuple[tuple, list[torch.Tensor]]]:
@@ -435,6 +439,28 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     """The tensors of ``obj`` with ``requires_grad``, in :func:`flatten` order:
     the same order on the sending and the receiving stage, so gradients sent
     back as a list line up with the tensors that produced them."""
-    simple = simple_signature(obj)
-    tensors = simple[1] if simple is not None else flatten(obj)[1]
+    tensors: list[torch.Tensor] = []
+    if not _simple_tensors(obj, tensors, 0):
+        tensors = flatten(obj)[1]
     return [t for t in tensors if t.requires_grad]
+
+
+def _simple_tensors(x: Any, tensors: list, depth: int) -> bool:
+    """:func:`simple_signature`'s walk without its key: append the tensors of
+    a simple message in :func:`flatten` order; False where it is not simple
+    (then ``tensors`` is partial: use :func:`flatten`)."""
+    kind = type(x)
+    if x is None or kind is bool or kind is int or kind is str or kind is float:
+        return True
+    if _sendable(x):
+        tensors.append(x)
+        return True
+    if kind in (tuple, list):
+        values: Any = x
+    elif kind is dict and all(type(k) is str for k in x):
+        values = x.values()
+    else:
+        return False
+    if depth == _MAX_SIMPLE_DEPTH:
+        return False
+    return all(_simple_tensors(v, tensors, depth + 1) for v in values)

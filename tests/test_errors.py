@@ -250,7 +250,9 @@ def test_microbatch_errors():
         split_microbatches(_step, (x, y), {}, 4)
     with pytest.raises(PipelineError, match=r"microbatches=0; expected an int >= 1"):
         split_microbatches(_step, (x, y), {}, 0)
-    with pytest.raises(PipelineError, match="must share the batch size"):
+    with pytest.raises(
+        PipelineError, match=r"must share the batch size \(dim 0\); got x: 10, y: 8;"
+    ):
         split_microbatches(_step, (x, torch.zeros(8)), {}, 2)
     parts = split_microbatches(_step, (x, torch.zeros(8)), {}, 2, non_split=("y",))
     assert [a[0].shape[0] for a, _ in parts] == [5, 5]

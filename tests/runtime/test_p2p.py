@@ -193,6 +193,33 @@ def test_simple_signature_equal_iff_encoding_equal(a, b):
     assert [id(t) for t in ts_a] == [id(t) for t in flatten(a)[1]]
 
 
+# Trees with several tensors that require grad, simple or not (a dict with int
+# keys or a namedtuple inside takes flatten's path).
+grad_trees = st.recursive(
+    st.sampled_from([1, 2]).map(lambda n: torch.zeros(n, requires_grad=True))
+    | small_tensors
+    | st.none()
+    | plain_values,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3),
+        st.dictionaries(st.sampled_from([1, 2]), inner, max_size=2),
+        st.tuples(inner, inner).map(lambda p: Pair(*p)),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, database=None)
+@given(grad_trees)
+def test_tensors_requiring_grad_is_flattens_order(tree):
+    """The gradients of a boundary line up by this list on both sides: the
+    simple messages' walk must give flatten's tensors in flatten's order."""
+    want = [t for t in flatten(tree)[1] if t.requires_grad]
+    assert [id(t) for t in tensors_requiring_grad(tree)] == [id(t) for t in want]
+
+
 def test_simple_signature_never_merges_by_value_equality():
     t = torch.ones(1)
     assert simple_signature([t])[0] != simple_signature((t,))[0]
