@@ -105,11 +105,13 @@ def _walk(start, stop_code, skip: set[int], *, named: bool):
         if isinstance(value, dict):
             seen.add(id(value))
             for k, v in list(value.items()):
-                visit(v, named and (lambda w=where, k=k: f"{w()}[{k!r}]"), depth + 1)
+                if type(v) not in _LEAVES:  # (most are: skip the call)
+                    visit(v, named and (lambda w=where, k=k: f"{w()}[{k!r}]"), depth + 1)
         elif isinstance(value, (list, tuple)):
             seen.add(id(value))
             for k, v in enumerate(value):
-                visit(v, named and (lambda w=where, k=k: f"{w()}[{k}]"), depth + 1)
+                if type(v) not in _LEAVES:
+                    visit(v, named and (lambda w=where, k=k: f"{w()}[{k}]"), depth + 1)
         elif isinstance(value, nn.Module):
             return
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -122,7 +124,8 @@ def _walk(start, stop_code, skip: set[int], *, named: bool):
     while frame is not None and frame.f_code is not stop_code:
         code = frame.f_code
         for name, value in list(frame.f_locals.items()):
-            visit(value, named and (lambda c=code, n=name: f"{_qualname(c)}: {n}"), 0)
+            if type(value) not in _LEAVES:
+                visit(value, named and (lambda c=code, n=name: f"{_qualname(c)}: {n}"), 0)
         frame = frame.f_back
     if frame is None:
         raise PipelineError(

@@ -463,4 +463,7 @@ def _simple_tensors(x: Any, tensors: list, depth: int) -> bool:
         return False
     if depth == _MAX_SIMPLE_DEPTH:
         return False
-    return all(_simple_tensors(v, tensors, depth + 1) for v in values)
+    for v in values:  # noqa: SIM110 (all(genexpr) is slower; this runs for every leaf)
+        if not _simple_tensors(v, tensors, depth + 1):
+            return False
+    return True
