@@ -104,6 +104,31 @@ loop thread does 2-3x torch's work for annot's messages (the same count of
 isends and irecvs; not found why). Replacing the protocol by raw isend/irecv
 of known shapes in the executor (an experiment, not shippable: no checks, no
 shape changes) gave 0.95-1.04 on pp=2 1f1b: that is the bound for this path.
+
+2026-11-27 (later; the machine noisier), the same commands:
+
+    (a), five runs: pp=2 gpipe 0.96-1.12   pp=2 1f1b 1.07-1.17
+                    pp=4 gpipe 1.07-1.23   pp=4 1f1b 1.07-1.16
+      the build of the morning, checked out beside it and alternated (five
+      pp=4 pairs): gpipe 1.05-1.13 against 1.09-1.12, 1f1b 1.01-1.16 against
+      1.08-1.13: the spread is the machine's, not the build's
+    HF Llama, uniform split, three runs (32 layers: two)   pp=2         pp=4
+      8 layers, the source runner                          1.00-1.04    1.00-1.06
+      8 layers, the default runner (the replay)            1.05-1.23    1.18-1.22
+      32 layers, the source runner                         1.01-1.02    1.03-1.04
+      32 layers, the default runner (the replay)           1.03         1.02
+
+A pp=2 1F1B step's timeline on both sides (each action timed on each rank,
+one clock) shows why the MLP stack's step trails torch's: compute is the
+same, and annot's isend blocks for ms in 10-25% of the messages (p90 1.8 ms
+against torch's 0.23), while the peer waits. The mechanism is gloo's: a send
+posted before its receive leaves only when the receiver's notice reaches
+the sender's network thread, which a busy core delays by ms
+(``benchmarks/p2p_rendezvous.py``). Two changes aimed at it measured no
+gain, alternated per step against the build and torch in three runs each:
+waiting each send once the next receive completed (as torch's batches wait
+theirs), and posting the receive right after the send when a SEND is
+followed by a RECV (worse in three runs of three). Not adopted.
 """
 
 from __future__ import annotations

@@ -12,28 +12,36 @@ moves much less, so costs of a few percent show. And with more ranks than
 cores (pp=4 here) the step follows the ranks' total CPU, not the slowest
 stage. Per rank it prints the CPU of a step of each system: the main
 thread's (``time.thread_time``, median: the Python, the ops, posting and
-unpacking messages) and the other threads' (``/proc/self/task``, mean over
-the steps, as the kernel counts in 10 ms ticks: gloo's loop thread, which
-moves the bytes), then the sums over ranks and rank 0's wall time.
+unpacking messages) and the other threads' (the scheduler's count in
+``/proc/self/task/*/schedstat``, mean over the steps: gloo's loop thread,
+which moves the bytes), then the sums over ranks and rank 0's wall time.
 ``benchmarks/pp_profile.py`` splits the wall time of one rank's step by kind
 of work instead.
 
-Results (2026-11-27, quiet machine; ms a step, all ranks; annot / torch):
+Results (2026-11-27; ms a step, all ranks; annot / torch):
 
     model                  pp  main thread          other threads   wall (rank 0)
-    mlp (BENCH_STEPS=20)    2  68.9 / 64.8 = 1.06   11.4 / 4.0      1.05
-    tiny                    2  23.3 / 14.2 = 1.63   13.4 / 3.5      1.61
+    mlp (BENCH_STEPS=30)    2  62.9 / 57.0 = 1.10   9.6 / 4.9       1.17
+    tiny (BENCH_STEPS=30)   2  14.6 / 11.2 = 1.31   9.0 / 3.2       1.50
     llama, source           4  245.2 / 227.8 = 1.08 22.4 / 25.0     1.06
-    llama, replay           4  281.5 / 228.9 = 1.23 25.0 / 26.9     1.16
+    llama, replay (STEPS=8) 4  300.2 / 240.1 = 1.25 28.1 / 26.6     1.17
 
-Read: on HF Llama at pp=4 the step follows the CPU (the replay's 23% more is
+(The two llama rows' other threads, and the first two rows before
+2026-11-27, were counted in 10 ms clock ticks minus the main thread's exact
+time, which credited the other threads with the main thread's rounding.)
+
+Read: on HF Llama at pp=4 the step follows the CPU (the replay's 25% more is
 its re-run of earlier stages' Python on meta; the source runner's 8% is the
-messages' and the step body's Python); on the MLP stack at pp=2 the main
-threads are within 6% of torch's while the step is 5-17% behind across runs,
-and gloo's loop thread spends about three times torch's CPU on annot's
-messages (the same number of sends and receives; not found why). The tiny
-model shows the fixed cost: about 280 us more main-thread CPU a microbatch
-on each rank, of which the messages' Python is under half (``pp_profile.py``).
+messages' and the step body's Python). On the MLP stack and the tiny model
+at pp=2, gloo's loop threads spend 2-3x torch's CPU on annot's steps, though
+a step makes the same system calls (``strace -c`` on the tiny model, per
+step: epoll_wait 82 vs 89, writev 111 vs 108, recvfrom 196 vs 198) and
+``perf`` finds the kernel's epoll path in both: not found why. The latency
+side is ``benchmarks/p2p_rendezvous.py``: a send posted before its receive
+waits for the sender's loop thread, which a busy core delays by ms. The tiny
+model shows the fixed cost: 110-280 us more main-thread CPU a microbatch on
+each rank (runs of 2026-11-27), of which the messages' Python is under half
+(``pp_profile.py``).
 """
 
 from __future__ import annotations
