@@ -9,7 +9,6 @@ divisible by the number of microbatches.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -64,9 +63,16 @@ def _combine(values: list, fn: Callable) -> Any:
 
 
 def _batch_sizes(obj: Any, path: str, out: dict[str, int]) -> None:
-    for keys, x in tree_flatten_with_path(obj)[0]:
+    """The batch size (dim 0) of each tensor in ``obj``, by its path (for the
+    error that names them; a pytree node registered without key paths is
+    named by the leaf's place)."""
+    try:
+        leaves = [(path + keystr(keys), x) for keys, x in tree_flatten_with_path(obj)[0]]
+    except (ValueError, TypeError):
+        leaves = [(f"{path}, leaf {i}", x) for i, x in enumerate(flatten(obj)[0])]
+    for where, x in leaves:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
-            out[path + keystr(keys)] = x.shape[0]
+            out[where] = x.shape[0]
 
 
 def _split(flat: tuple[list, Any], m: int, bases: list[dict]) -> list:
@@ -146,7 +152,7 @@ def split_microbatches(
     """``[(args_i, kwargs_i) for each microbatch i]`` for calling ``fn``."""
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
-    sig = _signature(fn)
+    sig = inspect.signature(fn)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
@@ -193,9 +199,3 @@ def split_microbatches(
         ba = inspect.BoundArguments(sig, {k: v[i] for k, v in per_arg.items()})
         out.append((ba.args, ba.kwargs))
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _signature(fn: Callable) -> inspect.Signature:
-    """``inspect.signature(fn)``, once per step function (each step asks)."""
-    return inspect.signature(fn)

@@ -169,7 +169,8 @@ def _rank(kind: str, cache: str) -> dict:
             if i >= 2:  # warm
                 wall[name].append(time.perf_counter() - t)
                 main[name].append(cpu)
-                other[name] += sum(after.values()) - sum(threads.values())
+                # (a thread that ended between the readings takes its CPU with it)
+                other[name] += sum(max(0.0, v - threads.get(k, 0.0)) for k, v in after.items())
             for p in params:
                 p.grad = None
     return {

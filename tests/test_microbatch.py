@@ -1,8 +1,12 @@
 """Splitting a step's arguments into microbatches (annot.microbatch)."""
 
+import dataclasses
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
+from annot.core.errors import PipelineError
 from annot.microbatch import split_microbatches
 
 
@@ -57,3 +61,42 @@ def test_a_conjugate_view_stays_one():
     (first, _), (second, _) = split_microbatches(_step, (x,), {}, 2)
     assert first[0].is_conj()
     assert torch.equal(torch.cat([first[0], second[0]]), x)
+
+
+def test_any_callable_is_a_step():
+    """A step may be a callable object, hashable or not (a dataclass with
+    ``__call__`` has no ``__hash__``)."""
+
+    @dataclasses.dataclass
+    class Step:
+        scale: float = 1.0
+
+        def __call__(self, x, w=None):
+            return x
+
+    parts = split_microbatches(Step(), (torch.arange(4.0),), {"w": torch.zeros(4)}, 2)
+    assert [(a[0].tolist(), a[1].shape) for a, _ in parts] == [
+        ([0.0, 1.0], (2,)),
+        ([2.0, 3.0], (2,)),
+    ]
+
+
+class _Box:
+    """A pytree node registered without key paths (``tree_flatten_with_path``
+    refuses it)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+pytree.register_pytree_node(_Box, lambda box: ([box.a, box.b], None), lambda xs, _: _Box(*xs))
+
+
+def test_unequal_batch_sizes_are_named_inside_a_node_without_key_paths():
+    box = _Box(torch.zeros(4), torch.zeros(6))
+    with pytest.raises(PipelineError, match=r"got x, leaf 0: 4, x, leaf 1: 6;"):
+        split_microbatches(_step, (box,), {}, 2)
+    box = _Box(torch.zeros(4), torch.ones(4))
+    (first, _), (second, _) = split_microbatches(_step, (box,), {}, 2)
+    assert first[0].a.shape == (2,)
+    assert second[0].b.tolist() == [1.0, 1.0]
