@@ -3,6 +3,7 @@
     python benchmarks/pp.py            # a few minutes on 2 CPU cores
     python benchmarks/pp.py --bubbles  # only (d), about a minute
     python benchmarks/pp.py --a        # only (a), at BENCH_PP (default 2,4)
+    BENCH_RUNS=3 BENCH_STEPS=15 python benchmarks/pp.py --a   # issue 33's protocol: the range
     python benchmarks/pp_llama.py      # only (e)
 
 (a) step time, annot vs torch.distributed.pipelining (PipelineStage + ScheduleGPipe /
@@ -109,6 +110,9 @@ shape changes) gave 0.95-1.04 on pp=2 1f1b: that is the bound for this path.
 
     (a), five runs: pp=2 gpipe 0.96-1.12   pp=2 1f1b 1.07-1.17
                     pp=4 gpipe 1.07-1.23   pp=4 1f1b 1.07-1.16
+      then BENCH_RUNS=3 BENCH_STEPS=15 python benchmarks/pp.py --a (the range printed):
+                    pp=2 gpipe 0.90-1.06   pp=2 1f1b 1.08-1.20
+                    pp=4 gpipe 1.09-1.11   pp=4 1f1b 1.10-1.16
       the build of the morning, checked out beside it and alternated (five
       pp=4 pairs): gpipe 1.05-1.13 against 1.09-1.12, 1f1b 1.01-1.16 against
       1.08-1.13: the spread is the machine's, not the build's
@@ -341,6 +345,26 @@ def main() -> None:
     pp_llama.main()
 
 
+def print_a(runs: int = 1) -> None:
+    """(a) alone, ``runs`` times over (fresh ranks each run): each run's rows,
+    then each row's range of ratios over the runs."""
+    ratios: dict[str, list[float]] = {}
+    for run in range(runs):
+        if runs > 1:
+            print(f"run {run + 1} of {runs}")
+        print(f"{'measurement':58} {'annot':>10} {'torch':>10} {'ratio':>7}")
+        for pp in PP:
+            for schedule in ("gpipe", "1f1b"):
+                a, b = measure("mlp", schedule, 8, pp=pp)
+                name = f"(a) step, MLP stack pp={pp} M=8 {schedule}"
+                ratios.setdefault(name, []).append(a / b)
+                print(f"{name:58} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {a / b:7.3f}", flush=True)
+    if runs > 1:
+        print(f"\nannot / torch over {runs} runs (min-max; goal <= 1.0)")
+        for name, values in ratios.items():
+            print(f"{name:58} {min(values):.2f}-{max(values):.2f}")
+
+
 def print_bubbles(rows: list[tuple], pp: int = 2, microbatches: int = 8) -> None:
     print(
         f"\n(d) bubble on fixed-cost stages, pp={pp} M={microbatches}, F 20 ms, B 40 ms "
@@ -358,11 +382,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--bubbles"]:
         print_bubbles(bubbles())
     elif sys.argv[1:] == ["--a"]:
-        print(f"{'measurement':58} {'annot':>10} {'torch':>10} {'ratio':>7}")
-        for pp in PP:
-            for schedule in ("gpipe", "1f1b"):
-                a, b = measure("mlp", schedule, 8, pp=pp)
-                name = f"(a) step, MLP stack pp={pp} M=8 {schedule}"
-                print(f"{name:58} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {a / b:7.3f}", flush=True)
+        print_a(int(os.environ.get("BENCH_RUNS", "1")))
     else:
         main()
