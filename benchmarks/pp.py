@@ -311,11 +311,7 @@ def measure(kind, schedule, microbatches, pp=2):
 
 
 def main() -> None:
-    rows = []
-    for pp in PP:
-        for schedule in ("gpipe", "1f1b"):
-            a, b = measure("mlp", schedule, 8, pp=pp)
-            rows.append((f"(a) step, MLP stack pp={pp} M=8 {schedule}", a, b, a / b, "<= 1.0"))
+    rows = [(name, a, b, a / b, "<= 1.0") for name, a, b in a_rows()]
     m, p, f, bw = 8, 2, 0.020, 0.040
     theory = m / (m + p - 1)
     for schedule in ("gpipe", "1f1b"):
@@ -345,6 +341,14 @@ def main() -> None:
     pp_llama.main()
 
 
+def a_rows():
+    """(a)'s rows as they are measured: (name, annot step, torch step) in seconds."""
+    for pp in PP:
+        for schedule in ("gpipe", "1f1b"):
+            a, b = measure("mlp", schedule, 8, pp=pp)
+            yield f"(a) step, MLP stack pp={pp} M=8 {schedule}", a, b
+
+
 def print_a(runs: int = 1) -> None:
     """(a) alone, ``runs`` times over (fresh ranks each run): each run's rows,
     then each row's range of ratios over the runs."""
@@ -353,12 +357,9 @@ def print_a(runs: int = 1) -> None:
         if runs > 1:
             print(f"run {run + 1} of {runs}")
         print(f"{'measurement':58} {'annot':>10} {'torch':>10} {'ratio':>7}")
-        for pp in PP:
-            for schedule in ("gpipe", "1f1b"):
-                a, b = measure("mlp", schedule, 8, pp=pp)
-                name = f"(a) step, MLP stack pp={pp} M=8 {schedule}"
-                ratios.setdefault(name, []).append(a / b)
-                print(f"{name:58} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {a / b:7.3f}", flush=True)
+        for name, a, b in a_rows():
+            ratios.setdefault(name, []).append(a / b)
+            print(f"{name:58} {a * 1e3:8.2f}ms {b * 1e3:8.2f}ms {a / b:7.3f}", flush=True)
     if runs > 1:
         print(f"\nannot / torch over {runs} runs (min-max; goal <= 1.0)")
         for name, values in ratios.items():

@@ -219,12 +219,6 @@ def _sendable(x: Any) -> bool:
     )
 
 
-def _tensor_key(x: Any) -> Optional[tuple]:
-    """``(dtype, shape, requires_grad)`` of a tensor :func:`flatten` takes as
-    is, else None."""
-    return (x.dtype, tuple(x.shape), x.requires_grad) if _sendable(x) else None
-
-
 def simple_signature(obj: Any) -> Optional[tuple[tuple, list[torch.Tensor]]]:
     """For the common messages of a pipeline (tensors, None, bools, ints,
     floats and strs in tuples, lists and dicts with str keys, nested a few
@@ -244,33 +238,37 @@ def simple_signature(obj: Any) -> Optional[tuple[tuple, list[torch.Tensor]]]:
 _MAX_SIMPLE_DEPTH = 4
 
 
-def _simple_key(x: Any, tensors: list, depth: int) -> Optional[tuple]:
+def _simple_key(x: Any, tensors: list, depth: int, keyed: bool = True) -> Optional[tuple]:
+    """:func:`simple_signature`'s walk: append the tensors to ``tensors`` and
+    return the key, or None where ``x`` is not simple. ``keyed=False`` walks
+    the same way but builds no key (``()`` for a simple value):
+    :func:`tensors_requiring_grad` needs only the tensors."""
     if x is None:
         return ()
     kind = type(x)
     if kind is bool or kind is int or kind is str:  # the type too: True == 1 == 1.0
-        return kind, x
+        return (kind, x) if keyed else ()
     if kind is float:  # by its bits: -0.0 == 0.0, and every NaN is "NaN" in JSON
-        return kind, x.hex()
-    key = _tensor_key(x)
-    if key is not None:
+        return (kind, x.hex()) if keyed else ()
+    if _sendable(x):
         tensors.append(x)
-        return key
+        return (x.dtype, tuple(x.shape), x.requires_grad) if keyed else ()
     if kind in (tuple, list):
         values, names = x, None
     elif kind is dict and all(type(k) is str for k in x):
-        values, names = x.values(), tuple(x)
+        values, names = x.values(), (tuple(x) if keyed else None)
     else:
         return None
     if depth == _MAX_SIMPLE_DEPTH:
         return None
     keys = []
     for v in values:
-        k = _simple_key(v, tensors, depth + 1)
+        k = _simple_key(v, tensors, depth + 1, keyed)
         if k is None:
             return None
-        keys.append(k)
-    return kind, names, tuple(keys)
+        if keyed:
+            keys.append(k)
+    return (kind, names, tuple(keys)) if keyed else ()
 
 
 class Malformed(Exception):
@@ -440,30 +438,6 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     the same order on the sending and the receiving stage, so gradients sent
     back as a list line up with the tensors that produced them."""
     tensors: list[torch.Tensor] = []
-    if not _simple_tensors(obj, tensors, 0):
+    if _simple_key(obj, tensors, 0, keyed=False) is None:  # not simple (tensors partial)
         tensors = flatten(obj)[1]
     return [t for t in tensors if t.requires_grad]
-
-
-def _simple_tensors(x: Any, tensors: list, depth: int) -> bool:
-    """:func:`simple_signature`'s walk without its key: append the tensors of
-    a simple message in :func:`flatten` order; False where it is not simple
-    (then ``tensors`` is partial: use :func:`flatten`)."""
-    kind = type(x)
-    if x is None or kind is bool or kind is int or kind is str or kind is float:
-        return True
-    if _sendable(x):
-        tensors.append(x)
-        return True
-    if kind in (tuple, list):
-        values: Any = x
-    elif kind is dict and all(type(k) is str for k in x):
-        values = x.values()
-    else:
-        return False
-    if depth == _MAX_SIMPLE_DEPTH:
-        return False
-    for v in values:  # noqa: SIM110 (all(genexpr) is slower; this runs for every leaf)
-        if not _simple_tensors(v, tensors, depth + 1):
-            return False
-    return True
