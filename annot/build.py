@@ -241,6 +241,8 @@ def parallelize(
         cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages
     )
     log.debug("annot: step 4: built %s for tp=%d (meta)", type(local).__qualname__, mesh.tp)
+    if n_stages > 1 and report.runner == "source" and split_plan is None:
+        split_plan = resplit(cls, report.boundaries)  # a cache hit: the plan of the source
 
     if sequence_parallel is not False and mesh.tp > 1:
         report.sequence_blocks = _sequence_blocks(local, sequence_parallel, report.boundaries)
@@ -254,7 +256,7 @@ def parallelize(
         check = functools.partial(
             preflight,
             whole=whole,
-            split_root=report.runner == "source",
+            split_forwards=split_plan.forwards if split_plan is not None else (),
             ref=twin,
             ctx=ctx,
             specs=specs,
@@ -475,7 +477,7 @@ def _pipeline_plan(local, cls, split, points: StagePoints, ctx, chunks: int, rep
     boundaries = report.boundaries
     runner: Union[SourceRunner, ReplayRunner]
     if report.runner == "source":
-        runner = SourceRunner(split or resplit(cls, boundaries))
+        runner = SourceRunner(split)
     else:
         seq = points.calls
         runner = ReplayRunner(stage_calls(seq, boundaries) if seq is not None else None)

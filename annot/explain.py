@@ -68,16 +68,40 @@ def _stage_memory(model, params: list[nn.Parameter], schedule: str, microbatches
     return " + ".join(format_bytes(b) for b in parts)
 
 
+def _held_modules(plan, order: dict[str, int], s: int) -> str:
+    """The outermost modules stage ``s`` holds that no other stage holds
+    anything of, in ``order`` (module paths by registration), blocks in runs."""
+    held = plan.stage_modules
+    others = set().union(*(held[o] for o in held if o != s))
+
+    def position(path: str) -> tuple[int, str]:
+        while path not in order and path:
+            path = path.rpartition(".")[0]  # a container's own parameter: at its module
+        return order.get(path, len(order)), path
+
+    return ", ".join(runs_of_blocks(sorted(held_units(held[s], others), key=position))) or "-"
+
+
 class SourceSplitStages:
-    """The stages of a root ``forward`` cut into stage methods by the rewriter."""
+    """The stages of a root ``forward`` cut into stage methods by the rewriter
+    (and, for boundaries in the forwards it calls, theirs: the nested split)."""
 
     runner = "source split"
-    how = "the root forward cut into stage methods by the rewriter; the code below is what runs"
 
-    def __init__(self, plan):
+    def __init__(self, plan, root: nn.Module):
+        self.plan = plan
         self.stages = plan.split.stages
+        self.nested = plan.split.forwards[1:]
+        self.order = {p: i for i, p in enumerate(tree_paths(root))}
+        self.how = (
+            "the root forward cut into stage methods by the rewriter"
+            + (f", and {', '.join(self.nested)} with it" if self.nested else "")
+            + "; the code below is what runs"
+        )
 
     def modules(self, s: int) -> str:
+        if self.nested:  # what the root's stage reads is its callees' stages: their modules
+            return _held_modules(self.plan, self.order, s)
         return ", ".join(self.stages[s].modules) or "-"
 
     def sends(self, s: int) -> str:
@@ -85,7 +109,13 @@ class SourceSplitStages:
         return ", ".join(outputs) if outputs is not None else "(returns)"
 
     def code(self, s: int) -> str:
-        return self.stages[s].source.rstrip()
+        code = self.stages[s].source.rstrip()
+        if self.nested:
+            code += (
+                f"\n# (the stage methods of {', '.join(self.nested)} it calls: in the rewritten "
+                "source above)"
+            )
+        return code
 
 
 class ReplayStages:
@@ -104,15 +134,7 @@ class ReplayStages:
         self.order = {p: i for i, p in enumerate(tree_paths(root))}
 
     def modules(self, s: int) -> str:
-        held = self.plan.stage_modules
-        others = set().union(*(held[o] for o in held if o != s))
-        units = sorted(held_units(held[s], others), key=self._position)
-        return ", ".join(runs_of_blocks(units)) or "-"
-
-    def _position(self, path: str) -> tuple[int, str]:
-        while path not in self.order and path:
-            path = path.rpartition(".")[0]  # a container's own parameter: at its module
-        return self.order.get(path, len(self.order)), path
+        return _held_modules(self.plan, self.order, s)
 
     def sends(self, s: int) -> str:
         if s == self.plan.num_stages - 1:
@@ -149,7 +171,7 @@ def stage_view(plan, root: nn.Module, executor: Optional[Any]):
     """The view of ``plan``'s stages for the runner it recorded."""
     if plan.runner.name == "replay":
         return ReplayStages(plan, root, executor)
-    return SourceSplitStages(plan)
+    return SourceSplitStages(plan, root)
 
 
 def tree_paths(root: nn.Module, prefix: str = "") -> list[str]:

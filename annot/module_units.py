@@ -33,10 +33,13 @@ with a sample the activations of the microbatches the schedule keeps in flight
 on it). ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or
 the transformers tp plan splits hold ``1/tp``, and so do the activations
 computed from them); ``dp``: the data-parallel degree (what fsdp shards over).
-With a measured cost the split may also begin inside a block part
-(``self_attn.o_proj``, :func:`units` at ``depth=2``), where that makes the
-slowest stage more than :data:`DEEPER_GAIN` faster than the best split at the
-parts: such a boundary carries more tensors than one between parts.
+A split at the parts is taken only where it makes the slowest stage more
+than 5% faster than the best split at whole blocks (:data:`DEEPER_GAIN`:
+only the replay cuts inside a block); with a measured cost the split may
+also begin inside a block part (``self_attn.o_proj``, :func:`units` at
+``depth=2``), where that makes the slowest stage more than 3% faster than
+the best split at the parts (5% than one at whole blocks): such a boundary
+carries more tensors than one between parts.
 ``stranded``: the module calls where no stage can begin
 (:func:`annot.runtime.stranded.stranded`; found on ``sample`` when not given):
 their units join the one before.
@@ -715,32 +718,34 @@ def plan_units(
         )
     if tp > 1 and sharded is None:
         sharded = tp_sharded(measures.model, tp)
-    best = None
-    levels = (1, 2) if len(coarser(fine, 1)) < len(fine) else (1,)
-    for level in levels:  # block parts, then the parts of those parts
+    best, best_level = None, 0
+    levels = [lv for lv in (0, 1, 2) if lv == 0 or len(coarser(fine, lv - 1)) < len(fine)]
+    for level in levels:  # whole blocks, their parts, then the parts of those parts
         try:
             plan = _plan_level(measures, level, n_stages, memory, fit, tp, dp, sharded or set())
         except PartitionError:
             if best is None and level == levels[-1]:
                 raise
-            continue  # too few block parts, or they do not fit the memory; their parts may
-        if best is None or _deeper_pays(best, plan):
-            best = plan
+            continue  # too few blocks, or they do not fit the memory; their parts may
+        if best is None or _deeper_pays(best, plan, DEEPER_GAIN[best_level]):
+            best, best_level = plan, level
     assert best is not None  # the last level planned, or raised
     return best
 
 
-# A boundary inside a block part carries every tensor alive in that part's
-# forward (the frame walk of annot.runtime.replay), more than one between
-# parts: it is taken only where it makes the slowest stage more than this
-# much faster.
-DEEPER_GAIN = 0.03
+# How much faster than the best plan at level k (0: whole blocks, 1: their
+# parts) a deeper level must make the slowest stage to be taken. A boundary
+# inside a block only the replay cuts (the source split cuts a loop between
+# its elements, and is 5-15% faster on the same plan: benchmarks/runners.py);
+# one inside a part carries every tensor alive in that part's forward (the
+# frame walk of annot.runtime.replay), more than one between parts.
+DEEPER_GAIN = {0: 0.05, 1: 0.03}
 
 
-def _deeper_pays(shallow: StagePlan, deep: StagePlan) -> bool:
+def _deeper_pays(shallow: StagePlan, deep: StagePlan, gain: float) -> bool:
     if len(deep.stage_costs) != len(shallow.stage_costs):  # fit=True: fewer stages fit
         return len(deep.stage_costs) < len(shallow.stage_costs)
-    return max(deep.stage_costs) < (1 - DEEPER_GAIN) * max(shallow.stage_costs)
+    return max(deep.stage_costs) < (1 - gain) * max(shallow.stage_costs)
 
 
 def _plan_level(

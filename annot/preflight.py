@@ -130,7 +130,7 @@ def preflight(
     specs: dict,
     paths: dict,
     whole: Optional[nn.Module] = None,
-    split_root: bool = False,
+    split_forwards: tuple[str, ...] = (),
 ) -> dict:
     """Refuse ``local`` (this rank's model) when a meta forward on ``args`` and
     ``kwargs`` fails where the single-device ``ref`` runs; see the module
@@ -141,9 +141,9 @@ def preflight(
     In a pipeline ``local`` holds only this rank's stages: ``whole`` is the tp
     shard of every stage (this tp rank's, copied before the stages were cut
     out), which runs instead, so every rank checks the whole model and finds
-    the same sites. With ``split_root`` the root's forward runs as stage
-    methods the rewriter made (other lines), so a site in it cannot be keyed:
-    refused."""
+    the same sites. ``split_forwards``: the forwards (``"LlamaModel.forward"``)
+    the pipeline runs as stage methods the rewriter made (other lines), so a
+    site in a module of those classes cannot be keyed: refused."""
     from annot.runtime.tp_dropout import sharded_sites
     from annot.runtime.tp_reshape import ReshapeRecorder, check_head_splits, column_chunks
 
@@ -167,24 +167,25 @@ def preflight(
             return {}
         check_head_splits(mine.reshapes, theirs.reshapes, ctx.mesh.tp, column_chunks(twin))
         sites = sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
-        in_root = [(file, line) for path, file, line in sites if not path]
-        if split_root and in_root:
-            file, line = in_root[0]
-            raise HintError(
-                f"tp pre-flight: dropout at {file}:{line} in the root's forward gets a tp "
-                "shard, and the pipeline runs that forward as stage methods, so annot "
-                "cannot draw this rank's part of the single-device mask there. Move the "
-                "dropout into a submodule (an nn.Dropout, or the block that calls it), or "
-                "set its p to 0"
-            )
+        split = {f.rpartition(".")[0]: f for f in split_forwards}
+        for path, file, line in sites:
+            where = split.get(type(ref.get_submodule(path)).__qualname__)
+            if where is not None:
+                raise HintError(
+                    f"tp pre-flight: dropout at {file}:{line} in {where} gets a tp shard, and "
+                    "the pipeline runs that forward as stage methods, so annot cannot draw "
+                    "this rank's part of the single-device mask there. Move the dropout into "
+                    "a submodule (an nn.Dropout, or the block that calls it), set its p to 0, "
+                    "or cut the stages at run time: parallelize(..., runner='replay')"
+                )
         return sites
     where, exc = failed
     if ref_failed is not None:
         log.debug("annot: pre-flight skipped: the single-device model fails on meta too (%s)", exc)
         return {}
     tp = ctx.mesh.tp
-    try:
-        cls = type(local.get_submodule(where)).__name__
+    try:  # (the model that failed: this rank's stage may not hold the module)
+        cls = type((whole if whole is not None else local).get_submodule(where)).__name__
     except AttributeError:
         cls = "?"
     near = hints_near(where, ref, specs, paths)

@@ -9,8 +9,8 @@ model (and one meta forward on a sample), where a stage may begin:
   that would strand a tensor (:func:`annot.runtime.stranded.stranded`), not
   at a path that names no submodule;
 * and whether the source runner can cut there too
-  (:meth:`StagePoints.source_refusal`: the stage-split rewriter's answer,
-  :func:`annot.rewriters.stage_split.split_refusal`, as data).
+  (:meth:`StagePoints.source_refusal`: the stage-split rewriter's refusal,
+  as data).
 
 ``split=`` validation (:meth:`StagePoints.check`), the module planner
 (:mod:`annot.module_units`, through :attr:`StagePoints.stranded` and
@@ -82,6 +82,7 @@ class StagePoints:
         self.cls = cls
         self.sample = sample
         self.names = dict(ref.named_modules(remove_duplicate=False))
+        self._splits: dict[tuple[tuple[str, ...], bool], Any] = {}
 
     # -- the probes: one meta forward each, run when first asked ----------------
 
@@ -154,13 +155,32 @@ class StagePoints:
         also following boundaries into the forwards the root calls (the
         nested split ``annot rewrite --pp`` prints, which ``runner="source"``
         runs)."""
+        split = self._source_split(tuple(boundaries), nested)
+        return split if isinstance(split, str) else None
+
+    def source_split(self, boundaries: tuple[str, ...]) -> Any:
+        """The nested source split at ``boundaries``
+        (:class:`annot.rewriters.stage_split.StageSplit`), or the rewriter's
+        refusal (a str)."""
+        return self._source_split(tuple(boundaries), True)
+
+    def _source_split(self, boundaries: tuple[str, ...], nested: bool) -> Any:
+        """The stage split at ``boundaries``, or the rewriter's refusal (a
+        str: ``file:line:col: reason``); each asked once (a split of an HF
+        modeling file takes a few hundred ms)."""
+        key = (boundaries, nested)
+        if key not in self._splits:
+            self._splits[key] = self._split_now(boundaries, nested)
+        return self._splits[key]
+
+    def _split_now(self, boundaries: tuple[str, ...], nested: bool) -> Any:
         path = _source_file(self.cls)
         if path is None:
             return f"{self.cls.__qualname__} has no source file to split"
         from annot.rewrite_cache import read_source
-        from annot.rewriters.stage_split import split_refusal
+        from annot.rewriters.stage_split import split_or_refusal
 
-        return split_refusal(
+        return split_or_refusal(
             read_source(path),
             self.cls.__qualname__,
             list(boundaries),
@@ -248,21 +268,22 @@ def choose_runner(
     """Which runner runs the stages that begin at ``boundaries``, decided once
     from the plan (``()``: the ``annot.boundary()`` markers of forward).
 
-    ``runner="auto"``: the source split where the rewriter can cut the root's
-    forward at ``boundaries`` (a verified fast path: the same losses and
-    gradients as the replay, ``tests/test_runners.py``, and at least 5% faster
-    on the same plans, ``benchmarks/runners.py``), else the replay, which cuts
-    at any module call (the reason says why the source split cannot).
-    ``"source"`` / ``"replay"`` ask for one: ``"source"`` also runs the
-    nested split, which follows boundaries into the forwards the root calls
-    (an HF model's ``model.layers.4``; the same losses and gradients as the
-    replay, ``tests/test_runners.py``; a call asking a nested forward's output
-    capture for its outputs is refused at run time), and where the rewriter
-    cannot cut it is refused with its reason; the replay cannot run
-    ``annot.boundary()`` markers. Nested boundaries stay with the replay under
-    ``"auto"``: the replay's tests cover what nested models do around the
-    boundaries (raw parameters between towers, output capture, interleaved
-    stages), which the nested split's do not yet."""
+    ``runner="auto"``: the source split where the rewriter can cut there,
+    in the root's forward or following the boundaries into the forwards it
+    calls (the nested split ``annot rewrite --pp`` prints: an HF model's
+    ``model.layers.4``), a verified fast path: the same losses and gradients
+    as the replay (``tests/test_runners.py``: HF Llama, interleaved, T5, raw
+    parameters between two towers) and 5% faster or more on the same plans
+    (``benchmarks/runners.py``). Else the replay, which cuts at any module
+    call, and runs the model's own forward on every rank: where the rewriter
+    cannot cut (the reason says why), and where the model's config asks a
+    decorator that wraps a split forward's whole call for what only the
+    whole call gives (HF's ``output_router_logits=True`` for
+    ``@capture_outputs``). ``"source"`` / ``"replay"`` ask for one:
+    ``"source"`` where the rewriter cannot cut is refused with its reason,
+    and a call asking output capture of a split forward is refused at run
+    time (:meth:`annot.runtime.stage_runner.SourceRunner.run_stage`); the
+    replay cannot run ``annot.boundary()`` markers."""
     if runner not in RUNNERS:
         raise HintError(f"parallelize: runner={runner!r}; expected one of {', '.join(RUNNERS)}")
     name = type(points.ref).__name__
@@ -287,18 +308,25 @@ def choose_runner(
         return RunnerChoice("source", "asked for (runner='source')")
     if runner == "replay":
         return RunnerChoice("replay", "asked for (runner='replay')")
-    refusal = points.source_refusal(boundaries)
-    if refusal is None:
+    split = points.source_split(boundaries)
+    if isinstance(split, str):
+        return RunnerChoice("replay", f"the source split cannot cut there: {split}")
+    asked = split.output_request({}, getattr(points.ref, "config", None))
+    if asked is not None:
+        return RunnerChoice(
+            "replay",
+            f"the model's config asks {asked}: the decorator collects or converts the outputs "
+            "of the whole call, which the replay runs on every rank and the source split cuts "
+            "into stages",
+        )
+    if len(split.forwards) == 1:
         return RunnerChoice(
             "source",
             "the rewriter cuts the root's forward at these boundaries, "
             "and its stage methods run faster than the replay",
         )
-    if points.source_refusal(boundaries, nested=True) is None:
-        return RunnerChoice(
-            "replay",
-            "the boundaries lie in forwards the root's forward calls, where the replay cuts "
-            "them (runner='source' runs the nested source split that annot rewrite --pp "
-            f"prints instead); the root's forward alone cannot be cut there: {refusal}",
-        )
-    return RunnerChoice("replay", f"the source split cannot cut there: {refusal}")
+    return RunnerChoice(
+        "source",
+        f"the rewriter cuts {', '.join(split.forwards)} at these boundaries (the nested split "
+        "annot rewrite --pp prints), and its stage methods run faster than the replay",
+    )

@@ -28,13 +28,14 @@ Results (this 2-core CPU machine, quiet, 2026-11-26 evening, BENCH_STEPS=10):
     llama      4     167.84     192.28          0.873
 
 (Earlier that day, shared with other work: gpt 0.939 / 0.778, mlp 0.962 / 0.677,
-llama 0.959 / 0.894.)
+llama 0.959 / 0.894.) 2026-11-27, ``BENCH_MODELS=llama``, two runs on the
+build of that day (the replay's message and frame-walk costs cut): llama pp=2
+0.914 / 0.915, pp=4 0.882 / 0.891.
 
-The root split is 5% faster or more on every model here (the replay's cost grows
-with the stages it replays on meta), so it stays the build's fast path where the
-rewriter can cut the root's forward (annot.stage_points.choose_runner); the
-nested split is at pp=4 but not at pp=2, so nested boundaries stay with the replay
-unless ``runner="source"`` asks for it. tests/test_runners.py checks both give
+The source split is 5% faster or more on every model here (the replay's cost
+grows with the stages it replays on meta), so it is the build's fast path
+wherever the rewriter can cut, the nested split included
+(annot.stage_points.choose_runner). tests/test_runners.py checks both give
 identical losses and gradients.
 """
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
@@ -70,17 +70,21 @@ from annot.rewriters.stage_methods import (
     output_arity,
 )
 
-__all__ = ["StageMethod", "StageSplit", "split_decorated", "split_refusal", "split_stages"]
+__all__ = ["StageMethod", "StageSplit", "split_decorated", "split_or_refusal", "split_stages"]
 
 
 # Hugging Face's decorators that collect or convert a forward's outputs over the
 # whole call, and the call's arguments that ask them to: on a split forward they
 # wrap single stages (each of the root's, a nested forward's first), so a call
 # asking cannot run on the split (StageSplit.output_request).
+# Each of them also takes return_dict out of the call's arguments (else the
+# config's) and, where it is False, turns the whole call's output into a tuple
+# (ModelOutput.to_tuple); on the root's forward the source runner does that
+# around the whole pipeline instead (StageSplit.tuple_at_root).
 OUTPUT_WRAPPERS = {
     "capture_outputs": ("output_attentions", "output_hidden_states", "output_router_logits"),
     "check_model_inputs": ("output_attentions", "output_hidden_states", "output_router_logits"),
-    "can_return_tuple": ("return_dict",),  # asked by return_dict=False
+    "can_return_tuple": (),
 }
 
 
@@ -94,7 +98,8 @@ class StageSplit:
     begins, in forward order (the paths given, and ``boundary()@LINE`` for
     ``annot.boundary()`` markers). ``wrappers``: ``(forward, decorator)``
     for each split forward decorated with one of :data:`OUTPUT_WRAPPERS`
-    (``("LlamaModel.forward", "capture_outputs")``).
+    (``("LlamaModel.forward", "capture_outputs")``), the root's first.
+    ``forwards``: each split forward, ``"Class.method"``, the root's first.
     """
 
     source: str
@@ -102,17 +107,35 @@ class StageSplit:
     output_arity: Optional[int]
     boundaries: tuple[str, ...] = ()
     wrappers: tuple[tuple[str, str], ...] = ()
+    forwards: tuple[str, ...] = ()
+
+    @property
+    def tuple_at_root(self) -> bool:
+        """Whether the root's forward takes ``return_dict`` through one of
+        :data:`OUTPUT_WRAPPERS`: the runner then takes it out of the call and
+        turns the last stage's output into a tuple where it is False, as the
+        decorator does around the whole call."""
+        return any(where == self.forwards[0] for where, _ in self.wrappers)
 
     def output_request(self, kwargs: Mapping, config: Any) -> Optional[str]:
         """The call's argument (or ``config``'s default) that asks a decorator
         in :attr:`wrappers` for what it gives only around the whole call
         (``output_hidden_states=True``, ``return_dict=False``), named with
-        the decorator; None where the call asks none."""
+        the decorator; None where the call asks none. A call's
+        ``return_dict=False`` is not asked of the split where
+        :attr:`tuple_at_root` (the runner gives it); ``config``'s is, as every
+        stage's decorator reads it."""
         for where, name in self.wrappers:
             for flag in OUTPUT_WRAPPERS[name]:
                 value = kwargs.get(flag, getattr(config, flag, None))
-                if (value is False) if flag == "return_dict" else bool(value):
+                if value:
                     return f"{flag}={value!r} (for @{name} on {where})"
+        if self.wrappers:
+            default = getattr(config, "return_dict", None)
+            value = default if self.tuple_at_root else kwargs.get("return_dict", default)
+            if value is False:
+                where, name = self.wrappers[0]
+                return f"return_dict=False (for @{name} on {where})"
         return None
 
 
@@ -348,13 +371,14 @@ def _split(
     source = wrapper.module.visit(transformer).code
     labels = tuple(c.label for c in plan.cuts)
     stages = tuple(_stage_modules(root, done))
+    forwards = tuple(f"{lv.splitter.cls.name.value}.{lv.splitter.method}" for lv in done.values())
     wrappers = tuple(
-        (f"{lv.splitter.cls.name.value}.{lv.splitter.method}", name)
-        for lv in done.values()
+        (where, name)
+        for where, lv in zip(forwards, done.values())
         for name in _decorator_names(lv.splitter)
         if name in OUTPUT_WRAPPERS
     )
-    return StageSplit(source, stages, output_arity(plan.returns), labels, wrappers)
+    return StageSplit(source, stages, output_arity(plan.returns), labels, wrappers, forwards)
 
 
 def split_stages(
@@ -382,23 +406,22 @@ def split_stages(
     return _split(wrapper, cls, [(b, None) for b in boundaries], path, nested)
 
 
-def split_refusal(
+def split_or_refusal(
     source: str,
     class_name: str,
     boundaries: Sequence[str],
     *,
     path: str = "<string>",
     nested: bool = False,
-) -> Optional[str]:
-    """Why :func:`split_stages` cannot cut ``class_name``'s forward at
-    ``boundaries`` (its refusal, ``file:line:col: reason``), or None where it
-    can: the answer the build chooses a runner by
+) -> Union[StageSplit, str]:
+    """:func:`split_stages`'s split, or why it cannot cut ``class_name``'s
+    forward at ``boundaries`` (its refusal, ``file:line:col: reason``): the
+    answer the build chooses a runner by
     (:func:`annot.stage_points.choose_runner`), never an exception."""
     try:
-        split_stages(source, class_name, boundaries, path=path, nested=nested)
+        return split_stages(source, class_name, boundaries, path=path, nested=nested)
     except RewriteError as err:
         return str(err)
-    return None
 
 
 def split_decorated(

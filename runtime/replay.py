@@ -652,7 +652,8 @@ class ReplayStage:
                 f"{head} in {call.key!r} failed there: {why}. {call.key!r} belongs to an "
                 "earlier stage this rank also holds (interleaved virtual stages), and a rank's "
                 "own modules replay on meta, where its ops cannot run. Use chunks=1 for this "
-                "model"
+                "model, or boundaries between blocks the source split can cut (runner='source' "
+                "or left out: no stage runs an earlier one again)"
             )
         return (
             f"{head} in {call.key!r} failed there: {why}. A module of another stage is "

@@ -149,6 +149,8 @@ class SourceRunner(StageRunner):
     def __init__(self, split: Any = None):
         self.split = split
         self.from_call = call_supplied(split.stages) if split is not None else frozenset()
+        # the root's decorator takes return_dict: the call's is given around the pipeline
+        self.tuple_at_root = bool(split is not None and split.wrappers and split.tuple_at_root)
         # stage 0's parameters: where each of from_call sits in the call, and defaults
         self._position: dict[str, int] = {}
         self._default: dict[str, Any] = {}
@@ -181,11 +183,27 @@ class SourceRunner(StageRunner):
         }
 
     def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
+        out = self._run(stage, inputs, model_args)
+        if (
+            self.tuple_at_root
+            and stage.index == self.split.stages[-1].index
+            and model_args is not None
+            and model_args[1].get("return_dict") is False
+            and not isinstance(out, tuple)
+        ):
+            # what the root's @can_return_tuple / @capture_outputs does around the call
+            out = out.to_tuple()
+        return out
+
+    def _run(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
         if stage.index == 0:
             assert model_args is not None, "the step body runs stage 0"
             args, kwargs = model_args
             if self.split is not None and self.split.wrappers:
                 self._check_output_request(stage.fn, kwargs)
+                if self.tuple_at_root and "return_dict" in kwargs:
+                    # the last stage's output is turned into a tuple (run_stage)
+                    kwargs = {k: v for k, v in kwargs.items() if k != "return_dict"}
             out = stage.fn(*args, **kwargs)
             if self.from_call and isinstance(out, dict):
                 self._leave_out(out, model_args)
@@ -244,7 +262,9 @@ class SourceRunner(StageRunner):
     def _check_output_request(self, fn: Callable, kwargs: dict) -> None:
         """Refuse a call that asks an output-wrapping decorator of a split
         forward (HF's @capture_outputs, @can_return_tuple) for what it gives
-        around the whole call only: on the split it wraps single stages."""
+        around the whole call only: on the split it wraps single stages (a
+        call's ``return_dict=False`` for the root's decorator is given by
+        :meth:`run_stage`)."""
         config = getattr(getattr(fn, "__self__", None), "config", None)
         asked = self.split.output_request(kwargs, config)
         if asked is not None:

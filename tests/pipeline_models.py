@@ -86,3 +86,30 @@ class Regression(nn.Module):
         if weight is not None:
             err = err * weight
         return h, err.mean()
+
+
+class ShardedBody(nn.Module):
+    """A functional dropout in ``forward``'s own code on the tp shard between a
+    column- and a row-parallel layer (hinted from outside), before a loop of
+    blocks a pipeline cuts."""
+
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x):
+        x = self.down(F.dropout(self.up(x), 0.1, self.training))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+class DropoutInBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = ShardedBody()
+
+    def forward(self, x):
+        return self.body(x)

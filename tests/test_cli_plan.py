@@ -246,14 +246,21 @@ def test_installed_hf_class_planned_over_nested_blocks(capsys):
         '{"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, '
         '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}'
     )
-    argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM", "--pp", "2"]
-    assert main([*argv, "--config-json", cfg, "--json"]) == 0
+    argv = ["plan", "transformers.models.llama.modeling_llama:LlamaForCausalLM"]
+    assert main([*argv, "--pp", "2", "--config-json", cfg, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cost"] == "params"
-    assert len(doc["boundaries"]) == 1
-    assert doc["boundaries"][0].startswith("model.layers.")  # inside LlamaModel.forward
-    assert doc["units"][:3] == ["model.embed_tokens", "model.layers.0", "model.layers.0.self_attn"]
+    # whole blocks balance two stages: a boundary the nested source split cuts
+    assert doc["boundaries"] == ["model.layers.2"]  # inside LlamaModel.forward
+    assert doc["units"][:3] == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
     assert doc["imbalance"] < 1.2
+    assert doc["runner"]["name"] == "source"
+    # three stages over four blocks: a block's parts balance them more than 5% better
+    assert main([*argv, "--pp", "3", "--config-json", cfg, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["units"][:3] == ["model.embed_tokens", "model.layers.0", "model.layers.0.self_attn"]
+    assert any(b.endswith((".mlp", ".self_attn")) for b in doc["boundaries"]), doc["boundaries"]
+    assert doc["runner"]["name"] == "replay"
 
 
 def test_installed_hf_class_module_plan_takes_flops_memory_fit_and_tp(capsys):

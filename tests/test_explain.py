@@ -1,8 +1,8 @@
 """``train_step.explain(...)`` shows every pipeline: the runner that cuts it,
 each stage's owner, modules and what it sends, the tied weights, the schedule
-table and this rank's code, for a source-split model (the example GPT) and a
-replayed one (transformers' Llama, cut inside ``LlamaModel.forward``), on
-real gloo ranks, before and after a step."""
+table and this rank's code, for a source-split model (the example GPT) and
+transformers' Llama cut inside ``LlamaModel.forward`` (by the nested source
+split and by the replay), on real gloo ranks, before and after a step."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _rows(text: str) -> dict[str, list[str]]:
     return rows
 
 
-def _llama_explain() -> tuple[str, str]:
+def _llama_explain(runner: str = "replay") -> tuple[str, str]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,7 +44,12 @@ def _llama_explain() -> tuple[str, str]:
         tie_word_embeddings=True,
     )
     model = annot.parallelize(
-        LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=2), seed=0, split=["model.layers.1"]
+        LlamaForCausalLM,
+        cfg,
+        mesh=annot.Mesh(pp=2),
+        seed=0,
+        split=["model.layers.1"],
+        runner=runner,  # "auto": the nested source split
     )
 
     @annot.jit(model, microbatches=2)
@@ -91,6 +96,32 @@ def test_explain_a_replayed_pipeline():
         if rank == 0:  # the hidden state of a microbatch (2 rows of 8 tokens) crossed
             assert "(shapes after the first step)" in before
             assert "model.layers.1's call: float32[2, 8, 32]" in after
+
+
+def test_explain_a_nested_source_split_pipeline():
+    """The same model and boundary with runner= left out: the build runs the
+    nested source split (LlamaForCausalLM's and LlamaModel's stage methods)
+    and explain says so, with the modules each stage holds."""
+    for rank, (before, after) in enumerate(run_ranks(_llama_explain, 2, "auto")):
+        for text in (before, after):
+            assert (
+                "runner: source split (the root forward cut into stage methods by the rewriter, "
+                "and LlamaModel.forward with it; the code below is what runs)"
+            ) in text
+            assert (
+                "runner chosen at build: the rewriter cuts LlamaForCausalLM.forward, "
+                "LlamaModel.forward at these boundaries (the nested split"
+            ) in text
+            rows = _rows(text)
+            assert rows["0"][1:4] == [
+                "pp0",
+                "model.embed_tokens, model.layers.0, model.rotary_emb",
+                "_annot_model, logits_to_keep, labels, kwargs",
+            ]
+            assert rows["1"][1:4] == ["pp1", "model.layers[1:4], model.norm, lm_head", "(returns)"]
+            assert f"--- stage {rank} (this rank) ---\n@deprecate_kwarg(" in text
+            assert f"self.model._annot_stage_{rank}(" in text
+            assert "# (the stage methods of LlamaModel.forward it calls" in text
 
 
 def _gpt_explain(cache: str) -> str:

@@ -268,3 +268,42 @@ def _fuzz_refusal(recipe) -> str:
     except annot.AnnotError as err:
         return f"{type(err).__name__}: {err}"
     return "ran"
+
+
+def _dropout_in_a_split_forward(runner: str) -> str:
+    import annot
+    from tests.pipeline_models import DropoutInBody
+
+    try:
+        model = annot.parallelize(
+            DropoutInBody,
+            mesh=annot.Mesh(tp=2, pp=2),
+            hints={"body.up": Col(), "body.down": Row()},
+            seed=0,
+            sample=(torch.zeros(2, 8),),
+            split=["body.blocks.1"],
+            runner=runner,
+        )
+    except annot.AnnotError as err:
+        return f"{type(err).__name__}: {err}"
+    return f"built: {model.report.runner}, dropout sites {len(model.report.preflight or ())}"
+
+
+@pytest.mark.slow
+def test_dropout_on_a_shard_in_a_forward_the_source_split_cuts_is_refused():
+    """``F.dropout`` in ShardedBody.forward's own code, on the tp shard between
+    its Col and Row layers: the nested source split runs that forward as stage
+    methods (other lines), so annot cannot key the site to draw this rank's
+    part of the single-device mask: refused at build on every rank, naming
+    the forward and the replay, which runs it (and its dropout) as written."""
+    msgs = run_ranks(_dropout_in_a_split_forward, 4, "auto")
+    assert msgs == [msgs[0]] * 4
+    assert msgs[0].startswith("HintError: tp pre-flight: dropout at "), msgs[0]
+    assert "pipeline_models" in msgs[0]  # (the file that ran: the rewritten source)
+    assert (
+        " in ShardedBody.forward gets a tp shard, and the pipeline runs that forward as" in msgs[0]
+    )
+    assert "runner='replay'" in msgs[0]
+    for msg in run_ranks(_dropout_in_a_split_forward, 4, "replay"):
+        assert msg.startswith("built: replay, dropout sites "), msg
+        assert int(msg.rsplit(" ", 1)[1]) > 0, msg

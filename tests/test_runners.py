@@ -29,7 +29,16 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
             )
             for _ in range(2)
         ]
-    elif model_name in ("llama", "llama_labels", "t5"):  # blocks in nested forwards
+    elif model_name == "two_tower":  # raw parameters read between the towers' calls
+        from tests.nested_models import TwoTower
+
+        cls, args = TwoTower, ()
+        g = torch.Generator().manual_seed(1)
+        batches = [
+            ((torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 64, (4, 8), generator=g)), {})
+            for _ in range(2)
+        ]
+    elif model_name in ("llama", "llama_labels", "llama_tuple", "t5"):  # in nested forwards
         from tests.e2e.test_pp_nested import _llama, _t5
 
         cls, args = _t5() if model_name == "t5" else _llama()
@@ -40,7 +49,10 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
             labels = ids[:, :4].contiguous() if model_name == "t5" else ids
             if model_name == "llama_labels":  # its own tensor: the last stage takes it
                 labels = ids.clone()
-            batches.append(((), {"input_ids": ids, "labels": labels, "use_cache": False}))
+            kwargs = {"input_ids": ids, "labels": labels, "use_cache": False}
+            if model_name == "llama_tuple":  # the root's @can_return_tuple, around the call
+                kwargs["return_dict"] = False
+            batches.append(((), kwargs))
     else:
         from examples.gpt.model import GPT, GPTConfig
 
@@ -63,7 +75,15 @@ def _both_runners(model_name: str, split: list, chunks: int, cache: str):
         @annot.jit(model, microbatches=4, schedule=schedule)
         def step(*a, model=model, **k):
             out = model(*a, **k)
-            loss = out.loss if hasattr(out, "loss") else out[1]
+            if model_name == "llama_tuple":
+                assert type(out) is tuple, type(out)  # (loss, logits)
+                loss = out[0]
+            elif model_name == "two_tower":
+                from tests.nested_models import clip_loss
+
+                loss = clip_loss(out)
+            else:
+                loss = out.loss if hasattr(out, "loss") else out[1]
             model.backward(loss)
             return loss
 
@@ -104,10 +124,35 @@ def test_nested_source_split_and_replay_identical_on_hf_llama(tmp_path):
     run_ranks(_both_runners, 2, "llama", ["model.layers.1"], 1, str(tmp_path))
 
 
+def test_return_dict_false_identical_on_hf_llama(tmp_path):
+    """``model(..., return_dict=False)``: the root's @can_return_tuple takes it
+    out of the call; the source runner gives it around the whole pipeline (the
+    last stage's output as a tuple), the replay runs the decorator itself."""
+    run_ranks(_both_runners, 2, "llama_tuple", ["model.layers.1"], 1, str(tmp_path))
+
+
 def test_labels_taken_from_the_call_identical_on_hf_llama(tmp_path):
     """HF Llama's labels as a tensor of their own: the source split's last
     stage takes them from its call (the replay sends them), bitwise equal."""
     run_ranks(_both_runners, 2, "llama_labels", ["model.layers.1"], 1, str(tmp_path))
+
+
+@pytest.mark.parametrize("split", [["visual.blocks.1"], ["text.blocks.1"]])
+def test_nested_source_split_and_replay_identical_between_two_towers(tmp_path, split):
+    """open_clip's shape: the root reads a class token, positional embeddings,
+    projections and a temperature between and after its towers' calls; cut
+    inside the image tower (through the helper encode_image and the tower's
+    nn.Sequential) and inside the text tower. Each raw parameter is held by
+    the stage that reads it (the source split reads that from the source, the
+    replay from one meta forward)."""
+    run_ranks(_both_runners, 2, "two_tower", split, 1, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_nested_source_split_and_replay_identical_on_interleaved_hf_llama(tmp_path):
+    """Four virtual stages on two ranks, every boundary in LlamaModel.forward."""
+    split = ["model.layers.1", "model.layers.2", "model.layers.3"]
+    run_ranks(_both_runners, 2, "llama", split, 2, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -179,8 +224,10 @@ def _refusals(cache: str):
     with pytest.raises(HintError, match="runner='fast'; expected one of auto, source, replay"):
         annot.parallelize(Marked, mesh=annot.Mesh(pp=2), seed=0, runner="fast")
     model = annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
-    assert model.report.runner == "replay"
-    assert "runner='source' runs the nested source split" in model.report.runner_reason
+    assert model.report.runner == "source"  # the nested split cuts through its helper
+    model = annot.parallelize(TimmStyleViT, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.1.mlp"])
+    assert model.report.runner == "replay"  # inside a block
+    assert model.report.runner_reason.startswith("the source split cannot cut there: ")
     model = annot.parallelize(XStyleSubclass, mesh=annot.Mesh(pp=2), seed=0, split=["layers.1.0"])
     assert model.report.runner == "replay"
     assert model.report.runner_reason.startswith("the source split cannot cut there: ")
@@ -202,9 +249,8 @@ def _capture_refused(cache: str, asked: dict):
     from tests.e2e.test_pp_nested import _llama
 
     cls, args = _llama()
-    model = annot.parallelize(
-        cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=["model.layers.1"], runner="source"
-    )
+    model = annot.parallelize(cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=["model.layers.1"])
+    assert model.report.runner == "source"  # what runner= left out chooses here
 
     @annot.jit(model, microbatches=2)
     def step(ids):
@@ -222,14 +268,15 @@ def _capture_refused(cache: str, asked: dict):
     "asked, named",
     [
         ({"output_hidden_states": True}, "output_hidden_states=True (for @capture_outputs on "),
-        ({"return_dict": False}, "return_dict=False (for @can_return_tuple on "),
+        ({"output_attentions": True}, "output_attentions=True (for @capture_outputs on "),
     ],
 )
 def test_nested_source_split_refuses_what_wraps_the_whole_call(tmp_path, asked, named):
     """HF's @capture_outputs on LlamaModel.forward runs on its first stage only
-    under the nested split, @can_return_tuple on each of the root's stages:
-    asking them for what only the whole call gives is refused on every rank
-    (the replay runs the model's own forward, tests/e2e/test_pp_nested.py)."""
+    under the nested split: asking it for what only the whole call gives is
+    refused on every rank (the replay runs the model's own forward,
+    tests/e2e/test_pp_nested.py; a config that asks makes the build choose it,
+    tests/test_stage_points.py)."""
     texts = run_ranks(_capture_refused, 2, str(tmp_path), asked)
     assert named in texts[0]
     assert "on a pipeline run by the source split" in texts[0]

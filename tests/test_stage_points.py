@@ -15,7 +15,7 @@ from annot.cli import main
 from annot.core.errors import HintError
 from annot.stage_points import StagePoints, choose_runner
 from annot.testing import run_ranks
-from tests.nested_models import TimmStyleViT
+from tests.nested_models import TimmStyleViT, XStyleSubclass
 from tests.pipeline_models import Branchy, Marked
 
 LLAMA = {
@@ -66,12 +66,51 @@ def test_the_source_runner_answers_with_its_reason_not_an_exception():
     refusal = vit.source_refusal(("blocks.2",))
     assert refusal is not None
     assert "nested_models.py:" in refusal
-    choice = choose_runner(vit, ("blocks.2",))
+    assert vit.source_refusal(("blocks.2",), nested=True) is None
+    choice = choose_runner(vit, ("blocks.2",))  # the nested split cuts it
+    assert choice.name == "source"
+    assert choice.reason.startswith("the rewriter cuts TimmStyleViT.forward")
+    sub = StagePoints(XStyleSubclass(), XStyleSubclass)
+    refusal = sub.source_refusal(("layers.1.0",), nested=True)
+    assert refusal is not None
+    choice = choose_runner(sub, ("layers.1.0",))
     assert choice.name == "replay"
-    assert choice.reason.endswith(refusal)
+    assert choice.reason == f"the source split cannot cut there: {refusal}"
     assert choose_runner(branchy, ("blocks.2",)).name == "source"
     assert StagePoints(Marked(), Marked).markers() == 1
     assert choose_runner(StagePoints(Marked(), Marked), ()).name == "source"
+
+
+@pytest.mark.parametrize(
+    "flag, asked",
+    [
+        ({}, None),
+        (
+            {"output_hidden_states": True},
+            "output_hidden_states=True (for @capture_outputs on LlamaModel.forward)",
+        ),
+        (
+            {"return_dict": False},
+            "return_dict=False (for @can_return_tuple on LlamaForCausalLM.forward)",
+        ),
+    ],
+)
+def test_auto_leaves_to_the_replay_what_the_config_asks_of_the_whole_call(flag, asked):
+    """HF Llama cut between its blocks: the nested source split runs, unless
+    the config asks a decorator that wraps a split forward's whole call for
+    its outputs (every call would ask it): then the replay, which runs the
+    model's own forward, and the reason names the flag and the decorator."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        ref = LlamaForCausalLM(LlamaConfig(**LLAMA, **flag))
+    choice = choose_runner(StagePoints(ref, LlamaForCausalLM), ("model.layers.2",))
+    if asked is None:
+        assert choice.name == "source"
+        assert "LlamaForCausalLM.forward, LlamaModel.forward" in choice.reason
+    else:
+        assert choice.name == "replay"
+        assert choice.reason.startswith(f"the model's config asks {asked}: "), choice.reason
 
 
 def _parallelize_boundaries(kind: str, cache: str):
@@ -106,7 +145,7 @@ def test_annot_plan_prints_the_plan_parallelize_builds(kind, capsys, tmp_path):
     boundaries, runner, reason = run_ranks(_parallelize_boundaries, 2, kind, str(tmp_path))[0]
     assert doc["boundaries"] == boundaries
     assert doc["runner"] == {"name": runner, "reason": reason}
-    assert runner == ("replay" if kind == "llama" else "source")
+    assert runner == "source"  # llama: the nested split
 
 
 def _parallelize_tables(kind: str, cache: str):

@@ -412,12 +412,14 @@ def _parity(
     dp=1,
     fsdp=False,
     sample=False,
+    runner="auto",
 ):
     """On every rank: for each split in ``splits`` (None: annot chooses, over
     ``pp`` stages), parallelize, train ``steps`` AdamW steps beside the
     single-device reference (the same microbatches, accumulated; with ``dp``
     replicas each runs its part of the batch), compare loss, every gradient
-    and every parameter."""
+    and every parameter. ``runner``: parallelize's (the source split runs
+    where it can cut; "replay" for what the replay does)."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -438,6 +440,7 @@ def _parity(
             sequence_parallel=sp,
             fsdp=fsdp,
             sample=SAMPLES[case]() if sample else None,
+            runner=runner,
         )
         if fsdp:  # no shadow keeps a whole (stale) copy of a weight FSDP2 sharded
             from annot.runtime.stage_prune import shadow_modules
@@ -577,6 +580,10 @@ def test_layers_that_are_module_lists_split_automatically(tmp_path):
     assert boundary.count(".") == 3, boundary
     # a subclass that inherits forward (only its __init__ is its own): cut at run time
     _run(tmp_path, "xsubclass", [None, ["layers.2.0"]], pp=2, sample=True)
+    # the layer itself: the nested source split cuts the loop over the layers there
+    # (the replay cannot begin a stage at a ModuleList: the refusals above)
+    (tmp_path / "layer").mkdir()
+    _run(tmp_path / "layer", "xstyle", [["net.layers.2"]])
 
 
 @pytest.mark.slow
@@ -606,7 +613,9 @@ def test_outputs_captured_by_hooks_cross_the_stages(tmp_path):
     # every hidden state; the gradients reach the routers of stage 0
     _run(tmp_path, "qwen2moe_aux", [["model.layers.1.mlp"]])
     (tmp_path / "hs").mkdir()
-    _run(tmp_path / "hs", "llama_hs", [["model.layers.2"]])
+    # (between blocks the source split would run: asked in the call, the
+    # capture is refused there, tests/test_runners.py)
+    _run(tmp_path / "hs", "llama_hs", [["model.layers.2"]], runner="replay")
 
 
 @pytest.mark.slow
@@ -769,13 +778,16 @@ def _refusal(cache: str) -> list[str]:
 
     out = []
     cases = [
-        (TimmStyleViT, (), "blocks.9"),
-        (XStyleWrapper, (), "net.layers.2"),
-        (*_llama(), "model.layers.1.mlp.up_proj"),
+        (TimmStyleViT, (), "blocks.9", "auto"),
+        # (the source split cuts the loop over net.layers there: test below)
+        (XStyleWrapper, (), "net.layers.2", "replay"),
+        (*_llama(), "model.layers.1.mlp.up_proj", "auto"),
     ]
-    for cls, args, split in cases:
+    for cls, args, split, runner in cases:
         try:
-            annot.parallelize(cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=[split])
+            annot.parallelize(
+                cls, *args, mesh=annot.Mesh(pp=2), seed=0, split=[split], runner=runner
+            )
             out.append("no error")
         except HintError as e:
             out.append(str(e))
@@ -810,12 +822,13 @@ def test_boundary_naming_no_module_or_a_module_list_or_stranding_a_tensor_is_ref
     ), msg
 
 
-def _interleaved_moe(cache: str) -> str:
+def _interleaved_moe(cache: str, runner: str) -> str:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
     from annot.core.errors import AnnotError
+    from tests.parity import assert_close, compare_grads
 
     cls, args = _qwen2_moe()
     model = annot.parallelize(
@@ -825,18 +838,30 @@ def _interleaved_moe(cache: str) -> str:
         seed=0,
         chunks=2,
         split=["model.layers.1", "model.layers.2", "model.layers.3"],
+        runner=runner,
     )
 
     @annot.jit(model, microbatches=2, schedule="interleaved")
     def step(b):
         loss = _hf_labels(model, b)
         model.backward(loss)
+        return loss
 
+    b = _tokens(torch.Generator().manual_seed(4), 0)
     try:
-        step(_tokens(torch.Generator().manual_seed(4), 0))
+        loss = step(b).reduce_mean()
     except AnnotError as e:
         return f"{type(e).__name__}: {e}"
-    return "no error"
+    torch.manual_seed(0)
+    ref = cls(*args)
+    ref_loss = 0.0
+    for part in range(2):
+        r = _hf_labels(ref, {"ids": b["ids"][2 * part : 2 * part + 2]})
+        (r / 2).backward()
+        ref_loss += r.detach() / 2
+    assert_close(loss, ref_loss, "interleaved MoE: loss")
+    compare_grads(model, ref, "interleaved MoE")
+    return f"ran: {model.report.runner}"
 
 
 @pytest.mark.slow
@@ -844,7 +869,7 @@ def test_interleaved_stages_refuse_replaying_their_own_moe_on_meta(tmp_path):
     # rank 1 holds stages 1 and 3: stage 3 replays stage 1's layer (its own
     # module, not a placeholder answered from the log) on meta, where float32
     # grouped_mm has no kernel
-    _, second = run_ranks(_interleaved_moe, 2, str(tmp_path), timeout=200)
+    _, second = run_ranks(_interleaved_moe, 2, str(tmp_path), "replay", timeout=200)
     assert second.startswith(
         "PipelineError: pipeline stage 3 replays the earlier stages' part of forward (shapes "
         "only, on the meta device) and an op in 'model.layers.1' failed there: "
@@ -852,8 +877,13 @@ def test_interleaved_stages_refuse_replaying_their_own_moe_on_meta(tmp_path):
     assert second.endswith(
         "float32. 'model.layers.1' belongs to an earlier stage this rank also holds "
         "(interleaved virtual stages), and a rank's own modules replay on meta, where its ops "
-        "cannot run. Use chunks=1 for this model"
+        "cannot run. Use chunks=1 for this model, or boundaries between blocks the source "
+        "split can cut (runner='source' or left out: no stage runs an earlier one again)"
     ), second
+    # runner= left out: the nested source split runs no earlier stage again
+    (tmp_path / "source").mkdir()
+    res = run_ranks(_interleaved_moe, 2, str(tmp_path / "source"), "auto", timeout=200)
+    assert res == ["ran: source"] * 2, res
 
 
 # ---- raw parameters read in a forward that spans the stages ---------------------------
@@ -866,13 +896,23 @@ def test_raw_parameters_read_between_two_towers(tmp_path):
     # sample= each raw parameter is held by the stage that reads it (no tie);
     # without, one of the root (whose forward spans both stages) is held by both,
     # its gradient summed over them
-    res = _run(tmp_path, "two_tower", [["visual.blocks.1"], None], pp=2, sample=True)
+    # (the replay's placement; the source split reads each stage's reads from
+    # the source: no tie either way, below)
+    res = _run(
+        tmp_path, "two_tower", [["visual.blocks.1"], None], pp=2, sample=True, runner="replay"
+    )
     assert res[0] == [([], ["visual.blocks.1"]), ([], ["visual.norm"])], res[0]
     (tmp_path / "gpipe").mkdir()
-    res = _run(tmp_path / "gpipe", "two_tower", [["text.blocks.1"]], schedule="gpipe")
+    res = _run(
+        tmp_path / "gpipe", "two_tower", [["text.blocks.1"]], schedule="gpipe", runner="replay"
+    )
     raw = ["class_embedding", "visual_positional", "visual_proj", "positional_embedding"]
     raw += ["text_projection", "logit_scale"]
     assert res[0] == [([(n,) for n in raw], ["text.blocks.1"])], res[0]
+    # runner= left out: the nested source split, each raw parameter on the stage reading it
+    (tmp_path / "source").mkdir()
+    res = _run(tmp_path / "source", "two_tower", [["text.blocks.1"]], schedule="gpipe")
+    assert res[0] == [([], ["text.blocks.1"])], res[0]
 
 
 @pytest.mark.slow  # the structure fuzzer's fast profile pins this case too
@@ -887,9 +927,9 @@ def test_raw_parameter_after_the_blocks_with_a_tied_head(tmp_path):
 
 def _refusals(cache: str) -> list:
     """On every rank: the automatic split of the two-tower model without
-    sample= (refused at build), and a tower's raw parameter read on the other
-    stage without sample= (refused as the stage reads it, in the first step's
-    forward, before any gradient)."""
+    sample= (refused at build), and, cut at run time (the replay), a tower's
+    raw parameter read on the other stage without sample= (refused as the
+    stage reads it, in the first step's forward, before any gradient)."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -902,7 +942,7 @@ def _refusals(cache: str) -> list:
     except annot.AnnotError as exc:
         out.append((type(exc).__name__, str(exc)))
     model = annot.parallelize(
-        LateProjection, mesh=annot.Mesh(pp=2), seed=0, split=["text.blocks.1"]
+        LateProjection, mesh=annot.Mesh(pp=2), seed=0, split=["text.blocks.1"], runner="replay"
     )
 
     @annot.jit(model, microbatches=MICRO)
@@ -944,4 +984,7 @@ def test_raw_parameters_refused_where_annot_cannot_place_them(tmp_path):
     )
     # with sample= it is held by the stage that reads it
     (tmp_path / "sample").mkdir()
-    _run(tmp_path / "sample", "late_projection", [["text.blocks.1"]], sample=True)
+    _run(tmp_path / "sample", "late_projection", [["text.blocks.1"]], sample=True, runner="replay")
+    # runner= left out, no sample=: the nested source split reads where forward reads it
+    (tmp_path / "source").mkdir()
+    _run(tmp_path / "source", "late_projection", [["text.blocks.1"]])

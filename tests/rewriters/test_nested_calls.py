@@ -520,9 +520,31 @@ def test_a_forward_whose_decorator_wraps_its_outputs_is_named():
     assert split.output_request({"return_dict": True}, None) is None
     asked = split.output_request({"output_hidden_states": True}, None)
     assert asked == "output_hidden_states=True (for @capture_outputs on Body.forward)"
-    assert split.output_request({"return_dict": False}, None).startswith("return_dict=False")
+    # the root's @can_return_tuple takes return_dict: the runner gives it around the call
+    assert split.tuple_at_root
+    assert split.output_request({"return_dict": False}, None) is None
 
     class Config:
         output_attentions = True
 
     assert split.output_request({}, Config()).startswith("output_attentions=True")
+
+    class TupleConfig:  # read by every stage's decorator
+        return_dict = False
+
+    assert split.output_request({}, TupleConfig()) == (
+        "return_dict=False (for @can_return_tuple on Net.forward)"
+    )
+    # only the nested forward's decorator takes it: the call's is refused
+    nested_only = split_stages(
+        src.replace("    @can_return_tuple\n", ""),
+        "Net",
+        ["body.layers.2"],
+        path="m.py",
+        nested=True,
+    )
+    assert nested_only.forwards == ("Net.forward", "Net.features", "Body.forward")
+    assert not nested_only.tuple_at_root
+    assert nested_only.output_request({"return_dict": False}, None) == (
+        "return_dict=False (for @capture_outputs on Body.forward)"
+    )
