@@ -167,9 +167,11 @@ def preflight(
             return {}
         check_head_splits(mine.reshapes, theirs.reshapes, ctx.mesh.tp, column_chunks(twin))
         sites = sharded_sites(mine.calls, theirs.calls, ctx.mesh.tp)
-        split = {f.rpartition(".")[0]: f for f in split_forwards}
+        # by the bare class name, as the split names it (a class defined in another
+        # class too; two classes of one name both count: refused rather than unkeyed)
+        split = {f.split(".")[-2]: f for f in split_forwards}
         for path, file, line in sites:
-            where = split.get(type(ref.get_submodule(path)).__qualname__)
+            where = split.get(type(ref.get_submodule(path)).__name__)
             if where is not None:
                 raise HintError(
                     f"tp pre-flight: dropout at {file}:{line} in {where} gets a tp shard, and "

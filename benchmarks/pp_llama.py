@@ -3,10 +3,12 @@ torch.distributed.pipelining with the same uniform split done by hand.
 
     python benchmarks/pp_llama.py        # a few minutes on 2 CPU cores
     BENCH_PP=4 BENCH_STEPS=4 python benchmarks/pp_llama.py    # one pp, fewer steps
-    BENCH_SPLITS=uniform BENCH_RUNNER=source python benchmarks/pp_llama.py
+    BENCH_SPLITS=uniform BENCH_RUNNER=replay python benchmarks/pp_llama.py
 
 The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
-cuts it inside the nested ``LlamaModel.forward`` (annot.runtime.replay). Per pp
+cuts it inside the nested ``LlamaModel.forward``: at whole blocks by the nested
+source split (the default runner since 2026-11-27), inside a block by the
+replay (annot.runtime.replay). Per pp
 (2 and 4), three systems, steps interleaved (annot-auto, annot-uniform,
 torch, ...), 1F1B, 8 microbatches:
 
@@ -66,8 +68,8 @@ STEPS = int(os.environ.get("BENCH_STEPS", "6"))
 LAYERS = int(os.environ.get("BENCH_LAYERS", "8"))
 # "auto,uniform" (default) or "uniform": the automatic split is planned and timed too
 SPLITS = tuple(os.environ.get("BENCH_SPLITS", "auto,uniform").split(","))
-# the uniform split's runner: "auto" (the replay, for these nested boundaries) or
-# "source" (the nested source split, the stage methods annot rewrite --pp prints)
+# the uniform split's runner: "auto" (the nested source split, the stage methods
+# annot rewrite --pp prints), or "replay" to measure the replay on the same plan
 RUNNER = os.environ.get("BENCH_RUNNER", "auto")
 MICRO = 8
 BATCH, SEQ = 16, 64
