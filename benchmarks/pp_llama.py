@@ -50,6 +50,15 @@ torch is not met.
 Issue 33 item 4, uniform split only (BENCH_SPLITS=uniform BENCH_STEPS=5), three runs
 on a machine loaded by other jobs, uniform/torch at pp=2 / pp=4: 8 layers 1.14-1.26 /
 1.19-1.61; 32 layers (BENCH_LAYERS=32) 1.02-1.20 / 1.01-1.16.
+
+2026-11-27 evening, the default runner now the nested source split
+(BENCH_SPLITS=uniform BENCH_STEPS=5, three runs): 8 layers 1.00-1.07 / 1.03-1.14.
+The automatic split (BENCH_STEPS=5, one run) plans whole blocks at pp=2
+(['model.layers.4'], run by the source split: 1.01x torch) and, at pp=4, block
+parts (predicted max/mean 1.05 against the whole blocks' 1.17, more than the
+planner's 5% bar: the replay runs it), 1.31x torch: with 4 ranks on 2 cores the
+step follows the total CPU, not the slowest stage, so the better balance does
+not pay here.
 """
 
 from __future__ import annotations
