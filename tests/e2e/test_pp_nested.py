@@ -717,12 +717,26 @@ def test_checkpointed_blocks_with_boundaries_between_and_inside_them(tmp_path):
     _run(tmp_path, "llama_ckpt", [["model.layers.2"], ["model.layers.1.mlp"]])
 
 
+def _compare_two_microbatches(model, ref, b, loss, loss_of, what: str) -> None:
+    """``loss``, a jit step's over ``b`` in 2 microbatches, and ``model``'s
+    gradients against ``ref`` run on the same microbatches, accumulated."""
+    from tests.parity import assert_close, compare_grads
+
+    ref_loss = 0.0
+    for part in range(2):
+        r = loss_of(ref, {"ids": b["ids"][2 * part : 2 * part + 2]})
+        (r / 2).backward()
+        ref_loss += r.detach() / 2
+    assert_close(loss, ref_loss, f"{what}: loss")
+    compare_grads(model, ref, what)
+
+
 def _interleaved_and_checkpoint(cache: str, ckpt: str) -> int:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
-    from tests.parity import assert_close, compare_grads
+    from tests.parity import assert_close
 
     cls, args = _llama()
     model = annot.parallelize(
@@ -743,14 +757,7 @@ def _interleaved_and_checkpoint(cache: str, ckpt: str) -> int:
         return loss
 
     b = _tokens(torch.Generator().manual_seed(4), 0)
-    loss = step(b).reduce_mean()
-    ref_loss = 0.0
-    for part in range(2):
-        r = _ce_on_logits(ref, {"ids": b["ids"][2 * part : 2 * part + 2]})
-        (r / 2).backward()
-        ref_loss += r.detach() / 2
-    assert_close(loss, ref_loss, "interleaved: loss")
-    compare_grads(model, ref, "interleaved")
+    _compare_two_microbatches(model, ref, b, step(b).reduce_mean(), _ce_on_logits, "interleaved")
     annot.save(model, None, ckpt, step=1)  # each rank its stages, single-device layout
     state, _ = annot.load_full(ckpt)
     assert state.keys() == ref.state_dict().keys()
@@ -828,7 +835,6 @@ def _interleaved_moe(cache: str, runner: str) -> str:
 
     import annot
     from annot.core.errors import AnnotError
-    from tests.parity import assert_close, compare_grads
 
     cls, args = _qwen2_moe()
     model = annot.parallelize(
@@ -853,14 +859,7 @@ def _interleaved_moe(cache: str, runner: str) -> str:
     except AnnotError as e:
         return f"{type(e).__name__}: {e}"
     torch.manual_seed(0)
-    ref = cls(*args)
-    ref_loss = 0.0
-    for part in range(2):
-        r = _hf_labels(ref, {"ids": b["ids"][2 * part : 2 * part + 2]})
-        (r / 2).backward()
-        ref_loss += r.detach() / 2
-    assert_close(loss, ref_loss, "interleaved MoE: loss")
-    compare_grads(model, ref, "interleaved MoE")
+    _compare_two_microbatches(model, cls(*args), b, loss, _hf_labels, "interleaved MoE")
     return f"ran: {model.report.runner}"
 
 
