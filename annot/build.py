@@ -218,6 +218,7 @@ def parallelize(
             build=lambda: cls(*args, **kwargs),
             report=report,
             budget=None if memory is None else MemoryBudget.of(memory, precision, fsdp, mesh.dp),
+            runner=runner,
         )
         choice = choose_runner(points, report.boundaries, runner)
         points.check(report.boundaries, choice.name)
@@ -453,8 +454,9 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
             out = split.source
         return out
 
-    key = (
-        f"tp={tp};stages={n_stages}:{boundaries}:{report.runner or 'one stage'};"
+    key = (  # the split's class too: another class of the same file splits the file otherwise
+        f"tp={tp};stages={n_stages}:{cls.__module__}.{cls.__qualname__}:{boundaries}:"
+        f"{report.runner or 'one stage'};"
         f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
     )
     mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)

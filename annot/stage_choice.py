@@ -16,7 +16,7 @@ import torch
 
 from annot.build_report import BuildReport
 from annot.core.errors import HintError
-from annot.stage_points import StagePoints, check_stranded
+from annot.stage_points import StagePoints, check_stranded, choose_runner
 
 __all__ = ["MemoryBudget", "check_stranded", "choose_boundaries", "resplit"]
 
@@ -48,6 +48,7 @@ def _module_boundaries(
     n_stages: int,
     report: Optional[BuildReport],
     budget: Optional[MemoryBudget] = None,
+    runner: str = "auto",
 ) -> list[str]:
     """The planner's balanced split of a model without ``@stage``
     (:func:`annot.planner.plan` over :class:`annot.module_units.ModuleUnits`):
@@ -59,8 +60,8 @@ def _module_boundaries(
     ``sample=``, no transformers config to make a tiny input from), the order
     the model registers its modules is all there is, and nothing shows that
     forward follows it: such a plan is refused, asking for ``sample=``. A
-    plan the stage-split rewriter cuts in the root's forward reads what each
-    stage uses from the source, and stands.
+    plan the source split runs (``runner``, :func:`annot.stage_points.choose_runner`)
+    reads what each stage uses from the source, and stands.
 
     With ``sample`` (one microbatch) the units' FLOPs and activations are
     measured on meta, for the table; under a ``budget`` every stage must fit
@@ -87,7 +88,9 @@ def _module_boundaries(
     log.debug("annot: planned stages\n%s", planned.table())
     if report is not None:
         report.plan_table = planned.table()
-    if order is None and points.source_refusal(planned.boundaries) is not None:
+    if order is None and (
+        runner == "replay" or choose_runner(points, planned.boundaries).name == "replay"
+    ):
         raise HintError(
             f"annot cannot split {type(ref).__name__} into {n_stages} pipeline stages "
             f"automatically without knowing the order its forward calls its modules and reads "
@@ -132,13 +135,16 @@ def choose_boundaries(
     build=None,
     report: Optional[BuildReport] = None,
     budget: Optional[MemoryBudget] = None,
+    runner: str = "auto",
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers (``()``), ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
     planner's optimal balanced partition over every place forward can be cut
     (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``
     or ``budget``, ``parallelize(memory=...)``). ``build()`` makes the model
-    with real weights (rank 0 times it for ``cost="time"``)."""
+    with real weights (rank 0 times it for ``cost="time"``). ``runner``:
+    parallelize's (an automatic split of a nested model without a call order
+    is refused where the replay would run it)."""
     from annot.core.hints import StageSpec, get_stage_spec
 
     ref, cls, sample = points.ref, points.cls, points.sample
@@ -159,7 +165,7 @@ def choose_boundaries(
 
     if spec is None or (not spec.split and is_hf_model(ref)):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(points, n_stages, report, budget))
+        return tuple(_module_boundaries(points, n_stages, report, budget, runner))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

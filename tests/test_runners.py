@@ -282,3 +282,39 @@ def test_nested_source_split_refuses_what_wraps_the_whole_call(tmp_path, asked, 
     assert "on a pipeline run by the source split" in texts[0]
     assert "runner='replay'" in texts[0]
     assert "rank 0" in texts[1]
+
+
+def _two_classes_one_file(cache: str) -> list:
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from tests.nested_models import ScaledHeadLM, TimmStyleViT
+
+    out = []
+    inputs = {
+        TimmStyleViT: torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)),
+        ScaledHeadLM: torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),
+    }
+    for cls, x in inputs.items():
+        model = annot.parallelize(cls, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
+
+        @annot.jit(model, microbatches=2)
+        def step(x, model=model):
+            loss = model(x).float().square().mean()
+            model.backward(loss)
+            return loss
+
+        out.append((model.report.runner, float(step(x).reduce_mean()) > 0))
+    return out
+
+
+def test_two_classes_of_one_file_split_at_the_same_paths(tmp_path):
+    """Two models defined in one file, each split by the source runner at
+    ``blocks.2``, built one after the other with one rewrite cache: each gets
+    its own rewritten file (the split's class is part of the cache key; it was
+    not, and the second model found the first's stage methods only)."""
+    for res in run_ranks(_two_classes_one_file, 2, str(tmp_path)):
+        assert res == [("source", True), ("source", True)], res

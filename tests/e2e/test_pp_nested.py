@@ -539,6 +539,11 @@ def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
     (tmp_path / "timm").mkdir()  # (not a transformers model: sample= gives the call order)
     res = _run(tmp_path / "timm", "timm", [None], pp=2, sample=True)
     assert res[0][0][1][0].startswith("blocks."), res
+    # without sample=: the source split runs the plan, reading from the source what
+    # each stage calls; the call order is needed only where the replay would run it
+    (tmp_path / "timm-source").mkdir()
+    res = _run(tmp_path / "timm-source", "timm", [None], pp=2)
+    assert res[0][0][1] == ["blocks.2"], res
 
 
 @pytest.mark.parametrize(
