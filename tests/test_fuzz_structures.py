@@ -147,6 +147,7 @@ def _mesh(mode: str):
         "pp2": annot.Mesh(pp=2),
         "pp2_auto": annot.Mesh(pp=2),
         "pp2_source": annot.Mesh(pp=2),
+        "pp2_written": annot.Mesh(pp=2),
         "tp2_pp2": annot.Mesh(pp=2, tp=2),
     }[mode]
 
@@ -210,12 +211,14 @@ def run_case(case, seen: Counter) -> None:
     kw = {}
     if mesh.tp > 1:
         kw["hints"] = hints(r, wrong)
-    if mode in ("pp2", "tp2_pp2", "pp2_source"):
+    if mode in ("pp2", "tp2_pp2", "pp2_source", "pp2_written"):
         points = boundaries(r)
         kw["split"] = [points[which % len(points)]]
     cls = FuzzNet
     if mode == "pp2_source":  # the model written out, run by the stage split
         cls, kw["runner"] = _written_out(r), "source"
+    if mode == "pp2_written":  # written out, runner= left out: what users get
+        cls = _written_out(r)
     if mode == "pp2_auto" and which % 2 == 0:  # else the split must be refused or exact
         kw["sample"] = (ids[:2], targets[:2])
     if compiled and mesh.pp > 1:  # a pipeline: each stage's blocks compiled
@@ -337,10 +340,12 @@ def test_fuzz_structures_two_ranks():
 
 def test_fuzz_the_source_split_on_models_written_out():
     """Each drawn model written out as a person would (no ``if`` on the
-    recipe), split in source at a drawn boundary (``runner="source"``, the
-    nested split where it lies in the tower): equal to the single device, or
-    refused at build naming why."""
-    seen = run_ranks(_fuzz, 2, _examples(FAST), ("pp2_source",), PINNED, _seed(), timeout=540)[0]
+    recipe), split at a drawn boundary: in source (``runner="source"``, the
+    nested split where it lies in the tower), equal to the single device or
+    refused at build naming why; with runner= left out (the source split
+    where it cuts, else the replay), equal to the single device."""
+    modes = ("pp2_source", "pp2_written")
+    seen = run_ranks(_fuzz, 2, _examples(FAST), modes, PINNED, _seed(), timeout=540)[0]
     _report(seen)
     assert seen.get("exact", 0) >= FAST // 3, "most drawn cases were refused: the fuzzer is blind"
 
@@ -348,7 +353,7 @@ def test_fuzz_the_source_split_on_models_written_out():
 @pytest.mark.slow
 def test_fuzz_structures_long_profile():
     n = _examples(LONG)
-    modes = ("tp2", "pp2", "pp2_auto", "pp2_source")
+    modes = ("tp2", "pp2", "pp2_auto", "pp2_source", "pp2_written")
     seen = run_ranks(_fuzz, 2, n, modes, PINNED, _seed(), timeout=1800)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
