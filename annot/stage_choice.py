@@ -61,7 +61,8 @@ def _module_boundaries(
     the model registers its modules is all there is, and nothing shows that
     forward follows it: such a plan is refused, asking for ``sample=``. A
     plan the source split runs (``runner``, :func:`annot.stage_points.choose_runner`)
-    reads what each stage uses from the source, and stands.
+    reads what each stage uses from the source, and stands, unless a memory
+    ``budget`` rests on the units' order inside nested forwards.
 
     With ``sample`` (one microbatch) the units' FLOPs and activations are
     measured on meta, for the table; under a ``budget`` every stage must fit
@@ -88,9 +89,13 @@ def _module_boundaries(
     log.debug("annot: planned stages\n%s", planned.table())
     if report is not None:
         report.plan_table = planned.table()
-    if order is None and (
-        runner == "replay" or choose_runner(points, planned.boundaries).name == "replay"
-    ):
+    b = planned.boundaries
+    replayed = runner == "replay" or (
+        runner == "auto" and choose_runner(points, b).name == "replay"
+    )
+    # under a budget the stages' figures must be forward's: nested, that order is unknown
+    budgeted = budget is not None and points.source_refusal(b) is not None
+    if order is None and (replayed or budgeted):
         raise HintError(
             f"annot cannot split {type(ref).__name__} into {n_stages} pipeline stages "
             f"automatically without knowing the order its forward calls its modules and reads "
