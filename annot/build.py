@@ -457,7 +457,7 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
     key = (  # the split's class too: another class of the same file splits the file otherwise
         f"tp={tp};stages={n_stages}:{cls.__module__}.{cls.__qualname__}:{boundaries}:"
         f"{report.runner or 'one stage'};"
-        f"hints={sorted((c.__qualname__, repr(s)) for c, s in specs.items())}"
+        f"hints={sorted((f'{c.__module__}.{c.__qualname__}', repr(s)) for c, s in specs.items())}"
     )
     mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
     report.rewritten = last_rewritten()
