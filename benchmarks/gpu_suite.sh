@@ -7,6 +7,7 @@
 #
 #   bash benchmarks/gpu_suite.sh            # on the device, from the repository root
 #   TESTS="tests/test_fsdp.py" CHECK_S=1 bash benchmarks/gpu_suite.sh   # those tests only
+#   PIPE_S=240 bash benchmarks/gpu_suite.sh   # also the pipeline benchmarks on its CPU cores
 set -u
 OUT=${OUT:-/tmp/annot-gpu}
 mkdir -p "$OUT"
@@ -35,7 +36,20 @@ timeout "${CHECK_S:-150}" torchrun --nproc-per-node 1 benchmarks/gpu_check.py --
     >"$OUT/gpu_check.txt" 2>&1
 echo "gpu_check rc=$?" >>"$OUT/gpu_check.txt"
 
+# The pipeline step against torch.distributed.pipelining on the machine's CPU cores
+# (gloo, one torch thread a rank: a core for each rank and its network thread, which
+# this 2-core machine cannot give), and the rendezvous latency that 2 cores show.
+if [ -n "${PIPE_S:-}" ]; then
+    {
+        nproc
+        timeout 30 python3 benchmarks/p2p_rendezvous.py
+        BENCH_RUNS=3 BENCH_STEPS=15 timeout "$PIPE_S" python3 benchmarks/pp.py --a
+        BENCH_SPLITS=uniform BENCH_STEPS=7 timeout 120 python3 benchmarks/pp_llama.py
+    } >"$OUT/pipe.txt" 2>&1
+fi
+
 cat "$OUT/versions.txt"
 grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/fast.txt" | tail -60
 tail -3 "$OUT/cuda_tests.txt"
 tail -30 "$OUT/gpu_check.txt"
+[ -f "$OUT/pipe.txt" ] && grep -vE "^\s*$|Warning|warn" "$OUT/pipe.txt" | tail -40
