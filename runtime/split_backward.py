@@ -12,7 +12,8 @@ helpers, with two differences. A weight with a path to an output that does
 not pass through the inputs' part of the graph (a parameter that makes an
 output on its own) would lose that part of its gradient (torch's grouping
 does not check for it): here the whole backward runs at ``I`` instead and
-``W`` has nothing to do. And a node the input pass never reached is skipped,
+``W`` has nothing to do; so it does where ``W`` would start at a node this
+torch cannot take a gradient at (see :func:`takes_edge_grads`). And a node the input pass never reached is skipped,
 not an error. A stage whose inputs need no gradient (the first) has nothing
 to send at ``I``: its whole backward runs at ``W``, in the time ZB-H1 gives
 the first rank's weight gradients.
@@ -29,7 +30,14 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import construct_reverse_graph, reverse_closure
 
-__all__ = ["WeightWork", "backward_input", "backward_weight", "release", "weight_groups"]
+__all__ = [
+    "WeightWork",
+    "backward_input",
+    "backward_weight",
+    "release",
+    "takes_edge_grads",
+    "weight_groups",
+]
 
 
 @dataclass
@@ -81,7 +89,7 @@ def backward_input(
     nodes = {grad_node(p): p for p in weights if p.requires_grad}
     reached = [n for n in nodes if n in reverse]
     groups = weight_groups(roots, input_nodes, reached, reverse)
-    if groups is None:
+    if groups is None or not all(takes_edge_grads(n) for g in groups for n in g["intermediates"]):
         torch.autograd.backward(list(outputs), grads)
         return [t.grad for t in inputs], None
     handles = []
@@ -106,6 +114,19 @@ def backward_input(
     for t in outputs:  # free the part of the graph only the input pass needed
         release(t)
     return in_grads, WeightWork({n: nodes[n] for n in reached}, groups)
+
+
+def takes_edge_grads(node: Node) -> bool:
+    """Whether ``torch.autograd.grad`` takes a gradient at ``node`` (a
+    :class:`GradientEdge` output with a grad): torch reads the node's input
+    metadata, which torch 2.11 refuses on the node of a custom
+    ``autograd.Function`` (activation checkpointing's, annot's collectives')
+    with a RuntimeError; torch 2.13 gives it."""
+    try:
+        node._input_metadata  # noqa: B018 (what torch's _make_grads reads)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def weight_groups(

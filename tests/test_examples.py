@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 7
@@ -261,6 +262,7 @@ def test_train_script_tp2(example, tmp_path):
 
 
 @pytest.mark.slow  # 4 ranks
+@fsdp_unused_params
 def test_gpt_train_script_fsdp_dp2_pp2(tmp_path):
     # the main example with --fsdp: dp=2 replicas (FSDP2) of a 2-stage pipeline
     out = _train("gpt", 4, ["--pp", "2", "--fsdp", "--n-layer", "2", "--seq", "16"], tmp_path)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 
 MICRO = 2
 
@@ -707,6 +708,7 @@ def test_zero_bubble_on_nested_stages_tied_head_and_checkpointing(tmp_path):
 
 
 @pytest.mark.slow
+@fsdp_unused_params
 def test_fsdp_on_nested_stages_mid_block_tied_head(tmp_path):
     # FSDP2 over dp=2 on replayed stages: a boundary inside a block, the tied
     # embedding / LM head across stages (reduce-scattered, then summed), 1f1b and zbh1

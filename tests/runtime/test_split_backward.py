@@ -10,7 +10,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annot.runtime.split_backward import backward_input, backward_weight
+from annot.runtime.split_backward import backward_input, backward_weight, takes_edge_grads
 
 
 class Stage(nn.Module):
@@ -131,6 +131,44 @@ def test_weight_gradients_accumulate_over_microbatches():
         _run(other, x, mask, False, gh, gs)
     for (name, p), q in zip(stage.named_parameters(), other.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class Scale(torch.autograd.Function):
+    """``x * w`` as a custom Function (as activation checkpointing and annot's
+    collectives are): the weight's path leaves the input path at its node."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+def test_weight_behind_a_custom_function():
+    """W starts at the custom Function's node where this torch takes a
+    gradient there (2.13), else the whole backward runs at I (torch 2.11
+    raised from inside autograd.grad: seen on the GPU machine's image);
+    either way, exactly one backward's gradients."""
+    torch.manual_seed(0)
+    lin, w = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    y = Scale.apply(lin(x), w)
+    node = y.grad_fn
+    g = torch.randn(3, 4)
+    (gx,), work = backward_input([y], [g], [x], [w, *lin.parameters()])
+    backward_weight(work)
+    assert (work is not None) == takes_edge_grads(node)
+    ref_lin, ref_w = copy.deepcopy(lin), nn.Parameter(w.detach().clone())
+    ref_x = x.detach().clone().requires_grad_(True)
+    Scale.apply(ref_lin(ref_x), ref_w).backward(g)
+    torch.testing.assert_close(gx, ref_x.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
+    for p, q in zip(lin.parameters(), ref_lin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_nothing_to_do():
