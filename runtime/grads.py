@@ -8,7 +8,9 @@
   shard of every gradient, and the sums below work on the shards);
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
-  the same optimizer step and the copies stay identical;
+  the same optimizer step and the copies stay identical; first check that
+  they are still one parameter (:func:`check_tie`: requires_grad alike, and
+  equal values), as a single device's one Parameter is by construction;
 - replicated parameters whose forward reads tp-sharded activations (marked
   ``annot_grad_sum = "tp"`` by the build, from ``Replicate(sum_grad=True)``):
   each tp rank holds a partial gradient; sum it over tp.
@@ -24,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from annot.core.errors import VerifyError
+from annot.core.errors import PipelineError, VerifyError
 from annot.runtime.fsdp import local
+from annot.runtime.schedules import stage_rank
 
-__all__ = ["reduce_gradients", "check_replicated_grads", "clip_grad_norm_"]
+__all__ = ["check_replicated_grads", "check_tie", "clip_grad_norm_", "reduce_gradients"]
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -83,7 +86,7 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -
             if tie.group is None:
                 continue
             p = tie.local_param(module)
-            if p is not None:
+            if p is not None and check_tie(tie, p, ctx.mesh.pp):
                 dist.all_reduce(local(_grad(p)), group=tie.group)
     if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
         if dp_reduction is None:
@@ -92,6 +95,54 @@ def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -
             grads = [_grad(p) for p in dp_reduction.unreduced]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
+
+
+SAMPLE = 4096  # elements of a tied copy compared each step (evenly strided)
+
+
+def check_tie(tie, p: nn.Parameter, pp: int) -> bool:
+    """Whether the tied weight ``tie`` (``p``: this rank's copy) trains:
+    collective over ``tie.group``. On a single device the tie is one
+    Parameter; here each stage holding it keeps a copy, and the copies stay
+    one parameter only while they agree on ``requires_grad`` and take the
+    same optimizer steps. Raise :class:`PipelineError` on every holder,
+    naming the pipeline ranks, where they disagree (a copy frozen by the name
+    its own stage uses, ``lm_head.weight``, and not by the single device's,
+    ``transformer.wte.weight``) or where their values differ (compared on an
+    evenly strided sample of :data:`SAMPLE` elements: another param group or
+    weight decay for one name, a per-rank ``torch.nn.utils.clip_grad_norm_``,
+    an in-place change of one copy). Frozen everywhere: False, no gradient is
+    summed (or made)."""
+    data = local(p).detach().reshape(-1)
+    sample = data[:: max(1, data.numel() // SAMPLE)].double().sum()
+    flag = torch.tensor(float(p.requires_grad), dtype=torch.float64, device=data.device)
+    mine = torch.stack([flag, sample])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(tie.group))]
+    dist.all_gather(parts, mine, group=tie.group)
+    flags = [bool(t[0].item()) for t in parts]
+    sums = [t[1].item() for t in parts]
+    holders = sorted({stage_rank(s, pp) for s in tie.stages})  # the group's ranks, in order
+    names = " / ".join(tie.names)
+    if len(set(flags)) > 1:
+        trains = [r for r, f in zip(holders, flags) if f]
+        frozen = [r for r, f in zip(holders, flags) if not f]
+        raise PipelineError(
+            f"the weight tied across pipeline stages {names} is trainable on pipeline "
+            f"rank(s) {trains} and frozen on {frozen}: on a single device it is one "
+            "parameter, here each stage holding it keeps a copy under its own name. Set "
+            "requires_grad on every copy, by every name it has, e.g. `for n, p in "
+            f"model.named_parameters(): if n.endswith({tie.names!r}): p.requires_grad_(False)`"
+        )
+    if any(not (a == sums[0] or (a != a and sums[0] != sums[0])) for a in sums):
+        raise PipelineError(
+            f"the copies of the weight tied across pipeline stages {names} differ between "
+            f"pipeline ranks {holders} (sums of a sample: {sums}): they must take the same "
+            "optimizer step on every rank: one param group and setting (lr, weight decay) "
+            "for every name the weight has, model.clip_grad_norm_ (the whole model's norm) "
+            "rather than torch.nn.utils.clip_grad_norm_ on each rank, and no in-place change "
+            "of one copy"
+        )
+    return flags[0]
 
 
 def _sums_over_tp(p: nn.Parameter) -> bool:

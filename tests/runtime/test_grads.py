@@ -68,6 +68,7 @@ def _tied_across_stages():
 
     ctx = init(Mesh(pp=2))
     tied = "emb" if ctx.pp_rank == 0 else "head"
+    torch.manual_seed(0)  # the copies of one weight: equal
     model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "body": nn.Linear(2, 2)})
     tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
     plan = PipelineLayout(
@@ -93,6 +94,57 @@ def test_a_tied_weight_is_summed_over_its_stages_and_counted_once():
     (_, _, clipped0), (_, _, clipped1) = results
     assert torch.equal(clipped0, clipped1)  # the copies take the same step
     assert clipped0.unique().tolist() == pytest.approx([3.0 / (expected + 1e-6)])
+
+
+def _tie_that_is_no_longer_one_parameter(case: str):
+    """pp=2, a weight tied across the stages whose copies disagree: frozen on
+    one stage only (frozen by the name the single device gives it, which the
+    other stage does not use), or with different values (another optimizer
+    setting for one name); or frozen on both, where nothing is summed."""
+    from annot.core.errors import PipelineError
+    from annot.core.mesh import Mesh
+    from annot.runtime.grads import reduce_gradients
+    from annot.runtime.process_groups import init
+    from annot.runtime.stage_runner import ReplayRunner
+    from annot.runtime.stages import PipelineLayout, Tie
+
+    ctx = init(Mesh(pp=2))
+    tied = "emb" if ctx.pp_rank == 0 else "head"
+    torch.manual_seed(0)
+    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False)})
+    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
+    plan = PipelineLayout(
+        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+    )
+    w = model[tied].weight
+    if case == "frozen on one":
+        w.requires_grad_(ctx.pp_rank == 1)
+    elif case == "frozen on both":
+        w.requires_grad_(False)
+    else:
+        with torch.no_grad():
+            w[0, 0] += ctx.pp_rank  # one copy stepped differently
+    if w.requires_grad:
+        w.grad = torch.ones_like(w)
+    try:
+        reduce_gradients(model, ctx, plan)
+    except PipelineError as err:
+        return str(err)
+    return w.grad
+
+
+@pytest.mark.parametrize("case", ["frozen on one", "values differ", "frozen on both"])
+def test_a_tied_weight_whose_copies_disagree_is_refused_on_every_holder(case):
+    for got in run_ranks(_tie_that_is_no_longer_one_parameter, 2, case):
+        if case == "frozen on both":
+            assert got is None  # no gradient made for a frozen weight
+        elif case == "frozen on one":
+            assert "emb.weight / head.weight is trainable on pipeline rank(s) [1] and " in got
+            assert "frozen on [0]" in got
+            assert "if n.endswith(('emb.weight', 'head.weight')): p.requires_grad_(False)" in got
+        else:
+            assert "emb.weight / head.weight differ between pipeline ranks [0, 1]" in got
+            assert "model.clip_grad_norm_" in got
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
