@@ -58,6 +58,8 @@ class ParallelModel(nn.Module):
         self.compiled_blocks: list[str] = []  # paths whose forward torch.compile compiled
         self._warned_outer_compile = False
         self._no_dropout: set[bool] = set()  # modes an eager call drew no dropout mask in
+        # gradients a step found already there, kept out of its sums over ranks
+        self._carried_grads: Optional[dict[int, torch.Tensor]] = None
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -227,6 +229,11 @@ class ParallelModel(nn.Module):
     def begin_grad_reduce(self) -> None:
         """A new step: forget what an unfinished one left in the buckets (with
         FSDP2: accumulate gradients unreduced until :meth:`arm_grad_reduce`)."""
+        from annot.runtime.grads import carried_grads
+
+        # gradients accumulated over earlier steps: kept out of this step's sums
+        # (before FSDP2 gathers: the sharded parameters hold them)
+        self._carried_grads = carried_grads(self.module, self.ctx, self.pipeline)
         if self.fsdp is not None:
             self.fsdp.begin()
         buckets = self.grad_buckets
@@ -250,7 +257,10 @@ class ParallelModel(nn.Module):
         every tp rank (:class:`annot.VerifyError` otherwise)."""
         from annot.runtime.grads import check_replicated_grads, reduce_gradients
 
-        reduce_gradients(self.module, self.ctx, self.pipeline, self.fsdp or self.grad_buckets)
+        carried, self._carried_grads = self._carried_grads, None
+        reduce_gradients(
+            self.module, self.ctx, self.pipeline, self.fsdp or self.grad_buckets, carried
+        )
         if self.verify:
             check_replicated_grads(self.module, self.ctx)
 

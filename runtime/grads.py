@@ -15,12 +15,19 @@
   ``annot_grad_sum = "tp"`` by the build, from ``Replicate(sum_grad=True)``):
   each tp rank holds a partial gradient; sum it over tp.
 
+A sum over ranks must add this step's parts only: where a step starts with
+gradients already there (accumulated over steps, no ``zero_grad`` between),
+:func:`carried_grads` keeps them apart and the sum adds them back once (the
+dp average needs no care: every rank carries the same gradient in).
+
 ``check_replicated_grads`` verifies the result: every parameter that is not
 sharded over tp has the same gradient on every tp rank. ``clip_grad_norm_``
 clips by the norm of the whole model's gradient, across the mesh.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +37,13 @@ from annot.core.errors import PipelineError, VerifyError
 from annot.runtime.fsdp import local
 from annot.runtime.schedules import stage_rank
 
-__all__ = ["check_replicated_grads", "check_tie", "clip_grad_norm_", "reduce_gradients"]
+__all__ = [
+    "carried_grads",
+    "check_replicated_grads",
+    "check_tie",
+    "clip_grad_norm_",
+    "reduce_gradients",
+]
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -66,28 +79,66 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def reduce_gradients(module: nn.Module, ctx, pipeline=None, dp_reduction=None) -> None:
+def _summed(module: nn.Module, ctx, pipeline) -> list[tuple[nn.Parameter, Any]]:
+    """The parameters whose gradient a step sums over ranks, each with the
+    group it is summed over (None: tp): tp partial sums, then tied copies."""
+    out: list[tuple[nn.Parameter, Any]] = []
+    if ctx.mesh.tp > 1:
+        out += [(p, None) for _, p in _unique_params(module) if _sums_over_tp(p)]
+    for tie in pipeline.ties if pipeline is not None else ():
+        p = tie.local_param(module) if tie.group is not None else None
+        if p is not None:
+            out.append((p, tie))
+    return out
+
+
+def carried_grads(module: nn.Module, ctx, pipeline=None) -> dict[int, torch.Tensor]:
+    """At a step's start: a copy of each gradient the step will sum over ranks
+    that is already there (by parameter id; see the module docstring). Empty
+    after ``zero_grad()``, the usual case."""
+    if ctx is None or not ctx.distributed:
+        return {}
+    return {
+        id(p): local(p.grad).detach().clone()
+        for p, _ in _summed(module, ctx, pipeline)
+        if p.grad is not None
+    }
+
+
+def reduce_gradients(
+    module: nn.Module,
+    ctx,
+    pipeline=None,
+    dp_reduction=None,
+    carried: Optional[dict[int, torch.Tensor]] = None,
+) -> None:
     """Make this step's gradients whole: the dp average (``dp_reduction``, a
     :class:`~annot.runtime.grad_buckets.GradBuckets` or an
     :class:`~annot.runtime.fsdp.ShardedData`, holds it: ``finish()``, then one
     flat all-reduce of what it left, ``unreduced``; without one, a flat
     all-reduce per dtype of every gradient), tp partial sums and tied-weight
-    sums. Sums commute with the average, so its place in the order is free."""
+    sums. Sums commute with the average, so its place in the order is free.
+    ``carried``: :func:`carried_grads` at the step's start, out of the sums."""
     if ctx is None or not ctx.distributed:
         return
     if dp_reduction is not None:  # first: finish writes every .grad back
         dp_reduction.finish()
-    if ctx.mesh.tp > 1:
-        partial = [local(_grad(p)) for _, p in _unique_params(module) if _sums_over_tp(p)]
-        if partial:
-            _flat_all_reduce(partial, ctx.tp_group, None)
-    if pipeline is not None:
-        for tie in pipeline.ties:
-            if tie.group is None:
-                continue
-            p = tie.local_param(module)
-            if p is not None and check_tie(tie, p, ctx.mesh.pp):
-                dist.all_reduce(local(_grad(p)), group=tie.group)
+    carried = carried or {}
+    summed = _summed(module, ctx, pipeline)
+    partial = [p for p, tie in summed if tie is None]
+    ties = [
+        (p, tie) for p, tie in summed if tie is not None and check_tie(tie, p, ctx.mesh.pp)
+    ]  # (a tie frozen on every rank: nothing to sum)
+    for p in partial + [p for p, _ in ties]:  # this step's parts only
+        if id(p) in carried:
+            local(_grad(p)).sub_(carried[id(p)])
+    if partial:
+        _flat_all_reduce([local(_grad(p)) for p in partial], ctx.tp_group, None)
+    for p, tie in ties:
+        dist.all_reduce(local(_grad(p)), group=tie.group)
+    for p in partial + [p for p, _ in ties]:
+        if id(p) in carried:
+            local(p.grad).add_(carried[id(p)])
     if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
         if dp_reduction is None:
             grads = [_grad(p) for _, p in _unique_params(module)]

@@ -147,6 +147,46 @@ def test_a_tied_weight_whose_copies_disagree_is_refused_on_every_holder(case):
             assert "model.clip_grad_norm_" in got
 
 
+def _sums_of_an_accumulating_step():
+    """pp=2 x tp=2: a tied weight and a tp partial-sum weight start the step
+    with the gradient an earlier step left (equal on every rank, as its sums
+    made it); this step adds rank + 1 to each."""
+    from annot.core.mesh import Mesh
+    from annot.runtime.grads import carried_grads, reduce_gradients
+    from annot.runtime.process_groups import init
+    from annot.runtime.stage_runner import ReplayRunner
+    from annot.runtime.stages import PipelineLayout, Tie
+
+    ctx = init(Mesh(pp=2, tp=2))
+    tied = "emb" if ctx.pp_rank == 0 else "head"
+    torch.manual_seed(0)
+    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "norm": nn.LayerNorm(2)})
+    model["norm"].weight.annot_grad_sum = "tp"
+    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
+    plan = PipelineLayout(
+        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+    )
+    summed = (model[tied].weight, model["norm"].weight)
+    for p in summed:
+        p.grad = torch.full_like(p, 10.0)  # the earlier step's, already whole
+    carried = carried_grads(model, ctx, plan)
+    for p in summed:
+        p.grad += ctx.rank + 1  # this step's part
+    model["norm"].bias.grad = torch.full((2,), float(ctx.rank))  # replicated, not summed
+    reduce_gradients(model, ctx, plan, carried=carried)
+    return [p.grad.unique().tolist() for p in (*summed, model["norm"].bias)]
+
+
+def test_a_sum_over_ranks_adds_only_the_steps_own_parts():
+    results = run_ranks(_sums_of_an_accumulating_step, 4)
+    # ranks (pp, tp): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1); parts rank + 1
+    for rank, (tie, norm, bias) in enumerate(results):
+        pp_rank, tp_rank = divmod(rank, 2)
+        assert tie == [10.0 + (1 + tp_rank) + (3 + tp_rank)]  # over the pp pair at this tp rank
+        assert norm == [10.0 + (2 * pp_rank + 1) + (2 * pp_rank + 2)]  # over the tp pair
+        assert bias == [float(rank)]
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipped, and left as it is
 def test_clip_grad_norm_in_one_process_is_torchs(norm_type, max_norm):
