@@ -294,17 +294,59 @@ class ParallelModel(nn.Module):
         with use(self.ctx):
             return _gather_stages(full_grads(self.module), self)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load a single-device state dict (the plain model's keys): each rank
+        takes what its stages hold, tp shards their slice. A key this rank
+        holds under another name of a weight tied across the stages
+        (``lm_head.weight`` for GPT-2's ``transformer.wte.weight``, which
+        checkpoints store once) is read from that name. ``strict``: a key the
+        rank holds that the dict lacks raises :class:`annot.CheckpointError`
+        (in a pipeline too, where the rest of the dict is other stages'). Returns
+        ``(missing_keys, unexpected_keys)`` of this rank, as ``load_state_dict``."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from annot.core.errors import CheckpointError
+        from annot.runtime.process_groups import use
         from annot.runtime.state_dict import load_full_state_dict
 
-        local = state_dict
-        if self.pipeline is not None:
-            keep = set(self.pipeline.local_keys)
-            local = {k: v for k, v in state_dict.items() if k in keep}
-        from annot.runtime.process_groups import use
-
+        if self.pipeline is None:
+            with use(self.ctx):
+                return load_full_state_dict(self.module, state_dict, strict=strict)
+        other_names = {n: t.names for t in self.pipeline.ties for n in t.names}
+        local = {}
+        for key in self.pipeline.local_keys:
+            name = next((n for n in (key, *other_names.get(key, ())) if n in state_dict), None)
+            if name is not None:
+                local[key] = state_dict[name]
+        missing = [k for k in self.pipeline.local_keys if k not in local]
+        if strict:  # every rank raises, naming the ranks whose keys are missing
+            every: list = [missing]
+            if self.ctx.distributed:
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, missing)
+            lacking = {r: m for r, m in enumerate(every) if m}
+            if lacking:
+                named = "; ".join(
+                    f"rank {r}: {', '.join(m[:4])}{' ...' if len(m) > 4 else ''}"
+                    for r, m in lacking.items()
+                )
+                raise CheckpointError(
+                    f"load_full_state_dict: the state dict lacks keys that pipeline stages "
+                    f"hold ({named}); it has {len(state_dict)} keys, e.g. "
+                    f"{next(iter(state_dict), None)!r}, and must use the single-device model's "
+                    "names. Pass strict=False to load only the keys that match"
+                )
         with use(self.ctx):
-            load_full_state_dict(self.module, local, strict=self.pipeline is None)
+            load_full_state_dict(self.module, local, strict=False)
+        return _IncompatibleKeys(missing, [])
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a single-device state dict (no key
+        under ``module.``, as the plain model's ``state_dict()`` or a
+        checkpoint file gives it) goes to :meth:`load_full_state_dict`."""
+        if state_dict and not any(k.startswith("module.") for k in state_dict) and not assign:
+            return self.load_full_state_dict(dict(state_dict), strict=strict)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def extra_repr(self) -> str:
         return f"mesh={self.ctx.mesh!r}, rank={self.ctx.rank}"
