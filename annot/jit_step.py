@@ -16,6 +16,20 @@ rank. Gradients are scaled so that they equal the single-device gradients of
 the mean loss over the whole batch (each microbatch's loss is weighted by its
 share of the batch), then averaged over dp and summed over tied stages.
 
+Evaluation runs the forward of every microbatch only (no backward, no
+gradient reduction): a step called under ``torch.no_grad()`` whose body
+returns the loss without ``model.backward`` (which is refused there, as
+``loss.backward()`` is), or ``@annot.jit(model, microbatches=4,
+forward_only=True)``, which skips the body's ``model.backward`` (Megatron's
+``forward_only``: one step function for both)::
+
+    @annot.jit(model, microbatches=4)
+    def eval_step(x, y):
+        return model(x, y)[1]
+
+    with torch.no_grad():
+        val_loss = eval_step(x, y).reduce_mean()
+
 The first call builds the executor (the plan, the schedule); later calls,
 whatever their shapes, reuse it: nothing is traced, so control flow and
 shapes may change from step to step.
@@ -52,6 +66,7 @@ class Step:
         non_split: tuple[str, ...] = (),
         trace: bool = False,
         timeout_s: Optional[float] = None,
+        forward_only: bool = False,
     ):
         model = unwrap(model)  # what torch.compile(model) returned
         if not isinstance(model, ParallelModel):
@@ -72,11 +87,13 @@ class Step:
         self.non_split = tuple(non_split)
         self.trace = trace
         self.timeout_s = timeout_s
+        self.forward_only = forward_only  # evaluation; also any call under torch.no_grad()
         self.executor_builds = 0  # how many times an executor was built (1 after the first call)
         self._executor: Optional[PipelineExecutor] = None
         self._scale = 1.0
         self._last = False  # the body runs the step's last microbatch (pp = 1)
         self._call: Optional[ModelCall] = None
+        self._refuse_backward = False  # this call runs under torch.no_grad()
         functools.update_wrapper(self, fn)
 
     @property
@@ -103,13 +120,18 @@ class Step:
         self.executor_builds += 1
 
     def __call__(self, *args: Any, **kwargs: Any) -> StepOutput:
+        import torch
+
         mbs = split_microbatches(self.fn, args, kwargs, self.microbatches, self.non_split)
         if self.executor_builds == 0:
             self._build()
         from annot.runtime.process_groups import use
 
+        self._refuse_backward = not torch.is_grad_enabled()  # loss.backward() would fail too
+        forward_only = self.forward_only or self._refuse_backward
         self.model._step = self
-        self.model.begin_grad_reduce()
+        if not forward_only:  # evaluation leaves the gradients as they are
+            self.model.begin_grad_reduce()
         with use(self.model.ctx):
             try:
                 if not self.pipelined:
@@ -120,25 +142,27 @@ class Step:
                         with self.model.forward_context():
                             outs.append(self.fn(*a, **k))
                 else:
-                    outs = self._run_pipeline(mbs)
+                    outs = self._run_pipeline(mbs, forward_only)
             finally:
                 self.model._step = None
                 self._call = None
                 self._last = False
-        self.model.finish_gradients()
+        if not forward_only:
+            self.model.finish_gradients()
         return StepOutput(outs)
 
-    def _run_pipeline(self, mbs: list) -> list:
+    def _run_pipeline(self, mbs: list, forward_only: bool) -> list:
         ex = self._executor
         assert ex is not None, "built by the first call"
         ex.tracer.clear()  # the trace shows the last step
 
         def body(i: int, call: ModelCall):
             self._call = call
+            call.refuse_backward = self._refuse_backward
             a, k = mbs[i]
             return self.fn(*a, **k)
 
-        ex.run(len(mbs), body, grad_buckets=self.model.grad_buckets)
+        ex.run(len(mbs), body, grad_buckets=self.model.grad_buckets, forward_only=forward_only)
         return ex.broadcast_outputs()
 
     # Called through ParallelModel while the step runs.
@@ -153,6 +177,12 @@ class Step:
     def backward(self, loss, scale: Optional[float] = None) -> None:
         if self._call is not None:
             self._call.backward(loss)
+            return
+        if self._refuse_backward:
+            from annot.runtime.model_call import NO_GRAD_BACKWARD
+
+            raise PipelineError(NO_GRAD_BACKWARD)
+        if self.forward_only:  # skipped where asked (Megatron's forward_only)
             return
         s = self._scale if scale is None else scale
         if self._last:  # the last gradients of the step: reduce over dp as they land
@@ -209,8 +239,10 @@ def jit(
     non_split: tuple[str, ...] = (),
     trace: bool = False,
     timeout_s: Optional[float] = None,
+    forward_only: bool = False,
 ) -> Callable[[Callable], Step]:
-    """Decorate a training-step function; see the module docstring."""
+    """Decorate a training-step function (``forward_only``: an evaluation
+    step, whose body calls no ``model.backward``); see the module docstring."""
 
     def wrap(fn: Callable) -> Step:
         return Step(
@@ -221,6 +253,7 @@ def jit(
             non_split=non_split,
             trace=trace,
             timeout_s=timeout_s,
+            forward_only=forward_only,
         )
 
     return wrap

@@ -180,7 +180,9 @@ class ParallelModel(nn.Module):
                 "    def train_step(x, y):\n"
                 "        logits, loss = model(x, y)\n"
                 "        model.backward(loss)\n"
-                "        return loss"
+                "        return loss\n"
+                "and for evaluation the same without model.backward, called under "
+                "torch.no_grad() (or @annot.jit(model, microbatches=4, forward_only=True))"
             )
         from annot.runtime.process_groups import use
 

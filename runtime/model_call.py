@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 __all__ = ["ModelCall", "StepState"]
 
 
+# model.backward in a step called under torch.no_grad(): refused, as loss.backward()
+# is there, not skipped (a training step called there by mistake would train
+# nothing, silently). With forward_only=True asked for, it is skipped (Megatron's
+# forward_only: one step function for training and evaluation).
+NO_GRAD_BACKWARD = (
+    "model.backward(loss) in a step called under torch.no_grad(), which runs the forward "
+    "only (an evaluation): call the training step with gradients enabled; for evaluation, "
+    "leave model.backward out, or decorate with @annot.jit(..., forward_only=True), which "
+    "skips it"
+)
+
+
 class StepState:
     """Everything one step keeps per (stage, microbatch); emptied as it goes."""
 
@@ -55,6 +67,8 @@ class ModelCall:
         self.stage = stage  # the stage whose F invoked the body
         self.called = False
         self.backward_called = False
+        # set by the step (annot.jit) called under torch.no_grad(): backward refused
+        self.refuse_backward = False
 
     @property
     def is_last(self) -> bool:
@@ -92,6 +106,8 @@ class ModelCall:
         """Register the microbatch's loss; the executor runs its backward when
         the schedule says B. Several calls add up. A no-op off the last stage."""
         self.backward_called = True
+        if self.refuse_backward and self.is_last:
+            raise PipelineError(NO_GRAD_BACKWARD)
         if not self.is_last or self._step.forward_only:
             return
         if not isinstance(loss, torch.Tensor):

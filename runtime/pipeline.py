@@ -314,7 +314,8 @@ class PipelineExecutor(PipelineMessages):
             if not st.forward_only and i not in st.losses:
                 raise PipelineError(
                     f"the step body did not call model.backward(loss) for microbatch {i}; a "
-                    "training step must (for evaluation, run with forward_only=True)"
+                    "training step must (for evaluation, call the step under torch.no_grad(), or "
+                    "@annot.jit(..., forward_only=True))"
                 )
             if self.pp > 1:
                 check_shareable(
