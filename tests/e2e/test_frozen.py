@@ -99,7 +99,7 @@ def _train(cache: str, arch: str, case: str):
     [
         pytest.param("llama", "embedding and first layer", marks=pytest.mark.slow),
         pytest.param("llama", "the whole last stage", marks=pytest.mark.slow),
-        ("gpt2", "tied weight by every name"),
+        pytest.param("gpt2", "tied weight by every name", marks=pytest.mark.slow),
     ],
 )
 def test_frozen_parameters_train_as_on_one_device(tmp_path, arch, case):
