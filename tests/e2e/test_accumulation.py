@@ -20,20 +20,9 @@ from tests.requires import fsdp_unused_params
 
 
 def _model(arch: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from tests.tiny_hf import tiny_gpt2, tiny_llama
 
-    if arch == "gpt2":  # the head tied to the token embedding
-        cfg = GPT2Config(
-            vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=32,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return GPT2LMHeadModel, cfg, ["transformer.h.2"]
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return LlamaForCausalLM, cfg, ["model.layers.2"]
+    return tiny_gpt2() if arch == "gpt2" else tiny_llama(tied=True)
 
 
 def _accumulate(cache: str, arch: str, mesh_kw: dict, options: dict, jit: bool):

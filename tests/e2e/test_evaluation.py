@@ -20,17 +20,14 @@ from annot.testing import run_ranks
 def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     import annot
     from tests.parity import assert_close, compare_grads, compare_state
+    from tests.tiny_hf import tiny_gpt2
 
-    cfg = GPT2Config(
-        vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    GPT2LMHeadModel, cfg, pp_split = tiny_gpt2()
     mesh = annot.Mesh(**mesh_kw)
-    split = ["transformer.h.2"] if mesh.pp > 1 else None
+    split = pp_split if mesh.pp > 1 else None
     model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=split)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)

@@ -12,25 +12,16 @@ import os
 from annot.testing import run_ranks
 
 
-def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel, cfg
-
-
 def _load(cache: str, case: str):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
     from tests.parity import compare_state
+    from tests.tiny_hf import tiny_gpt2
 
-    cls, cfg = _gpt2()
-    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(pp=2), seed=0, split=["transformer.h.2"])
+    cls, cfg, split = tiny_gpt2()
+    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(pp=2), seed=0, split=split)
     torch.manual_seed(1)  # other weights than the model's own (seed 0)
     ref = cls(cfg)
     sd = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # stored once
