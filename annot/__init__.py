@@ -41,6 +41,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "from_pretrained",
+    "grad_scaler",
     "jit",
     "load",
     "load_full",
@@ -67,6 +68,7 @@ _LAZY = {
     "from_pretrained": "annot.pretrained",
     "save_pretrained": "annot.save_pretrained",
     "zero_optimizer": "annot.optim",
+    "grad_scaler": "annot.grad_scaler",
     "state_bytes": "annot.optim",
 }
 
