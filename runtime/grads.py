@@ -138,7 +138,7 @@ def reduce_gradients(
         dist.all_reduce(local(_grad(p)), group=tie.group)
     for p in partial + [p for p, _ in ties]:
         if id(p) in carried:
-            local(p.grad).add_(carried[id(p)])
+            local(_grad(p)).add_(carried[id(p)])
     if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
         if dp_reduction is None:
             grads = [_grad(p) for _, p in _unique_params(module)]
