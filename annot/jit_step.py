@@ -37,6 +37,7 @@ shapes may change from step to step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -127,12 +128,18 @@ class Step:
             self._build()
         from annot.runtime.process_groups import use
 
-        self._refuse_backward = not torch.is_grad_enabled()  # loss.backward() would fail too
-        forward_only = self.forward_only or self._refuse_backward
+        # under torch.no_grad() loss.backward() fails too; forward_only=True skips it
+        self._refuse_backward = not torch.is_grad_enabled() and not self.forward_only
+        forward_only = self.forward_only or not torch.is_grad_enabled()
         self.model._step = self
         if not forward_only:  # evaluation leaves the gradients as they are
             self.model.begin_grad_reduce()
-        with use(self.model.ctx):
+        fsdp = self.model.fsdp
+        gathered = (
+            fsdp.gathered() if forward_only and fsdp is not None else contextlib.nullcontext()
+        )
+        grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with use(self.model.ctx), gathered, grad_mode:
             try:
                 if not self.pipelined:
                     outs = []

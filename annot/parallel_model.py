@@ -234,7 +234,9 @@ class ParallelModel(nn.Module):
         from annot.runtime.grads import carried_grads
 
         # gradients accumulated over earlier steps: kept out of this step's sums
-        # (before FSDP2 gathers: the sharded parameters hold them)
+        # (FSDP2's sharded parameters hold them: nothing may be gathered here)
+        if self.fsdp is not None:
+            self.fsdp.reshard()
         self._carried_grads = carried_grads(self.module, self.ctx, self.pipeline)
         if self.fsdp is not None:
             self.fsdp.begin()
@@ -304,7 +306,8 @@ class ParallelModel(nn.Module):
         checkpoints store once) is read from that name. ``strict``: a key the
         rank holds that the dict lacks raises :class:`annot.CheckpointError`
         (in a pipeline too, where the rest of the dict is other stages'). Returns
-        ``(missing_keys, unexpected_keys)`` of this rank, as ``load_state_dict``."""
+        ``(missing_keys, unexpected_keys)`` of this rank, as ``load_state_dict``.
+        In a pipeline with ``strict``, collective: every rank calls it."""
         from torch.nn.modules.module import _IncompatibleKeys
 
         from annot.core.errors import CheckpointError
@@ -314,10 +317,11 @@ class ParallelModel(nn.Module):
         if self.pipeline is None:
             with use(self.ctx):
                 return load_full_state_dict(self.module, state_dict, strict=strict)
-        other_names = {n: t.names for t in self.pipeline.ties for n in t.names}
+        # every copy of a tied weight reads one entry: the first of its names there
+        names = {n: t.names for t in self.pipeline.ties for n in t.names}
         local = {}
         for key in self.pipeline.local_keys:
-            name = next((n for n in (key, *other_names.get(key, ())) if n in state_dict), None)
+            name = next((n for n in names.get(key, (key,)) if n in state_dict), None)
             if name is not None:
                 local[key] = state_dict[name]
         missing = [k for k in self.pipeline.local_keys if k not in local]

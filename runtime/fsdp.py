@@ -167,6 +167,25 @@ class ShardedData:
             for unit in self.units:
                 unit.unshard()
 
+    def gathered(self):
+        """A step with no backward (an evaluation) in a pipeline: every unit
+        gathered for it, as :meth:`begin` gathers them for a training step,
+        and freed after it (FSDP2's own forward hooks are removed there)."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.pipelined:
+            for unit in self.units:
+                unit.unshard()
+            stack.callback(lambda: [unit.reshard() for unit in self.units])
+        return stack
+
+    def reshard(self) -> None:
+        """Free every gathered unit: the module holds the sharded parameters
+        (and their gradients) again."""
+        for unit in self.units:
+            unit.reshard()
+
     def arm(self) -> None:
         """The coming backward gives the step's last gradients (no pipeline):
         FSDP2 reduce-scatters each unit's as its backward ends."""

@@ -9,7 +9,7 @@
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
   the same optimizer step and the copies stay identical; first check that
-  they are still one parameter (:func:`check_tie`: requires_grad alike, and
+  they are still one parameter (:func:`tie_verdict`: requires_grad alike, and
   equal values), as a single device's one Parameter is by construction;
 - replicated parameters whose forward reads tp-sharded activations (marked
   ``annot_grad_sum = "tp"`` by the build, from ``Replicate(sum_grad=True)``):
@@ -40,9 +40,9 @@ from annot.runtime.schedules import stage_rank
 __all__ = [
     "carried_grads",
     "check_replicated_grads",
-    "check_tie",
     "clip_grad_norm_",
     "reduce_gradients",
+    "tie_verdict",
 ]
 
 
@@ -126,17 +126,18 @@ def reduce_gradients(
     carried = carried or {}
     summed = _summed(module, ctx, pipeline)
     partial = [p for p, tie in summed if tie is None]
-    ties = [
-        (p, tie) for p, tie in summed if tie is not None and check_tie(tie, p, ctx.mesh.pp)
-    ]  # (a tie frozen on every rank: nothing to sum)
-    for p in partial + [p for p, _ in ties]:  # this step's parts only
+    verdicts = [(p, tie, tie_verdict(tie, p, ctx.mesh.pp)) for p, tie in summed if tie is not None]
+    _agree_on_ties(ctx, [v for *_, v in verdicts])
+    ties = [(p, tie) for p, tie, (trains, _) in verdicts if trains]  # frozen: nothing to sum
+    own = list({id(p): p for p in partial + [p for p, _ in ties]}.values())  # each once
+    for p in own:  # this step's parts only
         if id(p) in carried:
             local(_grad(p)).sub_(carried[id(p)])
     if partial:
         _flat_all_reduce([local(_grad(p)) for p in partial], ctx.tp_group, None)
     for p, tie in ties:
         dist.all_reduce(local(_grad(p)), group=tie.group)
-    for p in partial + [p for p, _ in ties]:
+    for p in own:
         if id(p) in carried:
             local(_grad(p)).add_(carried[id(p)])
     if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
@@ -151,19 +152,20 @@ def reduce_gradients(
 SAMPLE = 4096  # elements of a tied copy compared each step (evenly strided)
 
 
-def check_tie(tie, p: nn.Parameter, pp: int) -> bool:
-    """Whether the tied weight ``tie`` (``p``: this rank's copy) trains:
+def tie_verdict(tie, p: nn.Parameter, pp: int) -> tuple[bool, Optional[str]]:
+    """Whether the tied weight ``tie`` (``p``: this rank's copy) trains, and
+    why its copies are no longer one parameter (None while they are):
     collective over ``tie.group``. On a single device the tie is one
     Parameter; here each stage holding it keeps a copy, and the copies stay
     one parameter only while they agree on ``requires_grad`` and take the
-    same optimizer steps. Raise :class:`PipelineError` on every holder,
-    naming the pipeline ranks, where they disagree (a copy frozen by the name
-    its own stage uses, ``lm_head.weight``, and not by the single device's,
-    ``transformer.wte.weight``) or where their values differ (compared on an
-    evenly strided sample of :data:`SAMPLE` elements: another param group or
-    weight decay for one name, a per-rank ``torch.nn.utils.clip_grad_norm_``,
-    an in-place change of one copy). Frozen everywhere: False, no gradient is
-    summed (or made)."""
+    same optimizer steps. They disagree where a copy was frozen by the name
+    its own stage uses (``lm_head.weight``) and not by the single device's
+    (``transformer.wte.weight``), and their values differ (compared on an
+    evenly strided sample of :data:`SAMPLE` elements of this rank's shard)
+    after another param group or weight decay for one name, a per-rank
+    ``torch.nn.utils.clip_grad_norm_``, an in-place change of one copy.
+    :func:`reduce_gradients` raises the reason on every rank of the tie's tp
+    and dp replicas together (:func:`_agree_on_ties`)."""
     data = local(p).detach().reshape(-1)
     sample = data[:: max(1, data.numel() // SAMPLE)].double().sum()
     flag = torch.tensor(float(p.requires_grad), dtype=torch.float64, device=data.device)
@@ -177,7 +179,7 @@ def check_tie(tie, p: nn.Parameter, pp: int) -> bool:
     if len(set(flags)) > 1:
         trains = [r for r, f in zip(holders, flags) if f]
         frozen = [r for r, f in zip(holders, flags) if not f]
-        raise PipelineError(
+        return True, (
             f"the weight tied across pipeline stages {names} is trainable on pipeline "
             f"rank(s) {trains} and frozen on {frozen}: on a single device it is one "
             "parameter, here each stage holding it keeps a copy under its own name. Set "
@@ -185,7 +187,7 @@ def check_tie(tie, p: nn.Parameter, pp: int) -> bool:
             f"model.named_parameters(): if n.endswith({tie.names!r}): p.requires_grad_(False)`"
         )
     if any(not (a == sums[0] or (a != a and sums[0] != sums[0])) for a in sums):
-        raise PipelineError(
+        return flags[0], (
             f"the copies of the weight tied across pipeline stages {names} differ between "
             f"pipeline ranks {holders} (sums of a sample: {sums}): they must take the same "
             "optimizer step on every rank: one param group and setting (lr, weight decay) "
@@ -193,7 +195,29 @@ def check_tie(tie, p: nn.Parameter, pp: int) -> bool:
             "rather than torch.nn.utils.clip_grad_norm_ on each rank, and no in-place change "
             "of one copy"
         )
-    return flags[0]
+    return flags[0], None
+
+
+def _agree_on_ties(ctx, verdicts: list[tuple[bool, Optional[str]]]) -> None:
+    """Raise :class:`PipelineError` on every rank of the tp and dp replicas of
+    this rank's tie groups when any of them found a tie's copies disagree
+    (each group checks its own shard: one raising alone would leave the
+    others waiting in the next collective). Every rank of a tp or dp group
+    holds the same ties, so each calls this once a step."""
+    if not verdicts:
+        return
+    reasons = [why for _, why in verdicts if why is not None]
+    bad = torch.tensor([1.0 if reasons else 0.0], device=ctx.device)
+    for axis in ("tp", "dp"):
+        if getattr(ctx.mesh, axis) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=ctx.groups[axis])
+    if bad.item():
+        raise PipelineError(
+            reasons[0]
+            if reasons
+            else "the copies of a weight tied across pipeline stages "
+            "disagree on another tp or dp rank's shard (its error names them)"
+        )
 
 
 def _sums_over_tp(p: nn.Parameter) -> bool:

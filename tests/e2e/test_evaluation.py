@@ -15,9 +15,10 @@ import os
 import pytest
 
 from annot.testing import run_ranks
+from tests.requires import fsdp_unused_params
 
 
-def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
+def _evaluate(cache: str, mesh_kw: dict, explicit: bool, fsdp: bool = False):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -28,7 +29,7 @@ def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
     GPT2LMHeadModel, cfg, pp_split = tiny_gpt2()
     mesh = annot.Mesh(**mesh_kw)
     split = pp_split if mesh.pp > 1 else None
-    model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=split)
+    model = annot.parallelize(GPT2LMHeadModel, cfg, mesh=mesh, seed=0, split=split, fsdp=fsdp)
     torch.manual_seed(0)
     ref = GPT2LMHeadModel(cfg)
 
@@ -46,21 +47,23 @@ def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
         return loss
 
     g = torch.Generator().manual_seed(4)
-    ids, held_out = (torch.randint(1, 128, (4, 8), generator=g) for _ in range(2))
-    train_step(ids)
-    for part in ids.chunk(2):
-        (ref(part, labels=part).loss / 2).backward()
+    ids, held_out = (torch.randint(1, 128, (4 * mesh.dp, 8), generator=g) for _ in range(2))
+    train_step(ids.chunk(mesh.dp)[model.ctx.dp_rank])
+    for part in ids.chunk(2 * mesh.dp):
+        (ref(part, labels=part).loss / (2 * mesh.dp)).backward()
     compare_grads(model, ref, "after the training step")
 
     model.eval()
     ref.eval()
-    if explicit:  # forward_only=True: no backward though gradients are on
-        val = eval_step(held_out).reduce_mean()
+    if explicit:  # forward_only=True: no backward though gradients are on, or off
+        val = eval_step(held_out[:4]).reduce_mean()
+        with torch.no_grad():
+            assert_close(eval_step(held_out[:4]).reduce_mean(), val, "forward_only under no_grad")
     else:
         with torch.no_grad():
-            val = eval_step(held_out).reduce_mean()
+            val = eval_step(held_out[:4]).reduce_mean()
     with torch.no_grad():
-        ref_val = sum(ref(p, labels=p).loss for p in held_out.chunk(2)) / 2
+        ref_val = sum(ref(p, labels=p).loss for p in held_out[:4].chunk(2)) / 2
     assert_close(val, ref_val, "eval loss")
     compare_grads(model, ref, "the training step's gradients, after the evaluation")
     model.train()
@@ -71,7 +74,7 @@ def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
 
     with torch.no_grad():  # a training step called where gradients are off
         try:
-            train_step(ids)
+            train_step(ids[:4])
         except annot.AnnotError as err:
             return str(err)
     return "ran"
@@ -82,13 +85,16 @@ def _evaluate(cache: str, mesh_kw: dict, explicit: bool):
     [
         ({"pp": 2}, False),  # a tied weight across the stages: summed once
         pytest.param({"pp": 2}, True, marks=pytest.mark.slow),
-        pytest.param(
-            {"tp": 2}, False, marks=pytest.mark.slow
-        ),  # no pipeline: the body per microbatch
+        pytest.param({"tp": 2}, False, marks=pytest.mark.slow),  # no pipeline
+        pytest.param(  # FSDP2 in a pipeline: its units gathered for the evaluation too
+            {"pp": 2, "dp": 2}, False, marks=[pytest.mark.slow, fsdp_unused_params]
+        ),
     ],
 )
 def test_evaluation_between_training_steps(tmp_path, mesh_kw, explicit):
-    errors = run_ranks(_evaluate, 2, str(tmp_path), mesh_kw, explicit, timeout=300)
+    world = mesh_kw.get("pp", 1) * mesh_kw.get("tp", 1) * mesh_kw.get("dp", 1)
+    fsdp = mesh_kw.get("dp", 1) > 1
+    errors = run_ranks(_evaluate, world, str(tmp_path), mesh_kw, explicit, fsdp, timeout=300)
     for err in errors:
         assert "model.backward(loss) in a step called under torch.no_grad()" in err or (
             mesh_kw.get("pp") and "rank 1 (stage 1) failed" in err  # the last stage refused

@@ -133,6 +133,46 @@ def _tie_that_is_no_longer_one_parameter(case: str):
     return w.grad
 
 
+def _tie_differs_on_one_tp_shard():
+    """pp=2 x tp=2: the tie's copies differ in tp rank 0's shard only: its
+    group finds it, and the tp replicas, whose shards agree, raise with it
+    (else they would wait for it in their next collective)."""
+    from annot.core.errors import PipelineError
+    from annot.core.mesh import Mesh
+    from annot.runtime.grads import reduce_gradients
+    from annot.runtime.process_groups import init
+    from annot.runtime.stage_runner import ReplayRunner
+    from annot.runtime.stages import PipelineLayout, Tie
+
+    ctx = init(Mesh(pp=2, tp=2))
+    tied = "emb" if ctx.pp_rank == 0 else "head"
+    torch.manual_seed(0)
+    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False)})
+    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
+    plan = PipelineLayout(
+        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+    )
+    w = model[tied].weight
+    if ctx.pp_rank == 1 and ctx.tp_rank == 0:
+        with torch.no_grad():
+            w[0, 0] += 1.0
+    w.grad = torch.ones_like(w)
+    try:
+        reduce_gradients(model, ctx, plan)
+    except PipelineError as err:
+        return str(err)
+    return "summed"
+
+
+def test_a_tie_that_differs_on_one_shard_is_refused_by_every_replica():
+    errors = run_ranks(_tie_differs_on_one_tp_shard, 4)
+    for rank, err in enumerate(errors):
+        if rank % 2 == 0:  # tp rank 0: its own group's finding
+            assert "emb.weight / head.weight differ between pipeline ranks [0, 1]" in err
+        else:
+            assert "disagree on another tp or dp rank's shard" in err
+
+
 @pytest.mark.parametrize("case", ["frozen on one", "values differ", "frozen on both"])
 def test_a_tied_weight_whose_copies_disagree_is_refused_on_every_holder(case):
     for got in run_ranks(_tie_that_is_no_longer_one_parameter, 2, case):
