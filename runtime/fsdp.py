@@ -154,8 +154,7 @@ class ShardedData:
         (no pipeline) or :meth:`finish` (pipeline, which also gathers every
         unit now, once for the step). What a step that raised left behind
         (gathered parameters, unreduced gradients) is dropped first."""
-        for unit in self.units:
-            unit.reshard()
+        self.reshard()
         for fp in (fp for group in self._groups() for fp in group.fsdp_params):
             fp.unsharded_accumulated_grad = None
             if hasattr(fp, "_unsharded_param"):
@@ -177,7 +176,7 @@ class ShardedData:
         if self.pipelined:
             for unit in self.units:
                 unit.unshard()
-            stack.callback(lambda: [unit.reshard() for unit in self.units])
+            stack.callback(self.reshard)
         return stack
 
     def reshard(self) -> None:

@@ -17,7 +17,7 @@ from annot.runtime.replay import StageDone
 if TYPE_CHECKING:
     from annot.runtime.pipeline import PipelineExecutor
 
-__all__ = ["ModelCall", "StepState"]
+__all__ = ["NO_GRAD_BACKWARD", "ModelCall", "StepState"]
 
 
 # model.backward in a step called under torch.no_grad(): refused, as loss.backward()

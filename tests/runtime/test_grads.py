@@ -57,30 +57,39 @@ def test_a_partial_gradient_is_named_then_summed():
         assert summed == [3.0]  # 1 + 2, summed over the two tp ranks
 
 
+def _tied_pair(mesh, **others):
+    """This rank's part of a pipeline whose stage 0 ``emb.weight`` is stage 1's
+    ``head.weight`` (a copy on each stage, equal), beside the modules
+    ``others`` (name: module); returns ``(ctx, model, the tied weight, layout)``."""
+    from annot.runtime.process_groups import init
+    from annot.runtime.stage_runner import ReplayRunner
+    from annot.runtime.stages import PipelineLayout, Tie
+
+    ctx = init(mesh)
+    tied = "emb" if ctx.pp_rank == 0 else "head"
+    torch.manual_seed(0)  # the copies of one weight: equal
+    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), **others})
+    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
+    plan = PipelineLayout(
+        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
+    )
+    return ctx, model, model[tied].weight, plan
+
+
 def _tied_across_stages():
     """pp=2: stage 0's ``emb.weight`` is stage 1's ``head.weight`` (one weight, a
     copy on each stage, each copy with the gradient of its own stage's use)."""
     from annot.core.mesh import Mesh
     from annot.runtime.grads import clip_grad_norm_, reduce_gradients
-    from annot.runtime.process_groups import init
-    from annot.runtime.stage_runner import ReplayRunner
-    from annot.runtime.stages import PipelineLayout, Tie
 
-    ctx = init(Mesh(pp=2))
-    tied = "emb" if ctx.pp_rank == 0 else "head"
-    torch.manual_seed(0)  # the copies of one weight: equal
-    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "body": nn.Linear(2, 2)})
-    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
-    plan = PipelineLayout(
-        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
-    )
-    model[tied].weight.grad = torch.full((2, 3), float(ctx.rank + 1))  # 1 and 2
+    ctx, model, w, plan = _tied_pair(Mesh(pp=2), body=nn.Linear(2, 2))
+    w.grad = torch.full((2, 3), float(ctx.rank + 1))  # 1 and 2
     for p in model["body"].parameters():
         p.grad = torch.full_like(p, 2.0 if ctx.rank == 0 else -1.0)
     reduce_gradients(model, ctx, plan)
-    summed = model[tied].weight.grad.unique().tolist()
+    summed = w.grad.unique().tolist()
     norm = clip_grad_norm_(model, ctx, plan, max_norm=1.0)
-    return summed, norm.item(), model[tied].weight.grad.clone()
+    return summed, norm.item(), w.grad.clone()
 
 
 def test_a_tied_weight_is_summed_over_its_stages_and_counted_once():
@@ -104,19 +113,8 @@ def _tie_that_is_no_longer_one_parameter(case: str):
     from annot.core.errors import PipelineError
     from annot.core.mesh import Mesh
     from annot.runtime.grads import reduce_gradients
-    from annot.runtime.process_groups import init
-    from annot.runtime.stage_runner import ReplayRunner
-    from annot.runtime.stages import PipelineLayout, Tie
 
-    ctx = init(Mesh(pp=2))
-    tied = "emb" if ctx.pp_rank == 0 else "head"
-    torch.manual_seed(0)
-    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False)})
-    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
-    plan = PipelineLayout(
-        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
-    )
-    w = model[tied].weight
+    ctx, model, w, plan = _tied_pair(Mesh(pp=2))
     if case == "frozen on one":
         w.requires_grad_(ctx.pp_rank == 1)
     elif case == "frozen on both":
@@ -140,19 +138,8 @@ def _tie_differs_on_one_tp_shard():
     from annot.core.errors import PipelineError
     from annot.core.mesh import Mesh
     from annot.runtime.grads import reduce_gradients
-    from annot.runtime.process_groups import init
-    from annot.runtime.stage_runner import ReplayRunner
-    from annot.runtime.stages import PipelineLayout, Tie
 
-    ctx = init(Mesh(pp=2, tp=2))
-    tied = "emb" if ctx.pp_rank == 0 else "head"
-    torch.manual_seed(0)
-    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False)})
-    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
-    plan = PipelineLayout(
-        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
-    )
-    w = model[tied].weight
+    ctx, model, w, plan = _tied_pair(Mesh(pp=2, tp=2))
     if ctx.pp_rank == 1 and ctx.tp_rank == 0:
         with torch.no_grad():
             w[0, 0] += 1.0
@@ -193,20 +180,10 @@ def _sums_of_an_accumulating_step():
     made it); this step adds rank + 1 to each."""
     from annot.core.mesh import Mesh
     from annot.runtime.grads import carried_grads, reduce_gradients
-    from annot.runtime.process_groups import init
-    from annot.runtime.stage_runner import ReplayRunner
-    from annot.runtime.stages import PipelineLayout, Tie
 
-    ctx = init(Mesh(pp=2, tp=2))
-    tied = "emb" if ctx.pp_rank == 0 else "head"
-    torch.manual_seed(0)
-    model = nn.ModuleDict({tied: nn.Linear(3, 2, bias=False), "norm": nn.LayerNorm(2)})
+    ctx, model, w, plan = _tied_pair(Mesh(pp=2, tp=2), norm=nn.LayerNorm(2))
     model["norm"].weight.annot_grad_sum = "tp"
-    tie = Tie(names=("emb.weight", "head.weight"), stages=(0, 1), group=ctx.pp_group)
-    plan = PipelineLayout(
-        runner=ReplayRunner(), pp=2, chunks=1, pp_rank=ctx.pp_rank, boundaries=(), ties=[tie]
-    )
-    summed = (model[tied].weight, model["norm"].weight)
+    summed = (w, model["norm"].weight)
     for p in summed:
         p.grad = torch.full_like(p, 10.0)  # the earlier step's, already whole
     carried = carried_grads(model, ctx, plan)
