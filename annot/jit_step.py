@@ -169,8 +169,9 @@ class Step:
             a, k = mbs[i]
             return self.fn(*a, **k)
 
-        ex.run(len(mbs), body, grad_buckets=self.model.grad_buckets, forward_only=forward_only)
-        return ex.broadcast_outputs()
+        return ex.run(
+            len(mbs), body, grad_buckets=self.model.grad_buckets, forward_only=forward_only
+        )
 
     # Called through ParallelModel while the step runs.
     def call(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,9 @@ Rows: ``annot`` (steady shapes: after the first message, a repeated header),
 ``plain`` (isend of the tensor, irecv into a preallocated one), ``plain 8k``
 (8 KiB buffers, annot's first-message size here), ``fresh`` (plain with a new
 tensor each message), ``timeout`` (plain, waits with a timeout as annot's do).
+Then, the CPU of one message's calls with the caches left cold between them
+by a matmul (a pipeline's compute does that): annot's steady message against
+a plain isend/irecv, the sender's and the receiver's CPU summed.
 """
 
 from __future__ import annotations
@@ -77,16 +80,61 @@ def _rank() -> dict:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    out = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    out.update(_cold(r, peer, x))
+    return out
+
+
+def _cold(r: int, peer: int, x) -> dict:
+    """CPU (``time.thread_time``) of one message's calls, sender and
+    receiver side summed, with a matmul between calls that leaves the caches
+    cold, as a pipeline's forward and backward do: annot's steady message
+    against a plain ``isend`` of the tensor and ``irecv`` into a new one."""
+    import torch
+    import torch.distributed as dist
+
+    from annot.runtime.p2p import recv_pytree, send_pytree
+
+    w, a = torch.randn(1024, 1024), torch.randn(64, 1024)
+    cpu: dict[str, list[float]] = {"annot cold": [], "plain cold": []}
+    handles = []
+    for i in range(N // 4 + 10):
+        for name in cpu:
+            (a @ w).sum()  # the caches go cold
+            t = time.thread_time()
+            if r == 0 and name == "annot cold":
+                handles.append(send_pytree({"x": x}, peer, tag=(0, 1, i)))
+            elif r == 0:
+                handles.append(dist.isend(x.detach(), peer))
+            elif name == "annot cold":
+                recv_pytree(peer, tagged=True)
+            else:
+                b = torch.empty(4, 256)
+                dist.irecv(b, peer).wait()
+                b.requires_grad_()
+            if i >= 10:
+                cpu[name].append(time.thread_time() - t)
+        if len(handles) > 8:
+            for h in handles:
+                h.wait()
+            handles = []
+    for h in handles:
+        h.wait()
+    return {k: statistics.mean(v) * 1e6 for k, v in cpu.items()}
 
 
 def main() -> None:
     from annot.testing import run_ranks
 
-    res = run_ranks(_rank, 2, timeout=600)[0]
+    sender, receiver = run_ranks(_rank, 2, timeout=600)
     print("us per round trip (two messages), median of", N)
-    for name, us in res.items():
-        print(f"{name:10} {us:8.0f} {us / res['plain']:6.2f}x plain")
+    for name, us in sender.items():
+        if "cold" not in name:
+            print(f"{name:10} {us:8.0f} {us / sender['plain']:6.2f}x plain")
+    print("CPU us of one message's calls (send + receive), caches cold, mean of", N // 4)
+    cold = {k: sender[k] + receiver[k] for k in ("annot cold", "plain cold")}
+    for name, us in cold.items():
+        print(f"{name:10} {us:8.0f} {us / cold['plain cold']:6.2f}x plain")
 
 
 if __name__ == "__main__":

@@ -28,12 +28,15 @@ Wire format: one message is one to three sends on the pair, in this order:
    from the sizes of the previous transfer, so with steady shapes a transfer is
    one message. ``header bytes`` is 0 when the header is byte for byte the
    channel's previous one (steady shapes: the receiver reuses the header it
-   parsed and checked then; the sender, seeing the channel's previous simple
-   signature (:func:`~annot.runtime.p2p_codec.simple_signature`) again, skips
-   encoding altogether and writes the preamble and the tensors into a buffer
-   of its pool, given back when the send completed). The tag is three ints the caller may attach
-   (``send_pytree(..., tag=)``; the pipeline's ``(direction, stage,
-   microbatch)``), so a message's key does not make its header differ;
+   parsed and checked then, and when the payload is inline, the views it
+   made from it; the sender, finding the channel's previous simple signature
+   (:func:`~annot.runtime.p2p_codec.simple_signature`) again by
+   :func:`~annot.runtime.p2p_codec.matcher`, skips encoding altogether and
+   copies the tensors into their places in one of the channel's first
+   messages, given back when the send completed; a payload too large for a
+   first message is never sent this way). The tag is three ints the caller
+   may attach (``send_pytree(..., tag=)``; the pipeline's ``(direction,
+   stage, microbatch)``), so a message's key does not make its header differ;
 2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
    UTF-8 JSON, never pickle (nothing received is ever executed or imported):
    the tree with its plain leaves, and each tensor's dtype, shape and
@@ -47,9 +50,13 @@ header both ends agreed from its previous transfer, so a message of another
 kind between two alike (the pipeline's step outputs after its activations)
 would make the next one a two-part transfer with a new header. Such traffic
 goes on a lane of its own (``send_pytree(..., lane=1)`` and the same lane on
-the receiving side): lanes keep their agreements apart and do not reorder
-anything (messages between two ranks still arrive in the order they were
-sent, whatever their lane).
+the receiving side): lanes keep their agreements apart, and a lane is the
+message tag of its sends and receives. Under gloo, which matches a receive
+to a send by tag, a lane's messages are therefore matched apart from the
+other lanes' (a receive posted ahead on lane 1 never takes a lane-0
+message); NCCL ignores tags and matches a pair's messages in the order they
+were posted, so there both ends must post them in the same order across
+lanes too.
 
 Under gloo, a receiver that knows a message will come may post the receive of
 its first part ahead (:func:`post_recv`, then ``recv_pytree(..., posted=)``):
@@ -80,6 +87,7 @@ import collections
 import functools
 import json
 import struct
+from collections.abc import Sequence
 from typing import Any, Optional, cast
 
 import numpy as np
@@ -94,6 +102,7 @@ from annot.runtime.p2p_codec import (
     DTYPES,
     Malformed,
     flatten,
+    matcher,
     rebuilder,
     simple_signature,
     unflatten,
@@ -120,31 +129,39 @@ class _Channel:
     __slots__ = (
         "backend",
         "comm",
+        "expect",
         "first",
+        "gloo",
         "header",
         "hlen",
-        "key",
-        "layout",
+        "inline",
         "parsed",
         "rebuild",
+        "steady",
+        "tag",
         "views",
     )
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, lane: int) -> None:
+        self.tag = lane  # the message tag of the channel's sends and receives
         self.first = FIRST_BYTES  # bytes of the next first message
         self.hlen = 0  # receiver: the previous header's length (sizes the next first message)
         self.header: Optional[bytes] = None  # sender: the previous header
-        # sender: the previous message's simple signature (p2p_codec.simple_signature; None
-        # if it had none) and its payload (offsets, bytes): a message with the same key is
-        # steady, sent without encoding
-        self.key: Optional[tuple] = None
-        self.layout: tuple = ()
+        # sender: the previous message's layout, when a message like it is sent steady
+        self.steady: Optional[_Steady] = None
         self.parsed: Optional[tuple] = None  # receiver: (tree, metas, offsets, payload bytes)
         # receiver, from the checked header: (dtype, shape, strides, requires_grad, offset) per
         # tensor, and p2p_codec.rebuilder's function (None: unflatten each time)
         self.views: list[tuple] = []
         self.rebuild: Any = None
+        # receiver: the preamble's first words of a steady message (the checked
+        # header repeated, the payload inline at PREAMBLE.size), when one is
+        # rebuilt directly; None otherwise. ``inline``: ``views`` with the
+        # offsets from the first message's start
+        self.expect: Optional[tuple] = None
+        self.inline: list[tuple] = []
         self.comm, self.backend = _comm(group)
+        self.gloo = "gloo" in self.backend.lower()
         connect_store()  # now, while every rank is alive (posts catch their own errors)
 
 
@@ -155,7 +172,7 @@ def _channel(direction: str, peer: int, group: Any, lane: int) -> _Channel:
     key = (direction, peer, id(group) if group is not None else 0, lane)
     ch = _CHANNELS.get(key)
     if ch is None:
-        ch = _CHANNELS[key] = _Channel(group)
+        ch = _CHANNELS[key] = _Channel(group, lane)
     return ch
 
 
@@ -169,11 +186,8 @@ def _next_first(hlen: int, plen: int) -> int:
 def reset_channels() -> None:
     """Forget the channel sizes and headers (both ends must do it at the same
     point), and each channel's comm device and backend (after a new process
-    group); and drop the pool of send buffers."""
-    global _pooled
+    group), with their pooled send buffers."""
     _CHANNELS.clear()
-    _POOL.clear()
-    _pooled = 0
 
 
 ALIGN = 16
@@ -199,7 +213,7 @@ def _layout(metas: list) -> tuple[list[Optional[int]], int]:
     return offsets, cursor
 
 
-def _numel(shape: list) -> int:
+def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -319,13 +333,13 @@ class Handle:
         keep: tuple,
         labels: Labels,
         backend: str,
-        reusable: Optional[torch.Tensor] = None,
+        reusable: Optional[tuple] = None,
     ):
         self._works = works
         self._keep = keep
         self._labels = labels
         self._backend = backend
-        self._reusable = reusable  # a buffer of the pool (_pool_buffer), back once sent
+        self._reusable = reusable  # (a _Steady, one of its buffers): back to it once sent
 
     def is_completed(self) -> bool:
         """True once every send finished (gloo reports completion only after
@@ -341,7 +355,8 @@ class Handle:
             self._works.pop(0)
         self._keep = ()
         if self._reusable is not None:
-            _give_back(self._reusable)
+            steady, entry = self._reusable
+            steady.free.append(entry)
             self._reusable = None
 
 
@@ -376,20 +391,25 @@ def send_pytree(
     else:
         where = f" ({_op('send', what)} to rank {dst})"
         raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
+    labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
+    ch = _CHANNELS.get(("send", dst, id(group) if group is not None else 0, lane))
+    steady = ch.steady if ch is not None else None
+    if ch is not None and steady is not None:
+        # Steady: like the channel's previous message (its header, not sent
+        # again; its layout; a first message that holds it all, both ends agreed).
+        found = steady.match(obj)
+        if found is not None:
+            entry = steady.take()
+            buf, arr, places = entry
+            PREAMBLE.pack_into(arr, 0, MAGIC, VERSION, 0, steady.total, *tagged)
+            for place, t in zip(places, found):
+                if place is not None:
+                    place.copy_(t.detach())
+            return _post([buf], dst, group, ch, labels, (steady, entry))
     simple = simple_signature(obj)  # (a simple message is always sendable)
     encoded = _encode(obj, what, dst, None) if simple is None else None  # refused here
     ch = _channel("send", dst, group, lane)
     comm, size = ch.comm, ch.first
-    labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
-    if simple is not None and simple[0] == ch.key and comm.type == "cpu":
-        # Steady: what the channel's previous message was (its header, not sent
-        # again; its layout; a first message that holds it all, both ends agreed).
-        offsets, total = ch.layout
-        buf = _pool_buffer(size)
-        arr = buf.numpy()
-        PREAMBLE.pack_into(cast(Any, arr), 0, MAGIC, VERSION, 0, total, *tagged)
-        _write_tensors(arr, buf, PREAMBLE.size, PREAMBLE.size, simple[1], offsets)
-        return _post([buf], dst, group, labels, ch.backend, buf)
     raw, tensors, offsets, total = encoded or _encode(obj, what, dst, simple)
     # The first message: the preamble, the header when it is new and fits, and
     # the payload too when that also fits (steady shapes: one message a
@@ -408,32 +428,53 @@ def send_pytree(
         if payload is not None:
             bufs.append(payload)
     ch.first, ch.header = _next_first(len(raw), total), raw
-    # steady from now on if it is simple (its header then fits the next first message)
-    ch.key, ch.layout = (simple[0], (offsets, total)) if simple is not None else (None, ())
-    return _post(bufs, dst, group, labels, ch.backend, pre if comm.type == "cpu" else None)
+    # Steady from now on if it is simple (its header then fits the next first
+    # message) and the next first message holds its payload too.
+    fits = PREAMBLE.size + total <= ch.first and comm.type == "cpu"
+    ch.steady = _Steady(simple[0], ch.first, total, tensors, offsets) if simple and fits else None
+    return _post(bufs, dst, group, ch, labels, None)
 
 
-def _post(bufs: list, dst: int, group: Any, labels: Labels, backend: str, reusable: Any) -> Handle:
+def _post(bufs: list, dst: int, group: Any, ch: _Channel, labels: Labels, reusable: Any) -> Handle:
     try:
-        works = [dist.isend(b, dst=dst, group=group) for b in bufs]
+        works = [dist.isend(b, dst=dst, group=group, tag=ch.tag) for b in bufs]
     except Exception as exc:
         raise _failure(exc, "send", labels) from exc
-    return Handle(works, tuple(bufs), labels, backend, reusable)
+    return Handle(works, tuple(bufs), labels, ch.backend, reusable)
 
 
-# The first messages' CPU buffers, reused once their send completed
-# (Handle.wait gives them back) instead of new memory each message. At most
-# POOL_BYTES are kept.
-_POOL: dict[int, list[torch.Tensor]] = {}  # (one thread sends, as the module requires)
-POOL_BYTES = 64 << 20
-_pooled = 0  # bytes in _POOL
+class _Steady:
+    """A sender channel's steady layout: the check of a message against the
+    previous one's simple signature (:func:`~annot.runtime.p2p_codec.matcher`),
+    its payload size, and its first messages (CPU buffers, zeroed once, each
+    with a typed view per non-empty tensor at its place), reused once their
+    send completed (:meth:`Handle.wait` gives them back)."""
 
+    __slots__ = ("free", "match", "places", "size", "total")
 
-def _give_back(buf: torch.Tensor) -> None:
-    global _pooled
-    if _pooled + buf.numel() <= POOL_BYTES:
-        _POOL.setdefault(buf.numel(), []).append(buf)
-        _pooled += buf.numel()
+    def __init__(self, key: tuple, size: int, total: int, tensors: list, offsets: list):
+        self.match = matcher(key)
+        self.size, self.total = size, total
+        self.places = [
+            None if off is None else (PREAMBLE.size + off, t.dtype, tuple(t.shape))
+            for t, off in zip(tensors, offsets)
+        ]
+        self.free: list[tuple] = []
+
+    def take(self) -> tuple:
+        """A free first message: (buffer, its numpy view, typed views)."""
+        if self.free:
+            return self.free.pop()
+        buf = torch.zeros(self.size, dtype=torch.uint8)
+        places = [
+            None
+            if place is None
+            else buf[place[0] : place[0] + place[1].itemsize * _numel(place[2])]
+            .view(place[1])
+            .view(place[2])
+            for place in self.places
+        ]
+        return buf, buf.numpy(), places
 
 
 def _first_message(
@@ -441,9 +482,8 @@ def _first_message(
 ) -> torch.Tensor:
     """The ``size``-byte first message on ``comm``: ``prefix``, then (``at``
     not None) each non-empty tensor at ``at`` + its offset (16-byte aligned, so
-    a typed view of the bytes is valid), zeros elsewhere. On the CPU a buffer
-    of the pool's when it has one of that size, written through numpy (a few
-    microseconds less than a torch op per piece)."""
+    a typed view of the bytes is valid), zeros elsewhere. On the CPU written
+    through numpy (a few microseconds less than a torch op per piece)."""
     if comm.type != "cpu":
         buf = torch.zeros(size, dtype=torch.uint8, device=comm)
         buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
@@ -452,7 +492,7 @@ def _first_message(
                 if off is not None:
                     _copy_into(buf, at + off, t.detach())
         return buf
-    buf = _pool_buffer(size)
+    buf = torch.empty(size, dtype=torch.uint8)
     arr = buf.numpy()
     arr[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
     if at is None:
@@ -460,16 +500,6 @@ def _first_message(
     else:
         _write_tensors(arr, buf, len(prefix), at, tensors, offsets)
     return buf
-
-
-def _pool_buffer(size: int) -> torch.Tensor:
-    """A CPU buffer of ``size`` bytes: the pool's, else a new one."""
-    global _pooled
-    free = _POOL.get(size)
-    if free:
-        _pooled -= size
-        return free.pop()
-    return torch.empty(size, dtype=torch.uint8)
 
 
 def _write_tensors(
@@ -562,7 +592,7 @@ def post_recv(
     ch = _channel("recv", src, group, lane)
     buf = torch.empty(ch.first, dtype=torch.uint8, device=ch.comm)
     try:
-        work = dist.irecv(buf, src=src, group=group)
+        work = dist.irecv(buf, src=src, group=group, tag=ch.tag)
     except Exception as exc:
         labels = (what, stage, microbatch, src, peer_stage, timeout_s)
         raise _failure(exc, "post recv", labels) from exc
@@ -572,7 +602,7 @@ def post_recv(
 def _receive(nbytes: int, src: int, group: Any, ch: _Channel, labels: Labels) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, device=ch.comm)
     try:
-        work = dist.irecv(buf, src=src, group=group)
+        work = dist.irecv(buf, src=src, group=group, tag=ch.tag)
     except Exception as exc:
         raise _failure(exc, "recv", labels) from exc
     _wait(work, ch.backend, "recv", labels)
@@ -632,6 +662,10 @@ def recv_pytree(
     words = PREAMBLE.unpack_from(
         cast(Any, first.numpy() if comm.type == "cpu" else _host(first[: PREAMBLE.size]))
     )
+    if words[:4] == ch.expect and (device is None or device == comm):
+        # steady: the header checked when it came, the payload inline
+        obj = ch.rebuild(_views(first, ch.inline))
+        return ((words[5:] if words[4] else None), obj) if tagged else obj
     magic, version, hlen, plen, has_tag = words[:5]
     if magic != MAGIC:
         raise reject(
@@ -671,6 +705,7 @@ def recv_pytree(
         ]
         ch.rebuild = None  # until unflatten accepted the tree once
     ch.first = _next_first(ch.hlen, plen)
+    ch.expect = None
     tensors = []
     storage = payload.untyped_storage()  # (read only where a tensor has bytes: plen > 0)
     for dtype, shape, strides, requires_grad, off in ch.views:
@@ -691,9 +726,34 @@ def recv_pytree(
         except PipelineError as err:
             raise reject(str(err)) from None
         ch.rebuild = rebuilder(tree)  # the tree is checked: rebuild it directly from now on
+    if ch.rebuild is not None and PREAMBLE.size + total <= ch.first:
+        # the next message like this one is steady: its payload inline in the
+        # first message (what the sender's steady path sends), its views from
+        # the buffer's start
+        ch.expect = (MAGIC, VERSION, 0, total)
+        ch.inline = [
+            (dtype, shape, strides, requires_grad, None if off is None else PREAMBLE.size + off)
+            for dtype, shape, strides, requires_grad, off in ch.views
+        ]
     if not tagged:
         return obj
     return (tuple(words[5:]) if has_tag else None), obj
+
+
+def _views(buf: torch.Tensor, views: list) -> list[torch.Tensor]:
+    """The tensors of a steady message in ``buf`` (a fresh first message):
+    each a fresh tensor on its storage (its own version counter), or new and
+    empty where it has no bytes."""
+    storage = buf.untyped_storage()
+    tensors = []
+    for dtype, shape, strides, requires_grad, off in views:
+        if off is None:
+            t = torch.empty(shape, dtype=dtype, device=buf.device)
+        else:
+            t = torch.empty(0, dtype=dtype, device=buf.device)
+            t.set_(storage, off // dtype.itemsize, shape, strides)
+        tensors.append(t.requires_grad_() if requires_grad else t)
+    return tensors
 
 
 def _contiguous_strides(shape: list) -> tuple[int, ...]:

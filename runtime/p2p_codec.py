@@ -26,6 +26,7 @@ __all__ = [
     "DTYPES",
     "Malformed",
     "flatten",
+    "matcher",
     "rebuilder",
     "simple_signature",
     "tensors_requiring_grad",
@@ -212,7 +213,7 @@ def _sendable(x: Any) -> bool:
     """A tensor :func:`flatten` takes as is (a dense, non-meta tensor of a
     sendable dtype, no subclass)."""
     return (
-        type(x) in (torch.Tensor, torch.nn.Parameter)
+        type(x) in _TENSOR_TYPES
         and x.layout == torch.strided
         and x.dtype in _SENDABLE_DTYPES
         and not x.is_meta
@@ -269,6 +270,73 @@ def _simple_key(x: Any, tensors: list, depth: int, keyed: bool = True) -> Option
         if keyed:
             keys.append(k)
     return (kind, names, tuple(keys)) if keyed else ()
+
+
+def matcher(key: tuple) -> Callable[[Any], Optional[list[torch.Tensor]]]:
+    """A function of ``obj`` that returns its tensors (in :func:`flatten`'s
+    order) when ``simple_signature(obj)`` would have ``key``, else None: the
+    sender of a channel with steady shapes checks each message against the
+    previous one's key this way, without building a key each time."""
+    check = _matcher(key)
+
+    def match(obj: Any) -> Optional[list[torch.Tensor]]:
+        tensors: list[torch.Tensor] = []
+        return tensors if check(obj, tensors) else None
+
+    return match
+
+
+def _matcher(key: tuple) -> Callable[[Any, list], bool]:
+    """``check(x, tensors)``: whether ``x`` has ``key`` (one node of
+    :func:`_simple_key`'s), appending its tensors."""
+    if key == ():
+        return lambda x, tensors: x is None
+    head = key[0]
+    if isinstance(head, torch.dtype):  # a tensor: (dtype, shape, requires_grad)
+        dtype, shape, requires_grad = key
+
+        def tensor(x: Any, tensors: list) -> bool:
+            if not (
+                type(x) in _TENSOR_TYPES
+                and x.dtype is dtype
+                and x.shape == shape
+                and x.requires_grad is requires_grad
+                and x.layout is torch.strided
+                and not x.is_meta
+            ):
+                return False
+            tensors.append(x)
+            return True
+
+        return tensor
+    if head is float:  # by its bits, as the key
+        bits = key[1]
+        return lambda x, tensors: type(x) is float and x.hex() == bits
+    if head in (bool, int, str):
+        value = key[1]
+        return lambda x, tensors: type(x) is head and x == value
+    kind, names, children = key
+    parts = [_matcher(k) for k in children]
+    n = len(parts)
+    if kind is dict:
+
+        def mapping(x: Any, tensors: list) -> bool:
+            return (
+                type(x) is dict
+                and len(x) == n
+                and tuple(x) == names
+                and all(p(v, tensors) for p, v in zip(parts, x.values()))
+            )
+
+        return mapping
+
+    def sequence(x: Any, tensors: list) -> bool:
+        return type(x) is kind and len(x) == n and all(p(v, tensors) for p, v in zip(parts, x))
+
+    return sequence
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class Malformed(Exception):

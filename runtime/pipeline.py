@@ -165,7 +165,7 @@ class PipelineExecutor(PipelineMessages):
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
-        self.last_rank_outputs: Optional[list[Any]] = None
+        self.outputs_posted = None
 
     # -- public ---------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class PipelineExecutor(PipelineMessages):
         loss_scale: LossScale = None,
         forward_only: bool = False,
         grad_buckets: Any = None,
-    ) -> Optional[list[Any]]:
+    ) -> list[Any]:
         """Run one step of ``microbatches``.
 
         ``body(i, call)`` is invoked once per microbatch on the ranks holding
@@ -201,8 +201,10 @@ class PipelineExecutor(PipelineMessages):
         get the exact full-batch mean). ``forward_only`` runs no backward and
         the forwards under ``torch.no_grad()`` (evaluation).
 
-        Returns the body's return values per microbatch on the rank holding
-        the last stage, None elsewhere (see :meth:`broadcast_outputs`).
+        Returns the body's return values per microbatch, tensors detached,
+        on every rank of the pipeline: the last stage's rank sends them to the
+        others at the step's end (:meth:`share_outputs`; under gloo the others
+        post that receive at the step's start).
         Parameter gradients accumulate in ``.grad``; the dp all-reduce is the
         caller's. With ``grad_buckets`` (a
         :class:`~annot.runtime.grad_buckets.GradBuckets`) a stage's
@@ -213,7 +215,7 @@ class PipelineExecutor(PipelineMessages):
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
         st = StepState(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
-        self.last_rank_outputs = None  # this step's, once it ends
+        self.post_outputs_receive()
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
         if grad_buckets is not None and not forward_only:
             # each stage's last backward work of the step, in this rank's order
@@ -229,10 +231,9 @@ class PipelineExecutor(PipelineMessages):
         self.wait_sends(st)
         self._check_empty(st)
         holds_last = self.owner(self.num_stages - 1) == self.pp_rank
-        self.last_rank_outputs = (
+        return self.share_outputs(
             [st.results[i] for i in range(microbatches)] if holds_last else None
         )
-        return self.last_rank_outputs
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This rank's Chrome trace events so far (``trace=True``); merge ranks

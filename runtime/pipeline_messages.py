@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from annot.core.errors import PipelineError
 from annot.runtime.model_call import StepState
-from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
+from annot.runtime.p2p import PostedRecv, post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, simple_signature
 from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F, stage_rank
 from annot.runtime.trace import Tracer
@@ -55,51 +55,71 @@ class PipelineMessages:
     pp_rank: int
     num_stages: int
     tracer: Tracer
-    last_rank_outputs: Optional[list[Any]]  # the last run's, on the last stage's rank
+    # the receive of the step's outputs, posted at its start (gloo, off the last stage)
+    outputs_posted: Optional[PostedRecv]
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding ``stage``."""
         return stage_rank(stage, self.pp)
 
-    def broadcast_outputs(self) -> list[Any]:
-        """The last :meth:`~annot.runtime.pipeline.PipelineExecutor.run`'s
-        outputs (the step body's results on the last stage, checked by
-        :func:`check_shareable` as they were made), tensors detached, on every rank
-        of the pipeline."""
+    def post_outputs_receive(self) -> None:
+        """Under gloo, on a rank without the last stage: post the receive of
+        this step's outputs now, at the step's start, on their own lane (a
+        message tag of their own: it takes no pipeline message). The last
+        rank's send of the outputs then writes at once at the step's end,
+        instead of waiting for this rank to ask for them (a round trip of
+        wake-ups: 1.5-3 ms of a 48 ms step on 2 shared cores,
+        benchmarks/pp.py (a)). Not under NCCL, whose in-order stream would
+        put this rank's own sends behind the receive. One at a time: a
+        receive left by a failed step is the one the next step completes."""
+        last = self.num_stages - 1
+        if self.outputs_posted is not None or self.owner(last) == self.pp_rank:
+            return
+        if not posts_early(self.group):
+            return
+        self.outputs_posted = post_recv(
+            self.peers[self.owner(last)], lane=_OUTPUTS_LANE, **self._outputs_labels()
+        )
+
+    def share_outputs(self, outputs: Optional[list[Any]]) -> list[Any]:
+        """The step body's results on the last stage (``outputs`` there,
+        checked by :func:`check_shareable` as they were made), tensors
+        detached, on every rank of the pipeline: the last rank sends them to
+        the others, which receive them (into the receive
+        :meth:`post_outputs_receive` posted, under gloo)."""
         last = self.num_stages - 1
         if self.owner(last) != self.pp_rank:  # pp > 1
+            posted, self.outputs_posted = self.outputs_posted, None
             return recv_pytree(
                 self.peers[self.owner(last)],
-                group=self.group,
                 device=self.device,
-                what="step outputs",
-                timeout_s=self.timeout_s,
-                stage=self.pp_rank,
-                peer_stage=last,
+                posted=posted,
                 lane=_OUTPUTS_LANE,
+                **self._outputs_labels(),
             )
-        outputs = self.last_rank_outputs
-        if outputs is None:
-            raise PipelineError("broadcast_outputs() before any run(): nothing to send")
+        assert outputs is not None, "the last stage's rank has the step's outputs"
         outputs = map_tensors(torch.Tensor.detach, outputs)
         if self.pp == 1:
             return outputs
         handles = [
-            send_pytree(
-                outputs,
-                dst,
-                group=self.group,
-                what="step outputs",
-                timeout_s=self.timeout_s,
-                stage=last,
-                lane=_OUTPUTS_LANE,
-            )
+            send_pytree(outputs, dst, lane=_OUTPUTS_LANE, **self._outputs_labels())
             for dst in self.peers
             if dst != self.rank
         ]
         for h in handles:
             h.wait()
         return outputs
+
+    def _outputs_labels(self) -> dict[str, Any]:
+        last = self.num_stages - 1
+        mine = self.owner(last) == self.pp_rank
+        return dict(
+            group=self.group,
+            what="step outputs",
+            timeout_s=self.timeout_s,
+            stage=last if mine else self.pp_rank,
+            **({} if mine else {"peer_stage": last}),
+        )
 
     def send(self, st: StepState, a: Action, payload: Any) -> None:
         assert a.message is not None, f"{a} is not a SEND"

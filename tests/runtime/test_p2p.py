@@ -28,7 +28,13 @@ from annot.runtime.p2p import (
     reset_channels,
     send_pytree,
 )
-from annot.runtime.p2p_codec import flatten, simple_signature, tensors_requiring_grad, unflatten
+from annot.runtime.p2p_codec import (
+    flatten,
+    matcher,
+    simple_signature,
+    tensors_requiring_grad,
+    unflatten,
+)
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0
@@ -191,6 +197,19 @@ def test_simple_signature_equal_iff_encoding_equal(a, b):
     (key_a, ts_a), (key_b, _) = simple_signature(a), simple_signature(b)
     assert (key_a == key_b) == (_encoded(a) == _encoded(b))
     assert [id(t) for t in ts_a] == [id(t) for t in flatten(a)[1]]
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None)
+@given(simple_trees, simple_trees)
+def test_matcher_accepts_exactly_the_objects_with_its_key(a, b):
+    """A steady channel's sender checks each message with matcher(previous
+    key) instead of building a key: it must accept exactly what
+    simple_signature gives the same key, with the same tensors in order."""
+    (key_a, _), (key_b, ts_b) = simple_signature(a), simple_signature(b)
+    found = matcher(key_a)(b)
+    assert (found is not None) == (key_a == key_b)
+    if found is not None:
+        assert [id(t) for t in found] == [id(t) for t in ts_b]
 
 
 # Trees with several tensors that require grad, simple or not (a dict with int

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from annot.runtime.p2p import recv_pytree, send_pytree
+from annot.runtime.p2p import MAX_FIRST_BYTES, post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, rebuilder, unflatten
 from annot.testing import run_ranks
 
@@ -138,3 +138,69 @@ def test_a_lane_keeps_a_channel_steady_between_other_messages():
     counts, got = run_ranks(_lanes_session, 2, 0, timeout=240)
     assert all(got)
     assert counts[1:] == [3] * 5, counts  # one lane: each loss resets the activation's size
+
+
+def _counting_sends(body: Any) -> list[int]:
+    """Run ``body(i)`` for i = 0, 1, ...; the sends each call took."""
+    real, counts = dist.isend, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    dist.isend = counting
+    try:
+        for i in range(3):
+            counts.append(0)
+            body(i)
+    finally:
+        dist.isend = real
+    return counts
+
+
+def _large_session() -> Any:
+    """The same shapes three times, the payload larger than any first message."""
+    n = MAX_FIRST_BYTES // 4 + 1024  # float32: past the first message's bound
+
+    def send(i: int) -> None:
+        send_pytree({"h": torch.full((n,), float(i))}, 1, timeout_s=TIMEOUT_S).wait()
+
+    if dist.get_rank() == 0:
+        return _counting_sends(send)
+    return [bool(torch.equal(recv_pytree(0)["h"], torch.full((n,), float(i)))) for i in range(3)]
+
+
+def test_steady_shapes_larger_than_a_first_message_arrive_exactly():
+    """A payload that cannot ride in the first message is never sent as a
+    steady one-message transfer (it crashed with a numpy broadcast error on
+    the second message before): each message is a first message and the
+    payload, and each arrives exactly."""
+    counts, got = run_ranks(_large_session, 2, timeout=240)
+    assert got == [True] * 3
+    assert counts == [2, 2, 2], counts
+
+
+def _lane_tags_session() -> Any:
+    """Rank 0 sends on lane 0 then on lane 1; rank 1 receives them in the
+    other order (lane 1 first), once posted ahead and once not."""
+    if dist.get_rank() == 0:
+        for i in range(2):
+            a = send_pytree(torch.full((3,), float(i)), 1, timeout_s=TIMEOUT_S)
+            b = send_pytree({"loss": torch.tensor(10.0 + i)}, 1, lane=1, timeout_s=TIMEOUT_S)
+            a.wait()
+            b.wait()
+        return None
+    got = []
+    for i in range(2):
+        posted = post_recv(0, lane=1) if i == 1 else None
+        loss = recv_pytree(0, lane=1, posted=posted, timeout_s=TIMEOUT_S)["loss"]
+        h = recv_pytree(0, timeout_s=TIMEOUT_S)
+        got.append((float(loss), h.tolist()))
+    return got
+
+
+def test_a_lane_is_a_message_tag_under_gloo():
+    """gloo matches a receive to a send by tag, and a lane is the tag: a
+    lane's message is received apart from the other lanes', in any order."""
+    _, got = run_ranks(_lane_tags_session, 2, timeout=240)
+    assert got == [(10.0, [0.0] * 3), (11.0, [1.0] * 3)]

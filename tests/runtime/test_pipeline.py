@@ -98,8 +98,7 @@ def _run_case(ex, model, pp, pp_rank, chunks, sizes, seq, weighted=False, forwar
         return loss
 
     scale = [n / sum(sizes) for n in sizes] if weighted else None
-    ex.run(len(sizes), body, loss_scale=scale, forward_only=forward_only)
-    outs = ex.broadcast_outputs()
+    outs = ex.run(len(sizes), body, loss_scale=scale, forward_only=forward_only)
     if forward_only:  # evaluation builds no autograd graph
         assert all(v.grad_fn is None and not v.requires_grad for v in outs), outs
     losses = [float(v) for v in outs]
