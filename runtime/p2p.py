@@ -178,8 +178,12 @@ def _channel(direction: str, peer: int, group: Any, lane: int) -> _Channel:
 
 def _next_first(hlen: int, plen: int) -> int:
     """The first-message size both ends use for the channel's next transfer:
-    enough for this one's header and payload (steady shapes: one message)."""
-    need = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN + plen
+    enough for this one's header and payload (steady shapes: one message), or
+    for its header alone where the payload could not fit (it goes apart: a
+    first message padded to the bound would move megabytes of zeros)."""
+    need = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN
+    if need + plen <= MAX_FIRST_BYTES:
+        need += plen
     return min(MAX_FIRST_BYTES, max(FIRST_BYTES, -(-need // FIRST_BYTES) * FIRST_BYTES))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from annot.runtime.p2p import MAX_FIRST_BYTES, post_recv, recv_pytree, send_pytree
+from annot.runtime.p2p import FIRST_BYTES, MAX_FIRST_BYTES, post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, rebuilder, unflatten
 from annot.testing import run_ranks
 
@@ -140,18 +140,18 @@ def test_a_lane_keeps_a_channel_steady_between_other_messages():
     assert counts[1:] == [3] * 5, counts  # one lane: each loss resets the activation's size
 
 
-def _counting_sends(body: Any) -> list[int]:
-    """Run ``body(i)`` for i = 0, 1, ...; the sends each call took."""
+def _counting_sends(body: Any) -> list[list[int]]:
+    """Run ``body(i)`` for i = 0, 1, 2; the bytes of each send each call made."""
     real, counts = dist.isend, []
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counts[-1] += 1
-        return real(*args, **kwargs)
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counts[-1].append(tensor.numel() * tensor.element_size())
+        return real(tensor, *args, **kwargs)
 
     dist.isend = counting
     try:
         for i in range(3):
-            counts.append(0)
+            counts.append([])
             body(i)
     finally:
         dist.isend = real
@@ -173,11 +173,12 @@ def _large_session() -> Any:
 def test_steady_shapes_larger_than_a_first_message_arrive_exactly():
     """A payload that cannot ride in the first message is never sent as a
     steady one-message transfer (it crashed with a numpy broadcast error on
-    the second message before): each message is a first message and the
-    payload, and each arrives exactly."""
-    counts, got = run_ranks(_large_session, 2, timeout=240)
+    the second message before): each message is a first message of the
+    smallest size and the payload, and each arrives exactly."""
+    sizes, got = run_ranks(_large_session, 2, timeout=240)
     assert got == [True] * 3
-    assert counts == [2, 2, 2], counts
+    payload = (MAX_FIRST_BYTES // 4 + 1024) * 4
+    assert sizes == [[FIRST_BYTES, payload]] * 3, sizes  # not padded to the bound
 
 
 def _lane_tags_session() -> Any:
