@@ -19,13 +19,21 @@ each layer's outputs to a collector) crosses stages through
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any, Optional
 
 import torch.nn as nn
 
 from annot.core.errors import HintError, PipelineError
-from annot.hf_tp_plan import ANNOT_PLANS, base_prefix, hints_from_hf_config, is_hf_model
+from annot.hf_tp_plan import (
+    ANNOT_PLANS,
+    base_prefix,
+    hints_from_hf_config,
+    is_hf_class,
+    is_hf_model,
+)
 from annot.runtime.replay import register_collectors
 
 __all__ = [
@@ -138,7 +146,8 @@ def pipeline_call_kwargs(module: nn.Module, kwargs: dict) -> dict:
     stages: ``use_cache=False`` added when not given (training needs no KV
     cache, and a ``DynamicCache`` cannot cross a stage boundary); an explicit
     ``use_cache=True`` is refused."""
-    if not is_hf_model(module) or "use_cache" not in _forward_params(module):
+    cls: Any = type(module)  # (hashable: a class)
+    if not _takes_use_cache(cls, module.__dict__.get("forward")):
         return kwargs
     if kwargs.get("use_cache"):
         raise PipelineError(
@@ -152,9 +161,21 @@ def pipeline_call_kwargs(module: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
-def _forward_params(module: nn.Module) -> set[str]:
-    import inspect
+@functools.lru_cache(maxsize=256)
+def _takes_use_cache(cls: Any, instance_forward: Any) -> bool:
+    """Whether a transformers model of class ``cls`` (its forward replaced on
+    the instance by ``instance_forward``, or None) takes ``use_cache``: once
+    per class, not on every microbatch (inspect.signature costs tens of us)."""
+    if not is_hf_class(cls):
+        return False
+    forward = instance_forward if instance_forward is not None else cls.forward
+    try:
+        return "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
+
+def _forward_params(module: nn.Module) -> set[str]:
     try:
         return set(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):

@@ -57,7 +57,14 @@ from annot.core.errors import HintError
 from annot.core.hints import path_matches
 from annot.core.specs import Col, Local, P, Partial, Replicate, Row, Spec, Vocab
 
-__all__ = ["ANNOT_PLANS", "Hint", "base_prefix", "hints_from_hf_config", "is_hf_model"]
+__all__ = [
+    "ANNOT_PLANS",
+    "Hint",
+    "base_prefix",
+    "hints_from_hf_config",
+    "is_hf_class",
+    "is_hf_model",
+]
 
 log = logging.getLogger("annot")
 
@@ -107,9 +114,14 @@ ANNOT_PLANS: dict[str, Callable[[Any], dict[str, Hint]]] = {"gpt2": _gpt2_plan}
 
 def is_hf_model(obj: Any) -> bool:
     """Is ``obj`` a transformers ``PreTrainedModel`` (without importing transformers)?"""
-    return isinstance(obj, nn.Module) and any(
+    return isinstance(obj, nn.Module) and is_hf_class(type(obj))
+
+
+def is_hf_class(cls: type) -> bool:
+    """Is ``cls`` a subclass of transformers' ``PreTrainedModel``?"""
+    return any(
         c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-        for c in type(obj).__mro__
+        for c in cls.__mro__
     )
 
 
