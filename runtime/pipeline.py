@@ -166,6 +166,7 @@ class PipelineExecutor(PipelineMessages):
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
         self.outputs_posted = None
+        self.routes = {}
 
     # -- public ---------------------------------------------------------------
 

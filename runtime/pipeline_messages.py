@@ -57,6 +57,7 @@ class PipelineMessages:
     tracer: Tracer
     # the receive of the step's outputs, posted at its start (gloo, off the last stage)
     outputs_posted: Optional[PostedRecv]
+    routes: dict[Action, tuple[int, Any, dict[str, Any]]]  # _route's, per action
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding ``stage``."""
@@ -122,33 +123,17 @@ class PipelineMessages:
         )
 
     def send(self, st: StepState, a: Action, payload: Any) -> None:
-        assert a.message is not None, f"{a} is not a SEND"
-        direction, dst_stage, i = a.message
-        dst = self.peers[self.owner(dst_stage)]
-        handle = send_pytree(
-            payload,
-            dst,
-            group=self.group,
-            what="activations" if direction == F else "gradients",
-            timeout_s=self.timeout_s,
-            stage=a.stage,
-            microbatch=i,
-            peer_stage=dst_stage,
-            tag=(_DIRECTIONS.index(direction), dst_stage, i),
-        )
-        st.handles.append(handle)
+        dst, _, kwargs = self._route(a)
+        st.handles.append(send_pytree(payload, dst, **kwargs))
 
     def recv(self, st: StepState, a: Action) -> Any:
         """The payload of message ``a.message`` from its sender; messages from
         the same peer that arrive first are kept for their own RECV."""
-        src = self._source(a)
-        key = a.message
+        src, key, kwargs = self._route(a)
         box = st.inbox.setdefault(src, {})
         while key not in box:
             posted = st.posted.pop(src, None)
-            tag, payload = recv_pytree(
-                src, device=self.device, tagged=True, posted=posted, **self._labels(a)
-            )
+            tag, payload = recv_pytree(src, tagged=True, posted=posted, **kwargs)
             st.due[src] -= 1
             if tag is None or not 0 <= tag[0] < len(_DIRECTIONS):
                 raise PipelineError(
@@ -179,6 +164,33 @@ class PipelineMessages:
         if peer not in st.posted and st.due.get(peer, 0) > 0:
             st.posted[peer] = post_recv(peer, **self._labels(a))
 
+    def _route(self, a: Action) -> tuple[int, Any, dict[str, Any]]:
+        """SEND or RECV ``a``'s peer (global rank), its message's key and the
+        keyword arguments of its send_pytree / recv_pytree (group, timeout,
+        fault-message labels, the tag or the device): worked out once per
+        action, not on every step."""
+        route = self.routes.get(a)
+        if route is None:
+            assert a.message is not None, f"{a} is not a SEND or a RECV"
+            if a.kind in (RECV_F, RECV_B):
+                peer = self._source(a)
+                kwargs = self._labels(a)
+                kwargs["device"] = self.device
+            else:
+                direction, dst_stage, i = a.message
+                kwargs = dict(
+                    group=self.group,
+                    what="activations" if direction == F else "gradients",
+                    timeout_s=self.timeout_s,
+                    stage=a.stage,
+                    microbatch=i,
+                    peer_stage=dst_stage,
+                    tag=(_DIRECTIONS.index(direction), dst_stage, i),
+                )
+                peer = self.peers[self.owner(dst_stage)]
+            route = self.routes[a] = (peer, a.message, kwargs)
+        return route
+
     def _labels(self, a: Action) -> dict[str, Any]:
         """The group, timeout and fault-message labels of RECV ``a``'s message."""
         return dict(
@@ -191,6 +203,7 @@ class PipelineMessages:
         )
 
     def _source(self, a: Action) -> int:
+        """The peer of SEND or RECV ``a`` (global rank)."""
         return self.peers[self.owner(_peer_stage(a))]
 
     def wait_sends(self, st: StepState) -> None:
@@ -205,7 +218,7 @@ class PipelineMessages:
 def check_shareable(result: Any, microbatch: int) -> None:
     """Refuse the step body's ``result`` for ``microbatch`` on the last stage
     where it is made if it cannot cross to every rank
-    (:meth:`PipelineMessages.broadcast_outputs`), naming the microbatch,
+    (:meth:`PipelineMessages.share_outputs`), naming the microbatch,
     instead of failing the step's last message."""
     if simple_signature(result) is not None:
         return
