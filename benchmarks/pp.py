@@ -133,6 +133,39 @@ gain, alternated per step against the build and torch in three runs each:
 waiting each send once the next receive completed (as torch's batches wait
 theirs), and posting the receive right after the send when a SEND is
 followed by a RECV (worse in three runs of three). Not adopted.
+
+2026-11-27 (14:00 UTC, quiet machine), BENCH_RUNS=3 BENCH_STEPS=15 python
+benchmarks/pp.py --a, the range printed (earlier the same day, same command:
+0.90-1.06 / 1.08-1.20 / 1.09-1.11 / 1.10-1.16):
+
+    (a) pp=2 gpipe 0.92-1.00   pp=2 1f1b 0.95-1.10
+        pp=4 gpipe 1.02-1.03   pp=4 1f1b 1.04-1.06
+    HF Llama 8 layers, uniform split (the nested source split), three runs
+    (pp=4: six): pp=2 1.03-1.08, pp=4 1.00-1.10
+
+What changed, found by counting each rank's Python calls a step under
+cProfile beside torch's (annot's last stage made 4 570 a step against
+torch's 3 500; now 4 010) and by timing a message's calls with the caches
+left cold by a matmul between them (``benchmarks/pp_messages.py``'s second
+table: a pipeline's compute evicts the protocol's code and data, so a
+message cost 2.6x a plain isend/irecv's CPU there, against 1.7x in a hot
+ping-pong): a stage's piece of a block loop iterates ``list(self.h)[a:b]``
+(slicing an ``nn.ModuleList`` built a new ModuleList, a Module ``__init__``
+and an ``add_module`` per layer, on every stage call); whether a model call
+takes ``use_cache`` is looked up once per class (inspect.signature on every
+microbatch before); each SEND's and RECV's peer, labels and keyword
+arguments are worked out once per action; the steady sender checks a
+message with a matcher built once from the previous key and copies its
+tensors into typed views of a per-channel buffer; the receiver rebuilds a
+steady message straight from its preamble (2.6x -> 2.2-2.4x plain, cold).
+Two mechanisms measured again and not adopted: keeping each peer's next
+receive posted as soon as the previous message arrived (every message then
+finds its receive posted: paired per-step ratios 1.13-1.24 against the
+build's 1.02-1.20; the data then lands while the receiver computes, and its
+network thread's wake-up takes the busy core), and the gloo traffic of the
+two directions on two process groups (no gain). What is left on pp=2 1f1b:
+the send-first wake-ups the timeline above shows, in both systems, and
+about 90 us of CPU a message over a plain isend/irecv with cold caches.
 """
 
 from __future__ import annotations
