@@ -390,7 +390,13 @@ def send_pytree(
     fails or hangs raises RankFailure (here or in ``wait()``)."""
     if tag is None:
         tagged: tuple = (0, 0, 0, 0)
-    elif type(tag) is tuple and len(tag) == 3 and all(type(v) is int for v in tag):
+    elif (
+        type(tag) is tuple
+        and len(tag) == 3
+        and type(tag[0]) is int
+        and type(tag[1]) is int
+        and type(tag[2]) is int
+    ):
         tagged = (1, *tag)
     else:
         where = f" ({_op('send', what)} to rank {dst})"
