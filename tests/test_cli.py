@@ -360,7 +360,8 @@ def test_installed_class_split_in_nested_forwards_goes_to_outdir(tmp_path, capsy
     assert f"{llama.__file__}:LlamaForCausalLM (sha256" in text.splitlines()[0]
     assert "        _annot_model = self.model._annot_stage_0(\n" in text
     assert (
-        "        for decoder_layer in list(self.layers[: self.config.num_hidden_layers])[1:]:\n" in text
+        "        for decoder_layer in list(self.layers[: self.config.num_hidden_layers])[1:]:\n"
+        in text
     )
     assert Path(llama.__file__).read_bytes() == before
     assert main(["rewrite", spec, "--pp", "2", "--split", "model.layers.1,lm_head"]) == 2
