@@ -146,8 +146,7 @@ def pipeline_call_kwargs(module: nn.Module, kwargs: dict) -> dict:
     stages: ``use_cache=False`` added when not given (training needs no KV
     cache, and a ``DynamicCache`` cannot cross a stage boundary); an explicit
     ``use_cache=True`` is refused."""
-    cls: Any = type(module)  # (hashable: a class)
-    if not _takes_use_cache(cls, module.__dict__.get("forward")):
+    if not _takes_use_cache(module):
         return kwargs
     if kwargs.get("use_cache"):
         raise PipelineError(
@@ -161,14 +160,21 @@ def pipeline_call_kwargs(module: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
+def _takes_use_cache(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers model whose forward takes
+    ``use_cache``: looked up once per class and class forward, not on every
+    microbatch (inspect.signature costs tens of us); each call where the
+    instance has a forward of its own (accelerate's hooks, a patch)."""
+    cls: Any = type(module)
+    if "forward" in module.__dict__:
+        return is_hf_class(cls) and "use_cache" in _forward_params(module)
+    return _class_takes_use_cache(cls, cls.forward)
+
+
 @functools.lru_cache(maxsize=256)
-def _takes_use_cache(cls: Any, instance_forward: Any) -> bool:
-    """Whether a transformers model of class ``cls`` (its forward replaced on
-    the instance by ``instance_forward``, or None) takes ``use_cache``: once
-    per class, not on every microbatch (inspect.signature costs tens of us)."""
+def _class_takes_use_cache(cls: Any, forward: Any) -> bool:
     if not is_hf_class(cls):
         return False
-    forward = instance_forward if instance_forward is not None else cls.forward
     try:
         return "use_cache" in inspect.signature(forward).parameters
     except (TypeError, ValueError):

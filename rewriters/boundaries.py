@@ -9,7 +9,7 @@ iteration of a loop over an ``nn.ModuleList`` / ``nn.Sequential``.
 :mod:`annot.rewriters.stage_split` refuses a place that has a problem, with its
 reason; :mod:`annot.planner` proposes only the places that have none.
 :func:`piece_iter` writes the slice of such a loop that one stage runs
-(``list(self.h)[a:b]``, ``enumerate(list(self.h)[a:b], a)``), the inverse of
+(``[*self.h][a:b]``, ``enumerate([*self.h][a:b], a)``), the inverse of
 :func:`loop_target`.
 """
 
@@ -112,9 +112,11 @@ class SelfPaths(cst.CSTVisitor):
     def visit_Subscript(self, node: cst.Subscript) -> bool:
         sl = _int_slice(node)
         inner = node.value
-        if sl is not None and m.matches(inner, m.Call(func=m.Name("list"), args=[m.Arg()])):
-            # a stage's piece (piece_iter): list(self.h)[1:3] reads self.h[1:3]
-            inner = cst.ensure_type(inner, cst.Call).args[0].value
+        if sl is not None and m.matches(inner, m.List(elements=[m.StarredElement()])):
+            # a stage's piece (piece_iter): [*self.h][1:3] reads self.h[1:3]
+            inner = cst.ensure_type(
+                cst.ensure_type(inner, cst.List).elements[0], cst.StarredElement
+            ).value
         base = self_path(inner, self.self_name, ints=False)
         if base is not None and sl is not None:
             self.found[base + sl] = None
@@ -409,17 +411,18 @@ def loop_breaks(body: cst.CSTNode) -> list[cst.Break]:
 
 
 def piece_iter(iter_: cst.BaseExpression, start: int, stop: Optional[int]) -> cst.BaseExpression:
-    """``self.h`` -> ``list(self.h)[start:stop]``; ``enumerate(self.h, s)`` ->
-    ``enumerate(list(self.h)[start:stop], s + start)``; a prefix
-    ``self.h[:n]`` -> ``list(self.h[:n])[start:stop]``. A list of the
-    modules, not ``self.h[start:stop]``: slicing an ``nn.ModuleList`` builds
-    a new ModuleList (a Module's ``__init__`` and an ``add_module`` per
-    layer, about 9 us warm) on every call of the stage."""
+    """``self.h`` -> ``[*self.h][start:stop]``; ``enumerate(self.h, s)`` ->
+    ``enumerate([*self.h][start:stop], s + start)``; a prefix
+    ``self.h[:n]`` -> ``[*self.h[:n]][start:stop]``. A list of the modules,
+    not ``self.h[start:stop]``: slicing an ``nn.ModuleList`` builds a new
+    ModuleList (a Module's ``__init__`` and an ``add_module`` per layer,
+    about 9 us warm) on every call of the stage; and a list display, not
+    ``list(...)``, which a local or argument named ``list`` would shadow."""
 
     def sliced(seq: cst.BaseExpression) -> cst.Subscript:
         lower = cst.Integer(str(start)) if start else None
         upper = cst.Integer(str(stop)) if stop is not None else None
-        listed = cst.Call(func=cst.Name("list"), args=[cst.Arg(seq)])
+        listed = cst.List(elements=[cst.StarredElement(value=seq)])
         return cst.Subscript(
             value=listed, slice=[cst.SubscriptElement(slice=cst.Slice(lower=lower, upper=upper))]
         )

@@ -111,7 +111,7 @@ from annot.runtime.p2p_codec import (
 __all__ = ["Handle", "PostedRecv", "post_recv", "recv_pytree", "send_pytree"]
 
 MAGIC = int.from_bytes(b"annotP2P", "big")
-VERSION = 4  # 4: lanes; a steady message's layout agreed from the previous one
+VERSION = 5  # 5: a lane is its messages' tag; 4: lanes, a steady layout agreed from the last
 PREAMBLE = struct.Struct("<8q")  # MAGIC, VERSION, header bytes, payload bytes, tagged, tag[3]
 # Size of the first message of a transfer (preamble + header when it fits).
 FIRST_BYTES = 4096
@@ -131,7 +131,6 @@ class _Channel:
         "comm",
         "expect",
         "first",
-        "gloo",
         "header",
         "hlen",
         "inline",
@@ -161,7 +160,6 @@ class _Channel:
         self.expect: Optional[tuple] = None
         self.inline: list[tuple] = []
         self.comm, self.backend = _comm(group)
-        self.gloo = "gloo" in self.backend.lower()
         connect_store()  # now, while every rank is alive (posts catch their own errors)
 
 
@@ -360,7 +358,8 @@ class Handle:
         self._keep = ()
         if self._reusable is not None:
             steady, entry = self._reusable
-            steady.free.append(entry)
+            if len(steady.free) * steady.size < POOL_BYTES:
+                steady.free.append(entry)
             self._reusable = None
 
 
@@ -451,6 +450,11 @@ def _post(bufs: list, dst: int, group: Any, ch: _Channel, labels: Labels, reusab
     except Exception as exc:
         raise _failure(exc, "send", labels) from exc
     return Handle(works, tuple(bufs), labels, ch.backend, reusable)
+
+
+# A steady channel keeps at most this many bytes of free first messages (it
+# holds as many as its sends in flight at once: GPipe's M of them).
+POOL_BYTES = 64 << 20
 
 
 class _Steady:

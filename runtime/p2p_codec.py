@@ -325,6 +325,7 @@ def _matcher(key: tuple) -> Callable[[Any, list], bool]:
                 type(x) is dict
                 and len(x) == n
                 and tuple(x) == names
+                and all(type(k) is str for k in x)  # (a str subclass key compares equal)
                 and all(p(v, tensors) for p, v in zip(parts, x.values()))
             )
 

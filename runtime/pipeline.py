@@ -165,7 +165,6 @@ class PipelineExecutor(PipelineMessages):
         self._schedules: dict[tuple[int, bool], list[list[Action]]] = {}
         self._weights: dict[int, list[nn.Parameter]] = {}
         self.tracer = Tracer(self.rank, enabled=trace)
-        self.outputs_posted = None
         self.routes = {}
 
     # -- public ---------------------------------------------------------------
@@ -204,8 +203,7 @@ class PipelineExecutor(PipelineMessages):
 
         Returns the body's return values per microbatch, tensors detached,
         on every rank of the pipeline: the last stage's rank sends them to the
-        others at the step's end (:meth:`share_outputs`; under gloo the others
-        post that receive at the step's start).
+        others at the step's end (:meth:`share_outputs`).
         Parameter gradients accumulate in ``.grad``; the dp all-reduce is the
         caller's. With ``grad_buckets`` (a
         :class:`~annot.runtime.grad_buckets.GradBuckets`) a stage's
@@ -216,7 +214,6 @@ class PipelineExecutor(PipelineMessages):
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches={microbatches!r}; expected an int >= 1")
         st = StepState(microbatches, body, _scaler(loss_scale, microbatches), forward_only)
-        self.post_outputs_receive()
         actions = self.schedule(microbatches, forward_only=forward_only)[self.pp_rank]
         if grad_buckets is not None and not forward_only:
             # each stage's last backward work of the step, in this rank's order

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from annot.core.errors import PipelineError
 from annot.runtime.model_call import StepState
-from annot.runtime.p2p import PostedRecv, post_recv, recv_pytree, send_pytree
+from annot.runtime.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.p2p_codec import flatten, simple_signature
 from annot.runtime.schedules import RECV_B, RECV_F, Action, B, F, stage_rank
 from annot.runtime.trace import Tracer
@@ -55,46 +55,25 @@ class PipelineMessages:
     pp_rank: int
     num_stages: int
     tracer: Tracer
-    # the receive of the step's outputs, posted at its start (gloo, off the last stage)
-    outputs_posted: Optional[PostedRecv]
     routes: dict[Action, tuple[int, Any, dict[str, Any]]]  # _route's, per action
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding ``stage``."""
         return stage_rank(stage, self.pp)
 
-    def post_outputs_receive(self) -> None:
-        """Under gloo, on a rank without the last stage: post the receive of
-        this step's outputs now, at the step's start, on their own lane (a
-        message tag of their own: it takes no pipeline message). The last
-        rank's send of the outputs then writes at once at the step's end,
-        instead of waiting for this rank to ask for them (a round trip of
-        wake-ups: 1.5-3 ms of a 48 ms step on 2 shared cores,
-        benchmarks/pp.py (a)). Not under NCCL, whose in-order stream would
-        put this rank's own sends behind the receive. One at a time: a
-        receive left by a failed step is the one the next step completes."""
-        last = self.num_stages - 1
-        if self.outputs_posted is not None or self.owner(last) == self.pp_rank:
-            return
-        if not posts_early(self.group):
-            return
-        self.outputs_posted = post_recv(
-            self.peers[self.owner(last)], lane=_OUTPUTS_LANE, **self._outputs_labels()
-        )
-
     def share_outputs(self, outputs: Optional[list[Any]]) -> list[Any]:
         """The step body's results on the last stage (``outputs`` there,
         checked by :func:`check_shareable` as they were made), tensors
         detached, on every rank of the pipeline: the last rank sends them to
-        the others, which receive them (into the receive
-        :meth:`post_outputs_receive` posted, under gloo)."""
+        the others, which receive them on a lane of their own (posting that
+        receive at the step's start measured no faster on 2 cores, and a
+        receive left posted by a failed step would take the next step's
+        outputs)."""
         last = self.num_stages - 1
         if self.owner(last) != self.pp_rank:  # pp > 1
-            posted, self.outputs_posted = self.outputs_posted, None
             return recv_pytree(
                 self.peers[self.owner(last)],
                 device=self.device,
-                posted=posted,
                 lane=_OUTPUTS_LANE,
                 **self._outputs_labels(),
             )

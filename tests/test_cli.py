@@ -241,8 +241,8 @@ def test_pipeline_split_from_decorator(tmp_path, capsys):
     assert main(["rewrite", str(src), "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert '# annot: @stage(split=["blocks.1"]) applied: 2 stages' in out
-    assert "for blk in list(self.blocks)[:1]:" in out
-    assert "for blk in list(self.blocks)[1:]:" in out
+    assert "for blk in [*self.blocks][:1]:" in out
+    assert "for blk in [*self.blocks][1:]:" in out
     compile(out, "net.py", "exec")
     assert src.read_text() == PIPELINE_MODEL
 
@@ -360,7 +360,7 @@ def test_installed_class_split_in_nested_forwards_goes_to_outdir(tmp_path, capsy
     assert f"{llama.__file__}:LlamaForCausalLM (sha256" in text.splitlines()[0]
     assert "        _annot_model = self.model._annot_stage_0(\n" in text
     assert (
-        "        for decoder_layer in list(self.layers[: self.config.num_hidden_layers])[1:]:\n"
+        "        for decoder_layer in [*self.layers[: self.config.num_hidden_layers]][1:]:\n"
         in text
     )
     assert Path(llama.__file__).read_bytes() == before

@@ -18,7 +18,10 @@
 * The plan conversion itself, without ranks.
 """
 
+import gc
 import os
+import types
+import weakref
 
 import pytest
 
@@ -487,6 +490,16 @@ def test_pipeline_layouts_and_call_checks():
     assert pipeline_call_kwargs(gpt2, {}) == {"use_cache": False}
     with pytest.raises(PipelineError, match=r"use_cache=True, but the KV cache \(a transformers "):
         pipeline_call_kwargs(gpt2, {"use_cache": True})
+    # looked up once per class; a forward of the instance's own is read each
+    # call and never kept (the model dies with its last reference)
+    patched = GPT2LMHeadModel(GPT2Config(**GPT2_KW))
+    patched.forward = types.MethodType(lambda self, input_ids, labels=None: None, patched)
+    assert pipeline_call_kwargs(patched, {}) == {}
+    assert pipeline_call_kwargs(gpt2, {}) == {"use_cache": False}
+    gone = weakref.ref(patched)
+    del patched
+    gc.collect()
+    assert gone() is None
 
 
 def test_rewrite_gpt2_source_uses_conv1d_layers():

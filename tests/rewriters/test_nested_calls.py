@@ -103,12 +103,12 @@ def test_chain_through_a_helper_a_submodule_and_a_sliced_loop():
         " of Net.features\n"
         "    def _annot_stage_0(self, x, scale=1.0):\n"
         "        h = x * scale\n"
-        "        for layer in list(self.layers[: self.depth])[:2]:\n"
+        "        for layer in [*self.layers[: self.depth]][:2]:\n"
         "            h = layer(h)\n"
         '        return {"h": h}\n'
         "\n"
         "    def _annot_stage_1(self, h):\n"
-        "        for layer in list(self.layers[: self.depth])[2:]:\n"
+        "        for layer in [*self.layers[: self.depth]][2:]:\n"
         "            h = layer(h)\n"
         "        return h"
     )
@@ -412,7 +412,7 @@ def test_a_stage_decorator_naming_a_nested_boundary_is_followed():
     out, splits = split_decorated(src, path="m.py", nested=True)
     assert splits["Net"].boundaries == ("body.layers.3",)
     assert '# annot: @stage(split=["body.layers.3"]) applied: 2 stages' in out
-    assert "        for layer in list(self.layers[: self.depth])[3:]:\n" in out
+    assert "        for layer in [*self.layers[: self.depth]][3:]:\n" in out
     mod = _load(out)
     torch.manual_seed(0)
     model = mod.Net()

@@ -137,14 +137,14 @@ def _annot_stage_0(self, idx, targets=None):
     pos = torch.arange(0, t, dtype=torch.long, device=device)  # shape (t)
     tok_emb = self.transformer.wte(idx)
     x = self.transformer.drop(tok_emb + self.transformer.wpe(pos))
-    for block in list(self.transformer.h)[:2]:
+    for block in [*self.transformer.h][:2]:
         x = block(x)
     return {"x": x, "targets": targets}
 """
 
 GPT_STAGE_1 = """\
 def _annot_stage_1(self, x, targets):
-    for block in list(self.transformer.h)[2:]:
+    for block in [*self.transformer.h][2:]:
         x = block(x)
     x = self.transformer.ln_f(x)
     if targets is not None:
@@ -222,7 +222,7 @@ def test_gpt_three_stages_compose_to_forward(with_targets):
         "transformer.h[1:3]",
     ]
     assert split.stages[2].modules[0] == "transformer.h[3:]"
-    assert "for block in list(self.transformer.h)[1:3]:" in split.stages[1].source
+    assert "for block in [*self.transformer.h][1:3]:" in split.stages[1].source
     model = build(split.source, "GPT", build_cfg(split.source, 4))
     idx, targets = gpt_inputs()
     args = (idx, targets) if with_targets else (idx,)
@@ -342,7 +342,7 @@ def test_boundary_marker_enumerate_kwargs_none_and_int():
     assert s1 == textwrap.dedent("""\
         def _annot_stage_1(self, h, bias, kwargs, n):
             # blocks next
-            for i, block in enumerate(list(self.h)[:2], 1):
+            for i, block in enumerate([*self.h][:2], 1):
                 h = block(h) * i
                 if bias is not None:
                     h = h + bias
@@ -350,7 +350,7 @@ def test_boundary_marker_enumerate_kwargs_none_and_int():
         """)
     assert s2.startswith(
         "def _annot_stage_2(self, h, bias, kwargs, n):\n"
-        "    for i, block in enumerate(list(self.h)[2:], 3):\n"
+        "    for i, block in enumerate([*self.h][2:], 3):\n"
     )
     assert split.boundaries == ("boundary()@22", "h.2")
     assert "boundary()" not in "".join(s.source for s in split.stages)
@@ -391,7 +391,7 @@ def test_enumerate_loop_split(cuts):
     for stage, a, b in zip(split.stages, bounds, bounds[1:]):
         sl = f"{a or ''}:{'' if b is None else b}"
         start = f", {a}" if a else ""
-        assert f"    for i, block in enumerate(list(self.h)[{sl}]{start}):\n" in stage.source
+        assert f"    for i, block in enumerate([*self.h][{sl}]{start}):\n" in stage.source
         assert stage.modules == (f"h[{a}:{'' if b is None else b}]",)
     # the list carried through the loop crosses every boundary
     assert all(s.outputs == ("x", "outs") for s in split.stages[:-1])

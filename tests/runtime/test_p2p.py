@@ -212,6 +212,20 @@ def test_matcher_accepts_exactly_the_objects_with_its_key(a, b):
         assert [id(t) for t in found] == [id(t) for t in ts_b]
 
 
+def test_matcher_refuses_a_str_subclass_key():
+    """simple_signature refuses a dict whose key is a str subclass (flatten's
+    path), though it compares equal to the str: so must the matcher."""
+
+    class Name(str):
+        pass
+
+    t = torch.ones(1)
+    key = simple_signature({"a": t})[0]
+    assert simple_signature({Name("a"): t}) is None
+    assert matcher(key)({Name("a"): t}) is None
+    assert matcher(key)({"a": t}) == [t]
+
+
 # Trees with several tensors that require grad, simple or not (a dict with int
 # keys or a namedtuple inside takes flatten's path).
 grad_trees = st.recursive(
