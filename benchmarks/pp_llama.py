@@ -20,8 +20,10 @@ torch, ...), 1F1B, 8 microbatches:
   split; its tracer cannot take the HF model.
 
 Printed: median step time and ratios, and for annot the measured max/mean
-stage time (each stage's forward + backward busy time from the pipeline trace,
-median over steps). Timings on this shared machine move by 10-20% between
+stage time (each stage's forward + backward busy time from the pipeline trace
+of three traced steps run after the timed ones, median over them; the timed
+steps run untraced, as torch's do: until 2026-11-27 14:30 UTC they were
+traced, a span per action on annot's side only). Timings on this shared machine move by 10-20% between
 runs; read the ratios.
 
 Results (one run, BENCH_STEPS=8, 2-core CPU, 2-4 gloo ranks sharing it):
@@ -173,7 +175,7 @@ def _rank(pp: int, auto_split: list, cache: str):
     cfg = _config()
     with torch.device("meta"):
         uniform = stages_from_hf_config(LlamaForCausalLM(cfg), pp)
-    steps = {}
+    steps, traced = {}, {}
     models = {}
     for name, split in (("auto", auto_split), ("uniform", uniform)):
         if name not in SPLITS:
@@ -188,14 +190,16 @@ def _rank(pp: int, auto_split: list, cache: str):
         )
         models[name] = model
 
-        @annot.jit(model, microbatches=MICRO, schedule="1f1b", trace=True)
-        def step(ids, model=model):
+        def train(ids, model=model):
             logits = model(ids).logits
             loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
             model.backward(loss)
             return loss
 
-        steps[name] = step
+        # the timed steps run untraced (torch's are); the stage times come
+        # from traced steps run after them
+        steps[name] = annot.jit(model, microbatches=MICRO, schedule="1f1b")(train)
+        traced[name] = annot.jit(model, microbatches=MICRO, schedule="1f1b", trace=True)(train)
 
     torch_step, stage = torch_pipeline(cfg, uniform)
     rank = dist.get_rank()
@@ -216,15 +220,19 @@ def _rank(pp: int, auto_split: list, cache: str):
             dist.barrier()
             if i:
                 times[name].append(time.perf_counter() - t0)
-                if name != "torch":
-                    ev = steps[name].trace_events()
-                    mine = _stage_times(ev, pp)[rank]
-                    parts = [None] * pp
-                    dist.all_gather_object(parts, mine)
-                    busy[name].append(parts)
             for m in models.values():
                 m.zero_grad(set_to_none=True)
             stage.submod.zero_grad(set_to_none=True)
+    for name, step in traced.items():
+        for i in range(4):
+            dist.barrier()
+            step(ids)
+            models[name].zero_grad(set_to_none=True)
+            if i:
+                mine = _stage_times(step.trace_events(), pp)[rank]
+                parts = [None] * pp
+                dist.all_gather_object(parts, mine)
+                busy[name].append(parts)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio, stage_ms = {}, {}
     for name, rows in busy.items():
