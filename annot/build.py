@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from annot.build_report import BuildReport
+from annot.clip_guard import guard as guard_clip
 from annot.core.errors import HintError, PipelineError
 from annot.core.hints import (
     ShardSpec,
@@ -305,6 +306,11 @@ def parallelize(
         log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
     elif fsdp:
         log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
+    if ctx.distributed and (
+        (plan is not None and plan.num_stages > 1) or mesh.tp > 1 or built.fsdp is not None
+    ):
+        # torch's clip_grad_norm_ on this rank's part would clip by a part's norm
+        guard_clip(built)
     if weights is not None:
         weights.fill(built)
         log.debug("annot: step 7b: read this rank's part of the weights")
