@@ -140,6 +140,10 @@ benchmarks/pp.py --a, the range printed (earlier the same day, same command:
 
     (a) pp=2 gpipe 0.92-1.00   pp=2 1f1b 0.95-1.10
         pp=4 gpipe 1.02-1.03   pp=4 1f1b 1.04-1.06
+    then the final build of the day (the step outputs' receive no longer
+    posted at the step's start), three more protocol runs:
+        pp=2 gpipe 0.89-1.13   pp=2 1f1b 0.97-1.23
+        pp=4 gpipe 1.01-1.12   pp=4 1f1b 1.00-1.09
     HF Llama 8 layers, uniform split (the nested source split), three runs
     (pp=4: six): pp=2 1.03-1.08, pp=4 1.00-1.10
 
