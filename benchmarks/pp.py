@@ -144,6 +144,8 @@ benchmarks/pp.py --a, the range printed (earlier the same day, same command:
     posted at the step's start), three more protocol runs:
         pp=2 gpipe 0.89-1.13   pp=2 1f1b 0.97-1.23
         pp=4 gpipe 1.01-1.12   pp=4 1f1b 1.00-1.09
+    and HF Llama 8 layers, uniform split, annot's steps now untraced as
+    torch's (benchmarks/pp_llama.py), three runs: pp=2 0.99-1.15, pp=4 0.96-1.07
     HF Llama 8 layers, uniform split (the nested source split), three runs
     (pp=4: six): pp=2 1.03-1.08, pp=4 1.00-1.10
 
