@@ -268,7 +268,11 @@ def _capture_refused(cache: str, asked: dict):
     "asked, named",
     [
         ({"output_hidden_states": True}, "output_hidden_states=True (for @capture_outputs on "),
-        ({"output_attentions": True}, "output_attentions=True (for @capture_outputs on "),
+        pytest.param(
+            {"output_attentions": True},
+            "output_attentions=True (for @capture_outputs on ",
+            marks=pytest.mark.slow,  # the same refusal as output_hidden_states
+        ),
     ],
 )
 def test_nested_source_split_refuses_what_wraps_the_whole_call(tmp_path, asked, named):

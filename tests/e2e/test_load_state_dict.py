@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from annot.testing import run_ranks
 
 
@@ -42,6 +44,7 @@ def test_a_single_device_state_dict_loads_into_the_stages(tmp_path):
     assert run_ranks(_load, 2, str(tmp_path), "whole") == ["equal", "equal"]
 
 
+@pytest.mark.slow  # 11 s: keeps the README's test command under 10 minutes
 def test_a_state_dict_with_other_names_is_refused_on_every_rank(tmp_path):
     for err in run_ranks(_load, 2, str(tmp_path), "renamed"):
         assert err.startswith("load_full_state_dict: the state dict lacks keys that pipeline")
