@@ -95,15 +95,12 @@ def _owner(params: list) -> Any:
     a part of one."""
     given = {id(p) for p in params}
     for model in list(_MODELS):
-        mine = {id(p): name for name, p in model.named_parameters()}
+        named = list(model.named_parameters())
+        mine = {id(p) for _, p in named}
         if given.isdisjoint(mine):
             continue
-        missing = [
-            name
-            for name, p in model.named_parameters()
-            if p.grad is not None and id(p) not in given
-        ]
-        foreign = len(given - mine.keys())
+        missing = [name for name, p in named if p.grad is not None and id(p) not in given]
+        foreign = len(given - mine)
         if missing or foreign:
             what = (
                 f"leaves out {len(missing)} of this rank's parameters with a gradient "

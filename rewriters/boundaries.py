@@ -114,9 +114,7 @@ class SelfPaths(cst.CSTVisitor):
         inner = node.value
         if sl is not None and m.matches(inner, m.List(elements=[m.StarredElement()])):
             # a stage's piece (piece_iter): [*self.h][1:3] reads self.h[1:3]
-            inner = cst.ensure_type(
-                cst.ensure_type(inner, cst.List).elements[0], cst.StarredElement
-            ).value
+            inner = cst.ensure_type(inner, cst.List).elements[0].value
         base = self_path(inner, self.self_name, ints=False)
         if base is not None and sl is not None:
             self.found[base + sl] = None
@@ -124,7 +122,7 @@ class SelfPaths(cst.CSTVisitor):
         if sl is not None and isinstance(inner, cst.Subscript):  # a stage's piece of a prefix
             base = _module_list(inner, self.self_name)
             if base is not None and self_path(inner, self.self_name) is None:
-                self.found[base + sl] = None  # self.h[:n][1:3] reads (at most) self.h[1:3]
+                self.found[base + sl] = None  # [*self.h[:n]][1:3] reads (at most) self.h[1:3]
                 inner.slice[0].visit(self)
                 return False
         return True

@@ -166,8 +166,12 @@ class _Channel:
 _CHANNELS: dict[tuple, _Channel] = {}
 
 
+def _channel_key(direction: str, peer: int, group: Any, lane: int) -> tuple:
+    return (direction, peer, id(group) if group is not None else 0, lane)
+
+
 def _channel(direction: str, peer: int, group: Any, lane: int) -> _Channel:
-    key = (direction, peer, id(group) if group is not None else 0, lane)
+    key = _channel_key(direction, peer, group, lane)
     ch = _CHANNELS.get(key)
     if ch is None:
         ch = _CHANNELS[key] = _Channel(group, lane)
@@ -401,7 +405,7 @@ def send_pytree(
         where = f" ({_op('send', what)} to rank {dst})"
         raise PipelineError(f"tag= must be a tuple of three ints, got {tag!r:.80}{where}")
     labels = (what, stage, microbatch, dst, peer_stage, timeout_s)
-    ch = _CHANNELS.get(("send", dst, id(group) if group is not None else 0, lane))
+    ch = _CHANNELS.get(_channel_key("send", dst, group, lane))  # (made after the refusals)
     steady = ch.steady if ch is not None else None
     if ch is not None and steady is not None:
         # Steady: like the channel's previous message (its header, not sent

@@ -182,7 +182,7 @@ class PipelineMessages:
         )
 
     def _source(self, a: Action) -> int:
-        """The peer of SEND or RECV ``a`` (global rank)."""
+        """The peer of RECV ``a`` (global rank)."""
         return self.peers[self.owner(_peer_stage(a))]
 
     def wait_sends(self, st: StepState) -> None:
