@@ -64,6 +64,7 @@ from annot.runtime.stage_runner import ReplayRunner, SourceRunner
 from annot.runtime.stages import build_plan, stage_calls
 from annot.stage_choice import MemoryBudget, choose_boundaries, resplit
 from annot.stage_points import StagePoints, choose_runner
+from annot.wrap_guard import guard as guard_wrappers
 
 __all__ = ["parallelize"]
 
@@ -311,6 +312,8 @@ def parallelize(
     ):
         # torch's clip_grad_norm_ on this rank's part would clip by a part's norm
         guard_clip(built)
+    if ctx.distributed:  # DDP / fully_shard over ranks that hold different parts: refused
+        guard_wrappers(built)
     if weights is not None:
         weights.fill(built)
         log.debug("annot: step 7b: read this rank's part of the weights")

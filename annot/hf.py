@@ -15,6 +15,10 @@ not ask for it and refuses ``use_cache=True``. transformers' output capture
 (``output_hidden_states``, ``output_router_logits``: forward hooks that append
 each layer's outputs to a collector) crosses stages through
 :func:`captured_outputs`, which the replay logs with each layer's outputs.
+
+Training loops: ``annot.hf.Trainer`` and ``annot.hf.Accelerator``
+(:mod:`annot.hf_training`, loaded on first use) are transformers' Trainer and
+accelerate's Accelerator for an annot model.
 """
 
 from __future__ import annotations
@@ -201,3 +205,12 @@ def captured_outputs() -> list[tuple[str, list]]:
 
 
 register_collectors(captured_outputs)
+
+
+def __getattr__(name: str) -> Any:
+    # the training loops import transformers and accelerate: loaded on first use
+    if name in ("Trainer", "Accelerator"):
+        from annot import hf_training
+
+        return getattr(hf_training, name)
+    raise AttributeError(f"module 'annot.hf' has no attribute {name!r}")

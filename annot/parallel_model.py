@@ -60,6 +60,7 @@ class ParallelModel(nn.Module):
         self._no_dropout: set[bool] = set()  # modes an eager call drew no dropout mask in
         # gradients a step found already there, kept out of its sums over ranks
         self._carried_grads: Optional[dict[int, torch.Tensor]] = None
+        self._wrap_checked = False  # annot.wrap_guard.check_unwrapped ran
 
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
@@ -163,6 +164,11 @@ class ParallelModel(nn.Module):
         )
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._wrap_checked:  # fully_shard(model) by the user: refused
+            from annot.wrap_guard import check_unwrapped
+
+            check_unwrapped(self)
+            self._wrap_checked = True
         if self.preflight is not None:  # once, before any collective
             check, self.preflight = self.preflight, None
             with self.forward_context():
@@ -232,7 +238,9 @@ class ParallelModel(nn.Module):
         """A new step: forget what an unfinished one left in the buckets (with
         FSDP2: accumulate gradients unreduced until :meth:`arm_grad_reduce`)."""
         from annot.runtime.grads import carried_grads
+        from annot.wrap_guard import check_unwrapped
 
+        check_unwrapped(self)  # fully_shard(model) by the user: refused
         # gradients accumulated over earlier steps: kept out of this step's sums
         # (FSDP2's sharded parameters hold them: nothing may be gathered here)
         if self.fsdp is not None:

@@ -84,3 +84,10 @@ class CheckpointError(AnnotError):
 class VerifyError(AnnotError):
     """Verification (``parallelize(verify=True)``) found ranks that disagree on
     what must be equal, e.g. the gradient of a parameter replicated over tp."""
+
+
+class IntegrationError(AnnotError):
+    """A training loop, wrapper or library around an annot model would make it
+    wrong (``DistributedDataParallel`` or ``fully_shard`` over ranks that hold
+    different shards, a Trainer setting annot cannot honour): names the
+    setting and the way annot does the same."""
