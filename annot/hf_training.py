@@ -245,6 +245,8 @@ class Trainer(transformers.Trainer):
 
             @annot.jit(self.annot_model, microbatches=self.microbatches, schedule=self.schedule)
             def train_step(batch: dict[str, Any], num_items: Any, scale: float) -> torch.Tensor:
+                # the step splits batch into microbatches (num_items, a 0-d tensor, and
+                # scale are passed whole)
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, batch, num_items_in_batch=num_items)
                 model.backward(loss * scale)
@@ -279,6 +281,13 @@ class Trainer(transformers.Trainer):
                 f"has no labels ({self.label_names or 'label_names is empty'}); pass labels, or "
                 "run predictions in an @annot.jit(model, microbatches=M, forward_only=True) step"
             )
+        # a microbatch's loss as its part of the batch's sum over label tokens, where
+        # the model takes the count (exact); else the mean of microbatch means
+        # (equal to the batch's mean where microbatches hold as many label tokens)
+        num_items = None
+        if self.model_accepts_loss_kwargs and isinstance(inputs.get("labels"), torch.Tensor):
+            labels = inputs["labels"][..., 1:] if self.loss_shifts_labels() else inputs["labels"]
+            num_items = labels.ne(-100).sum()
         if self._eval_step is None:
 
             @annot.jit(
@@ -287,8 +296,10 @@ class Trainer(transformers.Trainer):
                 schedule=self.schedule,
                 forward_only=True,
             )
-            def eval_step(batch: dict[str, Any]) -> Any:
-                loss, outputs = self.compute_loss(model, batch, return_outputs=True)
+            def eval_step(batch: dict[str, Any], num_items: Any) -> Any:
+                loss, outputs = self.compute_loss(
+                    model, batch, return_outputs=True, num_items_in_batch=num_items
+                )
                 logits = None
                 if not prediction_loss_only and isinstance(outputs, dict):
                     logits = outputs.get("logits")
@@ -296,14 +307,22 @@ class Trainer(transformers.Trainer):
 
             self._eval_step = eval_step
         with torch.no_grad(), self.compute_loss_context_manager():
-            out = self._eval_step(inputs)
-        loss = torch.stack([v[0] for v in out.values]).mean()
+            out = self._eval_step(inputs, num_items)
+        losses = torch.stack([v[0] for v in out])
+        if num_items is None:
+            loss = losses.mean()
+        else:  # compute_loss scaled each part by the dp average it undoes in training
+            averaged = self.args.average_tokens_across_devices
+            loss = losses.sum() / (self.annot_model.ctx.mesh.dp if averaged else 1)
         if prediction_loss_only:
             return loss, None, None
-        logits = [v[1] for v in out.values]
+        logits = [v[1] for v in out]
         labels = tuple(inputs.get(k) for k in self.label_names)
         joined = torch.cat(logits) if all(t is not None for t in logits) else None
         return loss, joined, labels[0] if len(labels) == 1 else labels
+
+    def loss_shifts_labels(self) -> bool:
+        return bool(getattr(self, "_loss_shifts_labels", False))
 
     # -- saving -------------------------------------------------------------
 

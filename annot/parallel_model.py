@@ -62,6 +62,13 @@ class ParallelModel(nn.Module):
         self._carried_grads: Optional[dict[int, torch.Tensor]] = None
         self._wrap_checked = False  # annot.wrap_guard.check_unwrapped ran
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "__class__":  # fully_shard(model) by the user: refused
+            from annot.wrap_guard import refuse_class_swap
+
+            refuse_class_swap(self, value)
+        super().__setattr__(name, value)
+
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
         dropout sees tp shards, each rank's slice of the single-device mask."""

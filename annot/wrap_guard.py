@@ -15,9 +15,14 @@ than one process), so once such a model exists:
   refused with :class:`~annot.core.errors.IntegrationError` before DDP talks
   to any rank;
 - ``fully_shard`` is a function scripts bind by name, so it is caught where
-  it acts: :func:`check_unwrapped` (the model's first forward, and the start
-  of every step) finds parameters FSDP2 manages that annot did not shard and
-  refuses before any rank computes.
+  it acts: ``fully_shard(model)`` turns the model's class into an FSDP2 one,
+  which :func:`refuse_class_swap` refuses (FSDP2 has sharded the parameters
+  on this rank by then, and talked to no other); ``fully_shard`` on a module
+  holding the model is found by :func:`check_unwrapped` (the model's first
+  forward, and the start of every step), which finds parameters FSDP2
+  manages that annot did not shard and refuses before any rank computes.
+  Where the stages differ, that module's own forward hook (an all-gather
+  over the stages' different parameters) runs first and fails in torch.
 
 annot does data parallelism itself, over its ``dp`` axis only:
 ``annot.Mesh(dp=N, ...)`` (``fsdp=True`` to shard over it), and
@@ -34,7 +39,15 @@ import torch.nn as nn
 
 from annot.core.errors import IntegrationError
 
-__all__ = ["check_unwrapped", "guard", "install", "last_mesh", "refuse_wrapper"]
+__all__ = [
+    "check_unwrapped",
+    "guard",
+    "holds_parts",
+    "install",
+    "last_mesh",
+    "refuse_class_swap",
+    "refuse_wrapper",
+]
 
 # the distributed annot models of this process
 _MODELS: weakref.WeakSet = weakref.WeakSet()
@@ -100,6 +113,14 @@ def refuse_wrapper(module: Any, wrapper: str) -> None:
             )
 
 
+def refuse_class_swap(model: Any, cls: type) -> None:
+    """Raise if ``cls`` (the class ``model`` is being given) is FSDP2's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule) and model in _MODELS and holds_parts(model):
+        raise IntegrationError(_fully_shard_refusal(model))
+
+
 def check_unwrapped(model: Any) -> None:
     """Raise if FSDP2 manages ``model``'s parameters and annot did not put them
     there (``fully_shard`` called by the user on the model or on a module
@@ -113,11 +134,15 @@ def check_unwrapped(model: Any) -> None:
     if not foreign and model.fsdp is None:
         foreign = any(isinstance(p, DTensor) for p in model.module.parameters())
     if foreign:
-        raise IntegrationError(
-            f"fully_shard was called on an annot model (or a module holding it) whose ranks "
-            f"hold different parts ({_parts(model)}): FSDP2 would shard those parts over ranks "
-            f"that do not hold them. {_WAY_OUT}"
-        )
+        raise IntegrationError(_fully_shard_refusal(model))
+
+
+def _fully_shard_refusal(model: Any) -> str:
+    return (
+        f"fully_shard was called on an annot model (or a module holding it) whose ranks "
+        f"hold different parts ({_parts(model)}): FSDP2 would shard those parts over ranks "
+        f"that do not hold them. {_WAY_OUT}"
+    )
 
 
 def _parts(model: Any) -> str:

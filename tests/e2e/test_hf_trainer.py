@@ -126,3 +126,167 @@ def test_trainer_equals_the_single_device_trainer(tmp_path, mesh_kw, options):
     # every rank logs the same losses (each the full batch's)
     for r, (losses, _) in enumerate(results):
         assert losses == results[0][0], f"rank {r} logged {losses}, rank 0 {results[0][0]}"
+
+
+def _wrappers_refused(cache: str, out: str, mesh_kw: dict):
+    """What each wrapper around an annot model raises on this rank."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import Trainer
+
+    import annot
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, split = tiny_llama()
+    mesh = annot.Mesh(**mesh_kw)
+    split = split if mesh.pp > 1 else None
+    said = {}
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, split=split)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model=model, args=_args(out, 4), train_dataset=_data())
+    with pytest.raises(annot.IntegrationError) as e:
+        trainer.train()
+    said["Trainer"] = str(e.value)
+    with pytest.raises(annot.IntegrationError) as e:
+        DistributedDataParallel(torch.nn.Sequential(model))
+    said["DDP"] = str(e.value)
+    for k, v in model.state_dict().items():  # nothing was broadcast over the shards
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(annot.IntegrationError) as e:
+        fully_shard(model)
+    said["fully_shard"] = str(e.value)
+    if mesh.pp == 1:  # on a module holding the model: its first forward refuses
+        model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, split=split)
+        fully_shard(torch.nn.Sequential(model))
+        ids = torch.randint(0, 128, (2, 8))
+        with pytest.raises(annot.IntegrationError) as e:
+            model(ids, labels=ids)
+        said["fully_shard around"] = str(e.value)
+    return said
+
+
+@pytest.mark.parametrize("mesh_kw", [{"tp": 2}, pytest.param({"pp": 2}, marks=pytest.mark.slow)])
+def test_wrappers_over_different_shards_are_refused(tmp_path, mesh_kw):
+    said = run_ranks(_wrappers_refused, 2, str(tmp_path / "cache"), str(tmp_path / "out"), mesh_kw)[
+        0
+    ]
+    assert said["Trainer"].startswith("torch.nn.parallel.DistributedDataParallel around an annot")
+    assert "annot.hf.Trainer" in said["Trainer"]
+    assert "at '0' inside Sequential" in said["DDP"]
+    assert said["fully_shard"].startswith("fully_shard was called on an annot model")
+    assert "annot.Mesh(dp=N" in said["fully_shard"]
+    if "tp" in mesh_kw:
+        assert said["fully_shard around"] == said["fully_shard"]
+
+
+def _save_then_resume(cache: str, out: str, mesh_kw: dict, resume: bool):
+    """Train two steps saving a checkpoint (``resume=False``), or resume from
+    it to the end (``resume=True``); then evaluate and save the model."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    import annot.hf
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, split = tiny_llama()
+    mesh = annot.Mesh(**mesh_kw)
+    model = annot.parallelize(
+        cls, cfg, mesh=mesh, seed=1 if resume else 0, split=split if mesh.pp > 1 else None
+    )
+    from transformers import TrainerCallback
+
+    class StopAtTwo(TrainerCallback):  # the schedule of STEPS steps, cut after two
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and not resume:
+                control.should_training_stop = True
+
+    args = _args(
+        os.path.join(out, "run"), 4, save_strategy="steps", save_steps=2,
+        per_device_eval_batch_size=4,
+    )  # fmt: skip
+    trainer = annot.hf.Trainer(
+        model=model, args=args, train_dataset=_data(), eval_dataset=_data(16),
+        callbacks=[StopAtTwo()],
+    )  # fmt: skip
+    trainer.train(
+        resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2") if resume else None
+    )
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(out, "final"))
+    return _losses(trainer), metrics["eval_loss"]
+
+
+def _reference_eval_and_reload(out: str, final: str):
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, _ = tiny_llama()
+    torch.manual_seed(0)
+    model = cls(cfg)
+    args = _args(out, 4, per_device_eval_batch_size=4)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(16))
+    trainer.train()
+    reloaded = AutoModelForCausalLM.from_pretrained(final)  # what annot.hf.Trainer saved
+    return (
+        _losses(trainer),
+        trainer.evaluate()["eval_loss"],
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        reloaded.state_dict(),
+    )
+
+
+@pytest.mark.slow
+def test_trainer_saves_and_resumes_on_another_mesh(tmp_path):
+    """Two steps at pp2 saved by save_strategy; resumed at tp2 to the end: the
+    losses of all steps, the evaluation loss and the saved model (reloaded by
+    plain transformers) equal one device's."""
+    from tests.parity import assert_close
+
+    cache, out = str(tmp_path / "cache"), str(tmp_path / "out")
+    first = run_ranks(_save_then_resume, 2, cache, out, {"pp": 2}, False)[0]
+    second = run_ranks(_save_then_resume, 2, cache, out, {"tp": 2}, True)[0]
+    losses, eval_loss, state, reloaded = run_ranks(
+        _reference_eval_and_reload, 1, str(tmp_path / "ref"), os.path.join(out, "final")
+    )[0]
+    got = first[0] + second[0][-2:]
+    for i, (a, b) in enumerate(zip(got, losses)):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"loss at step {i}: {a} != {b}"
+    assert abs(second[1] - eval_loss) <= 1e-4 * eval_loss, (second[1], eval_loss)
+    for k, v in state.items():
+        assert_close(reloaded[k], v, f"saved by annot.hf.Trainer, reloaded: {k}")
+
+
+def _evaluate(cache: str, out: str, mesh_kw: dict):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    import annot.hf
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, split = tiny_llama()
+    mesh = annot.Mesh(**mesh_kw)
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, split=split if mesh.pp > 1 else None)
+    args = _args(out, 4, per_device_eval_batch_size=4)
+    trainer = annot.hf.Trainer(model=model, args=args, eval_dataset=_data(16))
+    return trainer.evaluate()["eval_loss"]
+
+
+def _reference_evaluate(out: str):
+    import torch
+    from transformers import Trainer
+
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, _ = tiny_llama()
+    torch.manual_seed(0)
+    args = _args(out, 4, per_device_eval_batch_size=4)
+    return Trainer(model=cls(cfg), args=args, eval_dataset=_data(16)).evaluate()["eval_loss"]
+
+
+def test_trainer_evaluates_a_pipeline(tmp_path):
+    ref = run_ranks(_reference_evaluate, 1, str(tmp_path / "ref"))[0]
+    got = run_ranks(_evaluate, 2, str(tmp_path / "cache"), str(tmp_path / "out"), {"pp": 2})
+    for r, loss in enumerate(got):
+        assert abs(loss - ref) <= 1e-5 * ref, f"rank {r}: eval_loss {loss} != {ref}"
