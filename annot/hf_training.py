@@ -103,15 +103,17 @@ class Accelerator(accelerate.Accelerator):
                 "DataLoaderConfiguration(dispatch_batches=False) (Trainer: "
                 "accelerator_config={'dispatch_batches': False}) with a dataset every rank reads"
             )
+        import torch.distributed as dist
         from accelerate.data_loader import prepare_data_loader
 
+        rank = dist.get_rank() if dist.is_initialized() else self.process_index
         if device_placement is None:
             device_placement = self.device_placement
         prepared = prepare_data_loader(
             data_loader,
             self.device,
             num_processes=mesh.dp,
-            process_index=self.process_index // (mesh.pp * mesh.tp),
+            process_index=rank // (mesh.pp * mesh.tp),
             split_batches=self.split_batches,
             put_on_device=device_placement,
             rng_types=self.rng_types.copy(),

@@ -290,3 +290,91 @@ def test_trainer_evaluates_a_pipeline(tmp_path):
     got = run_ranks(_evaluate, 2, str(tmp_path / "cache"), str(tmp_path / "out"), {"pp": 2})
     for r, loss in enumerate(got):
         assert abs(loss - ref) <= 1e-5 * ref, f"rank {r}: eval_loss {loss} != {ref}"
+
+
+def _accelerate_loop(cache: str, mesh_kw: dict):
+    """accelerate without the Trainer, as its docs write a loop; a pipeline's
+    step is an annot.jit step whose body calls accelerator.backward."""
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from torch.utils.data import DataLoader
+
+    import annot
+    import annot.hf
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, split = tiny_llama()
+    mesh = annot.Mesh(**mesh_kw)
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, split=split if mesh.pp > 1 else None)
+    accelerator = annot.hf.Accelerator(cpu=True)  # the mesh of the model just built
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(_data(), batch_size=4)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+
+    @annot.jit(model, microbatches=2)
+    def step(batch):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        return loss
+
+    losses = []
+    for i, batch in enumerate(loader):
+        if i == STEPS:
+            break
+        if mesh.pp > 1:
+            loss = step(batch).reduce_mean()
+        else:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        # over every process: each replica's loss, once per rank of it
+        losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+    state = model.full_state_dict()  # collective
+    return losses, state if model.ctx.rank == 0 else None
+
+
+def _plain_loop(dp: int, pipelined: bool):
+    """One device: each step the batch of every dp replica, each replica's loss
+    a mean over its own tokens (as annot, and DDP, average replicas), split in
+    two microbatches where the pipeline splits it."""
+    import torch
+
+    from tests.tiny_hf import tiny_llama
+
+    cls, cfg, _ = tiny_llama()
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = _data()
+    losses = []
+    for i in range(STEPS):
+        rows = data[i * 4 * dp : (i + 1) * 4 * dp]
+        parts = [rows[j : j + 2] for j in range(0, len(rows), 2)] if pipelined else [
+            rows[j : j + 4] for j in range(0, len(rows), 4)
+        ]  # fmt: skip
+        total = 0.0
+        for part in parts:
+            ids = torch.stack([r["input_ids"] for r in part])
+            labels = torch.stack([r["labels"] for r in part])
+            loss = ref(input_ids=ids, labels=labels).loss / len(parts)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, ref.state_dict()
+
+
+@pytest.mark.parametrize(
+    "mesh_kw", [{"tp": 2}, {"pp": 2}, pytest.param({"dp": 2, "tp": 2}, marks=pytest.mark.slow)]
+)
+def test_accelerate_prepare_equals_one_device(tmp_path, mesh_kw):
+    import annot
+
+    mesh = annot.Mesh(**mesh_kw)
+    ref = _plain_loop(mesh.dp, mesh.pp > 1)
+    got = run_ranks(_accelerate_loop, mesh.size, str(tmp_path), mesh_kw)
+    _compare(got[0], ref, f"annot.hf.Accelerator {mesh_kw}")
