@@ -60,7 +60,7 @@ class ParallelModel(nn.Module):
         self._no_dropout: set[bool] = set()  # modes an eager call drew no dropout mask in
         # gradients a step found already there, kept out of its sums over ranks
         self._carried_grads: Optional[dict[int, torch.Tensor]] = None
-        self._wrap_checked = False  # annot.wrap_guard.check_unwrapped ran
+        self._wrap_checked = False  # check_attachments ran (at the first call)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "__class__":  # fully_shard(model) by the user: refused
@@ -112,6 +112,32 @@ class ParallelModel(nn.Module):
             return self._forward(*args, **kwargs)
         finally:  # the tp layers' shared inputs matter within one forward only
             forget_shared_inputs()
+
+    def check_attachments(self) -> None:
+        """What users and libraries attached to the model since the last check:
+        ``fully_shard`` around it refused (:mod:`annot.wrap_guard`); hooks on
+        tp-split layers given whole tensors
+        (:func:`annot.runtime.tp_user_hooks.view_hooks`). At the first call and
+        the start of every training step."""
+        from annot.runtime.tp_user_hooks import view_hooks
+        from annot.wrap_guard import check_unwrapped
+
+        check_unwrapped(self)
+        if self.ctx.mesh.tp > 1:
+            view_hooks(self.module)
+        root = self.module
+        if (
+            self.pipeline is not None
+            and self.pipeline.num_stages > 1
+            and (root._backward_hooks or root._backward_pre_hooks)
+        ):
+            from annot.core.errors import IntegrationError
+
+            raise IntegrationError(
+                f"a backward hook on the root module ({type(root).__name__}) of a pipeline: "
+                "its gradients cross every stage and no rank holds them all. Register it on a "
+                "module inside one stage, or build without pp"
+            )
 
     def _traceable(self) -> bool:
         """Whether ``torch.compile(model)`` may trace this forward whole: a
@@ -171,10 +197,8 @@ class ParallelModel(nn.Module):
         )
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._wrap_checked:  # fully_shard(model) by the user: refused
-            from annot.wrap_guard import check_unwrapped
-
-            check_unwrapped(self)
+        if not self._wrap_checked:
+            self.check_attachments()
             self._wrap_checked = True
         if self.preflight is not None:  # once, before any collective
             check, self.preflight = self.preflight, None
@@ -245,9 +269,8 @@ class ParallelModel(nn.Module):
         """A new step: forget what an unfinished one left in the buckets (with
         FSDP2: accumulate gradients unreduced until :meth:`arm_grad_reduce`)."""
         from annot.runtime.grads import carried_grads
-        from annot.wrap_guard import check_unwrapped
 
-        check_unwrapped(self)  # fully_shard(model) by the user: refused
+        self.check_attachments()
         # gradients accumulated over earlier steps: kept out of this step's sums
         # (FSDP2's sharded parameters hold them: nothing may be gathered here)
         if self.fsdp is not None:

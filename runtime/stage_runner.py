@@ -47,6 +47,8 @@ __all__ = [
     "SourceRunner",
     "StageRunner",
     "call_supplied",
+    "run_forward_hooks",
+    "run_pre_hooks",
 ]
 
 ModelArgs = tuple[tuple[Any, ...], dict[str, Any]]  # the model call's (args, kwargs)
@@ -183,16 +185,26 @@ class SourceRunner(StageRunner):
         }
 
     def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
+        # the root's own forward pre-hooks and hooks, which its __call__ runs around
+        # the whole forward: on the call's arguments where a stage reads them, on the
+        # last stage's output (the stages are its methods, called without __call__)
+        root = getattr(stage.fn, "__self__", None)
+        hooked = isinstance(root, nn.Module)
+        if hooked and model_args is not None and root._forward_pre_hooks:
+            model_args = run_pre_hooks(root, model_args)
         out = self._run(stage, inputs, model_args)
+        last = self.split is not None and stage.index == self.split.stages[-1].index
         if (
             self.tuple_at_root
-            and stage.index == self.split.stages[-1].index
+            and last
             and model_args is not None
             and model_args[1].get("return_dict") is False
             and not isinstance(out, tuple)
         ):
             # what the root's @can_return_tuple / @capture_outputs does around the call
             out = out.to_tuple()
+        if hooked and last and model_args is not None and root._forward_hooks:
+            out = run_forward_hooks(root, model_args, out)
         return out
 
     def _run(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
@@ -352,3 +364,33 @@ def _own_containers(x: Any) -> Any:
     if kind is tuple:
         return tuple(_own_containers(v) for v in x)
     return x
+
+
+def run_pre_hooks(module: nn.Module, model_args: ModelArgs) -> ModelArgs:
+    """``module``'s forward pre-hooks on a call's ``(args, kwargs)``, as
+    ``nn.Module.__call__`` runs them."""
+    args, kwargs = model_args
+    for hid, hook in list(module._forward_pre_hooks.items()):
+        if hid in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def run_forward_hooks(module: nn.Module, model_args: ModelArgs, out: Any) -> Any:
+    """``module``'s forward hooks on a call's output, as ``nn.Module.__call__``
+    runs them."""
+    args, kwargs = model_args
+    for hid, hook in list(module._forward_hooks.items()):
+        if hid in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, out)
+        else:
+            result = hook(module, args, out)
+        if result is not None:
+            out = result
+    return out

@@ -61,6 +61,7 @@ from annot.runtime.tp_subclass import (
     probe_equals_base,
     reads_super,
 )
+from annot.runtime.tp_user_hooks import carry_hooks
 
 __all__ = [
     "check_layer",
@@ -231,6 +232,7 @@ def to_parallel(module: nn.Module, spec: object, tp: int, where: str = "") -> nn
                 layer._parameters[k] = p
     if not module.weight.is_meta:
         load_full_state_dict(layer, module.state_dict(), strict=False)
+    carry_hooks(module, layer)  # a user's hooks on the layer: kept (views: view_hooks)
     return layer
 
 

@@ -1,0 +1,182 @@
+"""Hooks users and libraries attach to a model's modules run as on one device:
+forward hooks and pre-hooks (with kwargs) on the root and inside, on layers
+tp splits (given the layer's whole tensors, whatever the hook does with them)
+and on others, whichever path built the model (a class whose ``__init__``
+registers them, an instance that carries them) and in pipelines under both
+runners. Loss and every gradient against the single device, over two AdamW
+steps; hooks annot cannot honour refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from annot import Col, Row
+from annot.testing import run_ranks
+
+HINTS = {"blocks.*.fc1": Col(), "blocks.*.fc2": Row()}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _softmax_mix(module, args, out):  # not elementwise: reads every output feature
+    return out + 0.5 * torch.softmax(out, dim=-1)
+
+
+def _shift_input(module, args, kwargs):  # a pre-hook with kwargs, not elementwise
+    (x,) = args
+    return (x - x.mean(dim=-1, keepdim=True),), kwargs
+
+
+def _scale_root(module, args, out):
+    return out * 1.5
+
+
+def _root_input(module, args):
+    return (args[0] * 0.5 + 0.25,)
+
+
+class HookedNet(Net):
+    """A model that registers hooks on its own layers (as libraries do)."""
+
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__(d, n)
+        self.blocks[1].fc1.register_forward_hook(_softmax_mix)
+        self.blocks[2].fc2.register_forward_pre_hook(_shift_input, with_kwargs=True)
+
+
+def _attach(model: nn.Module) -> None:
+    """The same hooks, attached from outside (to an instance)."""
+    model.blocks[1].fc1.register_forward_hook(_softmax_mix)
+    model.blocks[2].fc2.register_forward_pre_hook(_shift_input, with_kwargs=True)
+    model.blocks[0].act.register_forward_hook(lambda m, a, out: out * 2.0)
+    model.register_forward_pre_hook(_root_input)
+    model.register_forward_hook(_scale_root)
+
+
+def _train(cache: str, how: str, mesh_kw: dict, runner: str | None):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    from tests.parity import assert_close, compare_grads, compare_state
+
+    mesh = annot.Mesh(**mesh_kw)
+    torch.manual_seed(0)
+    ref = HookedNet() if how == "class" else Net()
+    if how != "class":
+        _attach(ref)
+    split = {"split": ["blocks.2"], "runner": runner} if mesh.pp > 1 else {}
+    hints = HINTS if mesh.tp > 1 else None
+    if how == "class":
+        model = annot.parallelize(HookedNet, mesh=mesh, seed=0, hints=hints, **split)
+    else:
+        torch.manual_seed(0)
+        inst = Net()
+        _attach(inst)
+        model = annot.parallelize(inst, mesh=mesh, hints=hints, **split)
+    if how == "after":  # on the parallel model's modules, after it is built
+        model = annot.parallelize(Net, mesh=mesh, seed=0, hints=hints, **split)
+        _attach(model.module)
+
+    @annot.jit(model, microbatches=2)
+    def step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        model.backward(loss)
+        return loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        x, y = torch.randn(4, 5, 16, generator=g), torch.randn(4, 5, 16, generator=g)
+        loss = step(x, y).reduce_mean()
+        ref_loss = sum(((ref(xp) - yp) ** 2).mean() / 2 for xp, yp in zip(x.chunk(2), y.chunk(2)))
+        ref_loss.backward()
+        what = f"{how} {mesh_kw} {runner}, step {i}"
+        assert_close(loss, ref_loss, f"{what}: loss")
+        compare_grads(model, ref, what)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, f"{how} {mesh_kw} {runner}: after the steps")
+    return True
+
+
+@pytest.mark.parametrize(
+    "how, mesh_kw, runner",
+    [
+        ("instance", {"tp": 2}, None),
+        ("class", {"tp": 2}, None),
+        pytest.param("after", {"tp": 2}, None, marks=pytest.mark.slow),
+        ("instance", {"pp": 2}, "source"),
+        pytest.param("instance", {"pp": 2}, "replay", marks=pytest.mark.slow),
+        pytest.param("instance", {"pp": 2, "tp": 2}, "source", marks=pytest.mark.slow),
+    ],
+)
+def test_hooks_run_as_on_one_device(tmp_path, how, mesh_kw, runner):
+    import annot
+
+    assert all(run_ranks(_train, annot.Mesh(**mesh_kw).size, str(tmp_path), how, mesh_kw, runner))
+
+
+def _backward_hook_refused(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    model = annot.parallelize(Net, mesh=annot.Mesh(tp=2), seed=0, hints=HINTS)
+    model.module.blocks[0].fc1.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(annot.IntegrationError) as e:
+        model(torch.randn(2, 3, 16))
+    return str(e.value)
+
+
+def test_a_backward_hook_on_a_split_layer_is_refused(tmp_path):
+    said = run_ranks(_backward_hook_refused, 2, str(tmp_path))[0]
+    assert said.startswith("a backward hook on 'blocks.0.fc1', a ColumnParallelLinear split")
+
+
+def _root_backward_hook_refused(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    model = annot.parallelize(Net, mesh=annot.Mesh(pp=2), seed=0, split=["blocks.2"])
+    model.module.register_full_backward_hook(lambda m, gi, go: None)
+
+    @annot.jit(model, microbatches=2)
+    def step(x):
+        model.backward(model(x).sum())
+
+    with pytest.raises(annot.IntegrationError) as e:
+        step(torch.randn(2, 3, 16))
+    return str(e.value)
+
+
+def test_a_backward_hook_on_a_pipelines_root_is_refused(tmp_path):
+    said = run_ranks(_root_backward_hook_refused, 2, str(tmp_path))[0]
+    assert said.startswith("a backward hook on the root module (Net) of a pipeline")
