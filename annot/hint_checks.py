@@ -60,7 +60,7 @@ def check_shard_hints(
     """
     from annot.runtime.tp_convert import check_layer, layer_kind
 
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))  # a shared module: each name
     if paths is None:
         paths = hinted_paths(model, class_specs)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -436,6 +436,24 @@ class UnitFigures:
         return UnitFigures(**joined)
 
 
+def measurable(model: nn.Module) -> nn.Module:
+    """What :func:`_measure` runs: FLOPs and saved bytes are counted on meta,
+    so a model with real weights (an instance, ``from_pretrained``) is
+    measured on a meta copy of itself; and a transformers model's own
+    activation checkpointing (``gradient_checkpointing_enable()``), whose
+    recompute in backward runs outside the modes that measure the forward, is
+    switched off on a copy (the user's model keeps it): it is measured as
+    without it."""
+    from annot.runtime.deferred_init import meta_copy
+
+    copy = model if _on_meta(model) else meta_copy(model)
+    if getattr(copy, "is_gradient_checkpointing", False):
+        copy = meta_copy(model) if copy is model else copy
+        disable = getattr(copy, "activation_checkpointing_disable", None)
+        (disable or copy.gradient_checkpointing_disable)()
+    return copy
+
+
 def _on_meta(model: nn.Module) -> bool:
     p = next(model.parameters(), None)
     return p is not None and p.is_meta
@@ -680,7 +698,7 @@ def measure_units(
     figures = None
     if sample is not None:
         figures = _measure(
-            model,
+            measurable(model),
             fine,
             sample,
             float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
