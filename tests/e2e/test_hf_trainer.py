@@ -378,3 +378,23 @@ def test_accelerate_prepare_equals_one_device(tmp_path, mesh_kw):
     ref = _plain_loop(mesh.dp, mesh.pp > 1)
     got = run_ranks(_accelerate_loop, mesh.size, str(tmp_path), mesh_kw)
     _compare(got[0], ref, f"annot.hf.Accelerator {mesh_kw}")
+
+
+@pytest.mark.slow  # 4 ranks
+def test_the_trainer_example_tp2_pp2(tmp_path):
+    """examples/hf_trainer.py as the README runs it: trains, evaluates, saves;
+    its rank 0 checks the reloaded model's loss against the Trainer's."""
+    import subprocess
+    import sys
+
+    from annot.testing import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "ANNOT_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env["ANNOT_BACKEND"] = "gloo"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    cmd += ["--master-port", str(free_port()), os.path.join(root, "examples", "hf_trainer.py")]
+    cmd += ["--tp", "2", "--pp", "2", "--steps", "4", "--workdir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "eval loss: annot.hf.Trainer" in proc.stdout, proc.stdout
