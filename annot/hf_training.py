@@ -195,7 +195,8 @@ class Trainer(transformers.Trainer):
             from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
             config = getattr(module, "config", None)
-            causal = LOSS_MAPPING.get(getattr(module, "loss_type", None)) is ForCausalLMLoss
+            loss_type = getattr(module, "loss_type", None)
+            causal = loss_type is not None and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
             self._loss_shifts_labels = causal and not getattr(config, "is_encoder_decoder", False)
 
     # -- accelerate ---------------------------------------------------------
@@ -218,7 +219,8 @@ class Trainer(transformers.Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         if self._signature_columns is None:
             names = list(inspect.signature(self.annot_model.module.forward).parameters)
-            self._signature_columns = names + list({"label", "label_ids", *self.label_names})
+            columns = names + list({"label", "label_ids", *self.label_names})
+            self._signature_columns = columns  # type: ignore[assignment]
 
     # -- the step -----------------------------------------------------------
 
@@ -228,8 +230,9 @@ class Trainer(transformers.Trainer):
         import annot
 
         model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
+        train = getattr(self.optimizer, "train", None)  # schedule-free optimizers
+        if callable(train):
+            train()
         inputs = self._prepare_inputs(inputs)
         # the loss of a whole-batch sum over num_items tokens is already scaled for
         # gradient accumulation; a per-batch mean is divided by its steps here
@@ -251,7 +254,8 @@ class Trainer(transformers.Trainer):
                 # scale are passed whole)
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, batch, num_items_in_batch=num_items)
-                model.backward(loss * scale)
+                assert isinstance(loss, torch.Tensor)  # (no return_outputs)
+                self.annot_model.backward(loss * scale)
                 return loss.detach()
 
             self._train_step = train_step
@@ -333,7 +337,7 @@ class Trainer(transformers.Trainer):
         rank calls it, as the Trainer does)."""
         import annot
 
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = str(output_dir if output_dir is not None else self.args.output_dir)
         annot.save_pretrained(self.annot_model, output_dir, overwrite=True)
         if self.args.should_save:
             if self.processing_class is not None:

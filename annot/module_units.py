@@ -449,8 +449,10 @@ def measurable(model: nn.Module) -> nn.Module:
     copy = model if _on_meta(model) else meta_copy(model)
     if getattr(copy, "is_gradient_checkpointing", False):
         copy = meta_copy(model) if copy is model else copy
-        disable = getattr(copy, "activation_checkpointing_disable", None)
-        (disable or copy.gradient_checkpointing_disable)()
+        disable = getattr(copy, "activation_checkpointing_disable", None) or getattr(
+            copy, "gradient_checkpointing_disable"
+        )
+        disable()
     return copy
 
 

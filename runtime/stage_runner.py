@@ -188,9 +188,9 @@ class SourceRunner(StageRunner):
         # the root's own forward pre-hooks and hooks, which its __call__ runs around
         # the whole forward: on the call's arguments where a stage reads them, on the
         # last stage's output (the stages are its methods, called without __call__)
-        root = getattr(stage.fn, "__self__", None)
-        hooked = isinstance(root, nn.Module)
-        if hooked and model_args is not None and root._forward_pre_hooks:
+        bound = getattr(stage.fn, "__self__", None)
+        root = bound if isinstance(bound, nn.Module) else None
+        if root is not None and model_args is not None and root._forward_pre_hooks:
             model_args = run_pre_hooks(root, model_args)
         out = self._run(stage, inputs, model_args)
         last = self.split is not None and stage.index == self.split.stages[-1].index
@@ -203,7 +203,7 @@ class SourceRunner(StageRunner):
         ):
             # what the root's @can_return_tuple / @capture_outputs does around the call
             out = out.to_tuple()
-        if hooked and last and model_args is not None and root._forward_hooks:
+        if root is not None and last and model_args is not None and root._forward_hooks:
             out = run_forward_hooks(root, model_args, out)
         return out
 
