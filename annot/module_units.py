@@ -449,9 +449,8 @@ def measurable(model: nn.Module) -> nn.Module:
     copy = model if _on_meta(model) else meta_copy(model)
     if getattr(copy, "is_gradient_checkpointing", False):
         copy = meta_copy(model) if copy is model else copy
-        disable = getattr(copy, "activation_checkpointing_disable", None) or getattr(
-            copy, "gradient_checkpointing_disable"
-        )
+        new = hasattr(copy, "activation_checkpointing_disable")  # transformers 5's name
+        disable: Any = getattr(copy, f"{'activation' if new else 'gradient'}_checkpointing_disable")
         disable()
     return copy
 
