@@ -75,11 +75,12 @@ def _twin(model: nn.Module) -> nn.Module:
     the copy, and only annot's own hooks run (a user's hooks never see the
     pre-flight)."""
     from annot.runtime.deferred_init import meta_copy
+    from annot.runtime.tp_user_hooks import is_annots
 
     twin = meta_copy(model)
     for m in twin.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for key in [k for k, h in hooks.items() if not _is_annots(h)]:
+            for key in [k for k, h in hooks.items() if not is_annots(h)]:
                 del hooks[key]
     return twin
 
@@ -94,10 +95,6 @@ def _training(model: nn.Module):
     finally:
         for m, flag in flags:
             m.training = flag
-
-
-def _is_annots(hook) -> bool:
-    return getattr(hook, "__module__", "").split(".")[0] == "annot"
 
 
 def hints_near(path: str, ref: nn.Module, specs: dict, paths: dict) -> list[str]:

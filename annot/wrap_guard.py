@@ -57,7 +57,8 @@ _WAY_OUT = (
     "annot averages gradients over its own dp axis only: build the model with "
     "annot.Mesh(dp=N, pp=..., tp=...) (and fsdp=True to shard it over dp) and train it "
     "unwrapped; with the Hugging Face Trainer use annot.hf.Trainer (a drop-in subclass), "
-    "with accelerate pass the model to annot.hf.prepare(accelerator, ...)"
+    "with accelerate annot.hf.Accelerator, with Lightning "
+    "Trainer(strategy=annot.lightning_strategy.AnnotStrategy())"
 )
 
 

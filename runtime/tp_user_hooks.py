@@ -35,7 +35,7 @@ from annot.runtime import tp_embedding as E
 from annot.runtime import tp_layers as L
 from annot.runtime.tp_comm import GatherFromTP, ScatterToTP, tp_env
 
-__all__ = ["WholeView", "carry_hooks", "view_hooks"]
+__all__ = ["WholeView", "carry_hooks", "is_annots", "view_hooks"]
 
 # every hook dictionary of an nn.Module (the flags are keyed by hook id)
 HOOK_DICTS = (
@@ -97,7 +97,7 @@ def view_hooks(model: nn.Module) -> None:
             else module._forward_pre_hooks_with_kwargs
         )
         for hid, hook in list(hooks.items()):
-            if isinstance(hook, WholeView) or _is_annots(hook):
+            if isinstance(hook, WholeView) or is_annots(hook):
                 continue
             hooks[hid] = WholeView(hook, side, path, with_kwargs=hid in kwargs)
 
@@ -145,6 +145,10 @@ class WholeView:
         return tree_map_only(torch.Tensor, mine, result)
 
 
-def _is_annots(hook: Any) -> bool:
+def is_annots(hook: Any) -> bool:
+    """Whether ``hook`` is annot's own (defined in annot), not a user's (a
+    :class:`WholeView` is the user's hook it wraps)."""
+    if isinstance(hook, WholeView):
+        return False
     module = getattr(getattr(hook, "__func__", hook), "__module__", None) or ""
     return module == "annot" or module.startswith("annot.")
