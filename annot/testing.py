@@ -2,10 +2,18 @@
 
 The one multi-rank harness for annot's tests and benchmarks, on public API
 only: a rendezvous store in the parent on a port the OS picks (a rank that
-finishes first cannot take it down), one spawned process per rank with
+finishes first cannot take it down), one fresh process per rank with
 torchrun's environment variables, a per-rank log prefix, every rank killed on the first
 failure with every rank's traceback collected, a hard deadline, and the
 process group destroyed in ``finally``.
+
+Each rank is a new process forked from a server that imported torch (and
+transformers, where installed) once (multiprocessing's ``forkserver``, its
+``preload``), not a new interpreter importing them again: most of a
+multi-rank test's time was that start-up. The rank gets the caller's
+environment, working directory, ``sys.path`` and standard output and error
+as they are at the call (not as they were when the server started).
+``ANNOT_RANKS_START=spawn`` starts fresh interpreters instead.
 
     def check(scale):                       # module level: it is pickled
         import torch.distributed as dist
@@ -71,7 +79,55 @@ class _Prefixed:
         return getattr(self._stream, name)
 
 
-def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout):
+class _CallerFd:
+    """The caller's file descriptor ``fd`` (its stdout or stderr now, which
+    pytest may have redirected), handed to the rank as it starts."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+# what the rank server imports once, each rank then starts with them loaded
+PRELOAD = [
+    "annot.testing",
+    "torch",
+    "torch.distributed",
+    "annot.build",
+    "annot.jit_step",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+]
+
+
+def _context():
+    if os.environ.get("ANNOT_RANKS_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (once)
+    return ctx
+
+
+def _child(rank, world_size, port, fn, args, kwargs, queue, env, pg_timeout, caller):
+    environ, cwd, path, out_fd, err_fd = caller
+    os.environ.clear()  # the caller's, not the rank server's
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+    for fd, target in ((out_fd, 1), (err_fd, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -139,7 +195,7 @@ def run_ranks(
     """
     from torch.distributed import TCPStore
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     # The rendezvous store lives here, in the parent, on a port the OS picks:
     # with the store on rank 0 (torch's env:// default), rank 0 returning or
@@ -156,7 +212,10 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, port, fn, args, kwargs, queue, dict(env or {}), pg_timeout),
+            args=(
+                r, world_size, port, fn, args, kwargs, queue, dict(env or {}), pg_timeout,
+                (dict(os.environ), os.getcwd(), list(sys.path), _CallerFd(1), _CallerFd(2)),
+            ),  # fmt: skip
             name=f"annot-rank{r}",
             daemon=True,
         )
