@@ -209,13 +209,22 @@ def run_ranks(
         timeout=timedelta(seconds=pg_timeout),
     )
     port = store.port
+    caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerFd(1), _CallerFd(2))
     procs = [
         ctx.Process(
             target=_child,
             args=(
-                r, world_size, port, fn, args, kwargs, queue, dict(env or {}), pg_timeout,
-                (dict(os.environ), os.getcwd(), list(sys.path), _CallerFd(1), _CallerFd(2)),
-            ),  # fmt: skip
+                r,
+                world_size,
+                port,
+                fn,
+                args,
+                kwargs,
+                queue,
+                dict(env or {}),
+                pg_timeout,
+                caller,
+            ),
             name=f"annot-rank{r}",
             daemon=True,
         )
