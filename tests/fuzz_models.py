@@ -56,6 +56,8 @@ class Recipe:
     tied: bool = False
     factory: bool = False  # blocks built through a module-level function
     reshape_minus_one: bool = False  # heads split / merged with -1 for the head size
+    hooks: bool = False  # hooks registered in __init__ (a library's): tp layers' and the root's
+    instance: bool = False  # annot is handed an instance (as from_pretrained gives), not the class
     vocab: int = 32
     seq: int = 8
 
@@ -171,6 +173,26 @@ class Tower(nn.Module):
         return self.norm(x)
 
 
+def _mix(module, args, out):  # reads every output feature: wrong on a tp shard
+    return out + 0.5 * out.softmax(-1)
+
+
+def _scale_loss(module, args, out):
+    logits, loss = out
+    return logits, loss * 1.5
+
+
+def add_hooks(model: nn.Module) -> None:
+    """Forward hooks a library would register: on each attention's ``q`` and
+    each MLP's ``up`` (tp-split layers under the hints), and on the root."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.q.register_forward_hook(_mix)
+        elif isinstance(m, MLP):
+            m.up.register_forward_hook(_mix)
+    model.register_forward_hook(_scale_loss)
+
+
 class FuzzNet(nn.Module):
     def __init__(self, r: Recipe):
         super().__init__()
@@ -192,6 +214,8 @@ class FuzzNet(nn.Module):
         self.head = nn.Linear(r.width, r.vocab, bias=False)
         if r.tied:
             self.head.weight = self.emb.weight
+        if r.hooks:
+            add_hooks(self)
 
     def forward(self, ids, targets):
         r = self.r

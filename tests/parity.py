@@ -71,6 +71,36 @@ def train_against_reference(model, ref, batches, run, what: str, lr: float) -> N
     compare_state(model, ref, f"{what} after {step + 1} AdamW steps")
 
 
+def train_mse_against_reference(model, ref, what: str, width: int = 16, steps: int = 2) -> None:
+    """Two AdamW steps of a model of ``(B, T, width)`` tensors under a mean
+    squared error, in an ``@annot.jit`` step of two microbatches (a pipeline
+    or not), against its single-device reference on the same halves: the
+    loss and every gradient at each step, every parameter after the last."""
+    import annot
+
+    @annot.jit(model, microbatches=2)
+    def step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        model.backward(loss)
+        return loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x, y = torch.randn(4, 5, width, generator=g), torch.randn(4, 5, width, generator=g)
+        loss = step(x, y).reduce_mean()
+        ref_loss = sum(((ref(a) - b) ** 2).mean() / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+        ref_loss.backward()
+        assert_close(loss, ref_loss, f"{what} step {i}: loss")
+        compare_grads(model, ref, f"{what} step {i}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, f"{what}: after {steps} AdamW steps")
+
+
 def gpt_step(model, schedule: str = "1f1b", microbatches: int = 2):
     """The example GPT's ``@annot.jit`` training step: ``model(x, x)``'s loss,
     ``model.backward``."""

@@ -5,7 +5,8 @@ Hypothesis draws a model from the parts real libraries are made of
 (:mod:`tests.fuzz_models`: nested containers, attention with its head count
 on the module or on a shared config, in-place ops on layer outputs, raw
 parameters read in a forward that spans stages, two towers, U-Net skips, a
-block called twice, a branch on data, tied weights), a mode (tp2, pp2 at a
+block called twice, a branch on data, tied weights, hooks a library
+registers on tp-split layers and on the root, handed over as an instance), a mode (tp2, pp2 at a
 drawn boundary, pp2 with the automatic split, tp2 x pp2; eager or under
 ``torch.compile``: ``torch.compile(model)`` in one stage, ``compile=`` in a
 pipeline; or the model written out as source and split there, ``runner="source"``)
@@ -107,6 +108,8 @@ def recipes():
         tied=flag,
         factory=flag,
         reshape_minus_one=flag,
+        hooks=flag,
+        instance=flag,
     )
 
 
@@ -135,6 +138,8 @@ def _features(r: Recipe) -> list[str]:
         "tied",
         "factory",
         "reshape_minus_one",
+        "hooks",
+        "instance",
     ]
     return [f"container={r.container}"] + [f for f in flags if getattr(r, f)]
 
@@ -195,6 +200,8 @@ def run_case(case, seen: Counter) -> None:
         wrong = ""  # nothing to hint at tp=1
     if not r.per_block_control:
         r = Recipe(**{**r.__dict__, "skip": False, "twice": False, "branch": False})
+    if mode in ("pp2_source", "pp2_written"):  # the written-out source registers none
+        r = Recipe(**{**r.__dict__, "hooks": False})
     for f in _features(r):
         seen[f] += 1
     seen[f"mode={mode}{' compiled' if compiled else ''}{' wrong=' + wrong if wrong else ''}"] += 1
@@ -224,7 +231,11 @@ def run_case(case, seen: Counter) -> None:
     if compiled and mesh.pp > 1:  # a pipeline: each stage's blocks compiled
         kw["compile"] = {"backend": "aot_eager"}
     try:
-        model = annot.parallelize(cls, r, mesh=mesh, seed=0, verify=True, **kw)
+        if r.instance:  # the same weights: built as the reference was
+            torch.manual_seed(0)
+            model = annot.parallelize(cls(r), mesh=mesh, verify=True, **kw)
+        else:
+            model = annot.parallelize(cls, r, mesh=mesh, seed=0, verify=True, **kw)
         run = model
         if compiled and mesh.pp == 1:  # one stage: what users type
             run = torch.compile(model, backend="aot_eager")

@@ -50,7 +50,7 @@ class SharedNet(nn.Module):
 def _train(cache: str, which: str):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_mse_against_reference
 
     sample = (torch.randn(2, 5, 16),)
     torch.manual_seed(0)
@@ -68,27 +68,7 @@ def _train(cache: str, which: str):
         model = annot.parallelize(CheckpointedNet, mesh=mesh, seed=0, sample=sample)
     assert model.pipeline.num_stages == 2
 
-    @annot.jit(model, microbatches=2)
-    def step(x, y):
-        loss = ((model(x) - y) ** 2).mean()
-        model.backward(loss)
-        return loss
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for i in range(2):
-        x, y = torch.randn(4, 5, 16, generator=g), torch.randn(4, 5, 16, generator=g)
-        loss = step(x, y).reduce_mean()
-        ref_loss = sum(((ref(a) - b) ** 2).mean() / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
-        ref_loss.backward()
-        assert_close(loss, ref_loss, f"{which} step {i}: loss")
-        compare_grads(model, ref, f"{which} step {i}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, f"{which}: after the steps")
+    train_mse_against_reference(model, ref, which)
     return model.pipeline.boundaries
 
 

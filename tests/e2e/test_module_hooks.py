@@ -83,7 +83,7 @@ def _attach(model: nn.Module) -> None:
 def _train(cache: str, how: str, mesh_kw: dict, runner: str | None):
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_mse_against_reference
 
     mesh = annot.Mesh(**mesh_kw)
     torch.manual_seed(0)
@@ -103,28 +103,7 @@ def _train(cache: str, how: str, mesh_kw: dict, runner: str | None):
         model = annot.parallelize(Net, mesh=mesh, seed=0, hints=hints, **split)
         _attach(model.module)
 
-    @annot.jit(model, microbatches=2)
-    def step(x, y):
-        loss = ((model(x) - y) ** 2).mean()
-        model.backward(loss)
-        return loss
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for i in range(2):
-        x, y = torch.randn(4, 5, 16, generator=g), torch.randn(4, 5, 16, generator=g)
-        loss = step(x, y).reduce_mean()
-        ref_loss = sum(((ref(xp) - yp) ** 2).mean() / 2 for xp, yp in zip(x.chunk(2), y.chunk(2)))
-        ref_loss.backward()
-        what = f"{how} {mesh_kw} {runner}, step {i}"
-        assert_close(loss, ref_loss, f"{what}: loss")
-        compare_grads(model, ref, what)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, f"{how} {mesh_kw} {runner}: after the steps")
+    train_mse_against_reference(model, ref, f"{how} {mesh_kw} {runner}")
     return True
 
 
