@@ -30,17 +30,18 @@ from torch.utils._pytree import tree_map_only
 
 from annot.core.errors import AnnotError, HintError
 
-__all__ = ["preflight", "hints_near"]
+__all__ = ["check_hooks_see_whole", "hints_near", "preflight", "user_hooks"]
 
 log = logging.getLogger("annot")
 
 
 def _failure(
-    root: nn.Module, args: tuple, kwargs: dict, ctx, record=None
+    root: nn.Module, args: tuple, kwargs: dict, ctx, record=None, shapes=None
 ) -> Optional[tuple[str, Exception]]:
     """``(path of the innermost module running, the exception)`` when one meta
     forward of ``root(*args, **kwargs)`` fails; None when it runs. ``record``: a
-    mode that forward runs under (the dropout recorder)."""
+    mode that forward runs under (the dropout recorder). ``shapes``: filled
+    with each module's input and output shapes at its first call, by path."""
     from annot.runtime import process_groups as rmesh
     from annot.runtime.replay import shape_run
 
@@ -51,7 +52,9 @@ def _failure(
         stack.append(names[id(mod)])
 
     def leave(mod, args, out) -> None:  # returns None: the output stays
-        stack.pop()
+        path = stack.pop()
+        if shapes is not None and path not in shapes:
+            shapes[path] = tree_map_only(torch.Tensor, lambda t: tuple(t.shape), (args, out))
 
     handles = []
     for m in root.modules():
@@ -67,6 +70,49 @@ def _failure(
         for h in handles:
             h.remove()
     return None
+
+
+def user_hooks(model: nn.Module) -> dict[str, list[str]]:
+    """The forward hooks and pre-hooks users put on ``model``'s modules other
+    than the layers tp splits (those are given the whole tensors:
+    :mod:`annot.runtime.tp_user_hooks`), by module path."""
+    from annot.runtime.tp_user_hooks import is_annots, split_side
+
+    found: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if split_side(m) is not None:
+            continue
+        kinds = [
+            kind
+            for kind, hooks in (("pre-hook", m._forward_pre_hooks), ("hook", m._forward_hooks))
+            if any(not is_annots(h) for h in hooks.values())
+        ]
+        if kinds:
+            found[path] = kinds
+    return found
+
+
+def check_hooks_see_whole(
+    hooked: dict[str, list[str]], mine: dict, theirs: dict, ref: nn.Module
+) -> None:
+    """Refuse a user's hook on a module whose inputs or outputs are a tp shard
+    here (its shapes differ from the single-device model's): an activation
+    between a column- and a row-parallel layer, say. The hook was written for
+    the whole tensor; annot cannot tell which dimension to gather."""
+    from annot.core.errors import IntegrationError
+
+    for path, kinds in hooked.items():
+        if path in mine and path in theirs and mine[path] != theirs[path]:
+            cls = type(ref.get_submodule(path)).__name__
+            (args, out), (ref_args, ref_out) = mine[path], theirs[path]
+            raise IntegrationError(
+                f"a forward {' and '.join(kinds)} on {path or '<root>'!r} ({cls}): under tp "
+                f"that module sees this rank's shard (inputs {args}, output {out}; on one "
+                f"device {ref_args}, {ref_out}), and the hook was written for the whole "
+                "tensors. Register it on the module around the tp region (a block's "
+                "tensors are whole), or on the layer tp splits (annot gives it the whole "
+                "tensors)"
+            )
 
 
 def _twin(model: nn.Module) -> nn.Module:
@@ -145,14 +191,19 @@ def preflight(
     from annot.runtime.tp_reshape import ReshapeRecorder, check_head_splits, column_chunks
 
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    hooked = user_hooks(whole if whole is not None else local)
     twin = _twin(whole if whole is not None else local).train()
     mine = ReshapeRecorder(twin)
-    failed = _failure(twin, args, kwargs, ctx, mine)
-    if failed is None and not mine.reshapes and not any(c.p for c in mine.calls):
-        return {}  # nothing to compare: no failure, no reshape, no dropout
+    mine_shapes: Optional[dict] = {} if hooked else None
+    failed = _failure(twin, args, kwargs, ctx, mine, mine_shapes)
+    if failed is None and not mine.reshapes and not any(c.p for c in mine.calls) and not hooked:
+        return {}  # nothing to compare: no failure, no reshape, no dropout, no hook
     theirs = ReshapeRecorder(ref)
+    theirs_shapes: Optional[dict] = {} if hooked else None
     with _training(ref):
-        ref_failed = _failure(ref, args, kwargs, None, theirs)
+        ref_failed = _failure(ref, args, kwargs, None, theirs, theirs_shapes)
+    if failed is None and ref_failed is None and hooked:
+        check_hooks_see_whole(hooked, mine_shapes or {}, theirs_shapes or {}, ref)
     if failed is None:
         if ref_failed is not None:
             log.warning(

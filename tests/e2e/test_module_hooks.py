@@ -75,7 +75,7 @@ def _attach(model: nn.Module) -> None:
     """The same hooks, attached from outside (to an instance)."""
     model.blocks[1].fc1.register_forward_hook(_softmax_mix)
     model.blocks[2].fc2.register_forward_pre_hook(_shift_input, with_kwargs=True)
-    model.blocks[0].act.register_forward_hook(lambda m, a, out: out * 2.0)
+    model.blocks[0].register_forward_hook(lambda m, a, out: out * 2.0)
     model.register_forward_pre_hook(_root_input)
     model.register_forward_hook(_scale_root)
 
@@ -159,3 +159,26 @@ def _root_backward_hook_refused(cache: str):
 def test_a_backward_hook_on_a_pipelines_root_is_refused(tmp_path):
     said = run_ranks(_root_backward_hook_refused, 2, str(tmp_path))[0]
     assert said.startswith("a backward hook on the root module (Net) of a pipeline")
+
+
+def _hook_inside_a_tp_region(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    torch.manual_seed(0)
+    inst = Net()
+    inst.blocks[0].act.register_forward_hook(lambda m, a, out: out / out.norm())
+    model = annot.parallelize(inst, mesh=annot.Mesh(tp=2), hints=HINTS)
+    with pytest.raises(annot.IntegrationError) as e:
+        model(torch.randn(2, 3, 16))
+    return str(e.value)
+
+
+def test_a_hook_on_a_module_inside_a_tp_region_is_refused(tmp_path):
+    """The GELU between a column and a row layer sees a shard of its features:
+    its hook (here a norm over them) would see a part; refused by the first
+    call, naming the module and the shapes."""
+    said = run_ranks(_hook_inside_a_tp_region, 2, str(tmp_path))[0]
+    assert said.startswith("a forward hook on 'blocks.0.act' (GELU): under tp"), said
+    assert "(2, 3, 32)" in said, said  # this rank's half of the 64 features
+    assert "(2, 3, 64)" in said, said
