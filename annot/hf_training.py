@@ -243,24 +243,48 @@ class Trainer(transformers.Trainer):
             summed = self.loss_is_scaled_for_ga
         weight = 1.0 if summed else 1.0 / self.current_gradient_accumulation_steps
         # annot.jit weighs each microbatch's loss by its share of the batch (a mean):
-        # a microbatch's part of a whole-batch sum counts whole
+        # a microbatch's part of a whole-batch sum counts whole; a microbatch's mean
+        # over its own label tokens counts by its share of the batch's tokens
         per_mb = float(self.microbatches) if summed else 1.0
+        total = None if summed else self.label_count(inputs)
 
         if self._train_step is None:
 
             @annot.jit(self.annot_model, microbatches=self.microbatches, schedule=self.schedule)
-            def train_step(batch: dict[str, Any], num_items: Any, scale: float) -> torch.Tensor:
-                # the step splits batch into microbatches (num_items, a 0-d tensor, and
-                # scale are passed whole)
+            def train_step(batch: dict[str, Any], num_items: Any, total: Any, scale: float):
+                # batch is split into microbatches; num_items and total (0-d tensors)
+                # and scale are passed whole
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, batch, num_items_in_batch=num_items)
                 assert isinstance(loss, torch.Tensor)  # (no return_outputs)
-                self.annot_model.backward(loss * scale)
-                return loss.detach()
+                share = self.token_share(batch, total)
+                self.annot_model.backward(loss * (scale * share))
+                return loss.detach() * share
 
             self._train_step = train_step
-        out = self._train_step(inputs, num_items_in_batch, per_mb * weight)
+        out = self._train_step(inputs, num_items_in_batch, total, per_mb * weight)
         return (out.reduce_mean() * per_mb * weight).detach()
+
+    def label_count(self, batch: dict[str, Any]) -> Optional[torch.Tensor]:
+        """How many label tokens the loss averages over in ``batch`` (the
+        Trainer's rule: a causal LM's first position predicts nothing), or
+        None without labels or with none unmasked."""
+        labels = batch.get("labels")
+        if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+            return None
+        if self.loss_shifts_labels():
+            labels = labels[..., 1:]
+        count = labels.ne(-100).sum()
+        return count if count > 0 else None
+
+    def token_share(self, batch: dict[str, Any], total: Optional[torch.Tensor]) -> Any:
+        """A microbatch's weight against annot.jit's equal shares: its share
+        of the batch's label tokens times the number of microbatches (1 where
+        they are not counted)."""
+        mine = None if total is None else self.label_count(batch)
+        if mine is None:
+            return 1.0
+        return self.microbatches * mine / total
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return self.annot_model.clip_grad_norm_(self.args.max_grad_norm)
@@ -288,8 +312,7 @@ class Trainer(transformers.Trainer):
                 "run predictions in an @annot.jit(model, microbatches=M, forward_only=True) step"
             )
         # a microbatch's loss as its part of the batch's sum over label tokens, where
-        # the model takes the count (exact); else the mean of microbatch means
-        # (equal to the batch's mean where microbatches hold as many label tokens)
+        # the model takes the count; else its mean weighted by its share of them
         num_items = None
         if self.model_accepts_loss_kwargs and isinstance(inputs.get("labels"), torch.Tensor):
             labels = inputs["labels"][..., 1:] if self.loss_shifts_labels() else inputs["labels"]
@@ -302,20 +325,21 @@ class Trainer(transformers.Trainer):
                 schedule=self.schedule,
                 forward_only=True,
             )
-            def eval_step(batch: dict[str, Any], num_items: Any) -> Any:
+            def eval_step(batch: dict[str, Any], num_items: Any, total: Any) -> Any:
                 loss, outputs = self.compute_loss(
                     model, batch, return_outputs=True, num_items_in_batch=num_items
                 )
                 logits = None
                 if not prediction_loss_only and isinstance(outputs, dict):
                     logits = outputs.get("logits")
-                return loss.detach(), logits
+                return loss.detach() * self.token_share(batch, total), logits
 
             self._eval_step = eval_step
+        total = self.label_count(inputs) if num_items is None else None
         with torch.no_grad(), self.compute_loss_context_manager():
-            out = self._eval_step(inputs, num_items)
+            out = self._eval_step(inputs, num_items, total)
         losses = torch.stack([v[0] for v in out])
-        if num_items is None:
+        if num_items is None:  # means weighted by their token shares
             loss = losses.mean()
         else:  # compute_loss scaled each part by the dp average it undoes in training
             averaged = self.args.average_tokens_across_devices
