@@ -282,7 +282,7 @@ class Trainer(transformers.Trainer):
         of the batch's label tokens times the number of microbatches (1 where
         they are not counted)."""
         mine = None if total is None else self.label_count(batch)
-        if mine is None:
+        if mine is None or total is None:
             return 1.0
         return self.microbatches * mine / total
 
