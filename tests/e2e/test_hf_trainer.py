@@ -343,10 +343,11 @@ def _accelerate_loop(cache: str, mesh_kw: dict):
     return losses, state if model.ctx.rank == 0 else None
 
 
-def _plain_loop(dp: int, pipelined: bool):
+def one_device_loop(dp: int, pipelined: bool, data: list | None = None):
     """One device: each step the batch of every dp replica, each replica's loss
     a mean over its own tokens (as annot, and DDP, average replicas), split in
-    two microbatches where the pipeline splits it."""
+    two microbatches where the pipeline splits it. ``data``: the rows (default
+    :func:`_data`)."""
     import torch
 
     from tests.tiny_hf import tiny_llama
@@ -355,7 +356,7 @@ def _plain_loop(dp: int, pipelined: bool):
     torch.manual_seed(0)
     ref = cls(cfg)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    data = _data()
+    data = _data() if data is None else data
     losses = []
     for i in range(STEPS):
         rows = data[i * 4 * dp : (i + 1) * 4 * dp]
@@ -383,7 +384,7 @@ def test_accelerate_prepare_equals_one_device(tmp_path, mesh_kw):
     import annot
 
     mesh = annot.Mesh(**mesh_kw)
-    ref = _plain_loop(mesh.dp, mesh.pp > 1)
+    ref = one_device_loop(mesh.dp, mesh.pp > 1)
     got = run_ranks(_accelerate_loop, mesh.size, str(tmp_path), mesh_kw)
     _compare(got[0], ref, f"annot.hf.Accelerator {mesh_kw}")
 

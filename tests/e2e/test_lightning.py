@@ -93,34 +93,13 @@ def _fit(cache: str, mesh_kw: dict, strategy: bool):
     return lit.losses, state if model.ctx.rank == 0 else None
 
 
-def _one_device():
-    from tests.tiny_hf import tiny_llama
-
-    cls, cfg, _ = tiny_llama()
-    torch.manual_seed(0)
-    ref = cls(cfg)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    data, losses = _data(), []
-    for i in range(STEPS):
-        rows = data[i * 4 : (i + 1) * 4]
-        ids = torch.stack([r["input_ids"] for r in rows])
-        total = 0.0
-        for part in ids.chunk(2):  # the pipeline's two microbatches: equal token counts
-            loss = ref(input_ids=part, labels=part).loss / 2
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, ref.state_dict()
-
-
 @pytest.mark.parametrize("mesh_kw", [{"tp": 2}, pytest.param({"pp": 2}, marks=pytest.mark.slow)])
 def test_lightning_with_annot_strategy_equals_one_device(tmp_path, mesh_kw):
+    from tests.e2e.test_hf_trainer import one_device_loop
     from tests.parity import assert_close
 
-    ref_losses, ref_state = _one_device()
+    # every label counts: the microbatches' means average to the batch's
+    ref_losses, ref_state = one_device_loop(1, True, _data())
     losses, state = run_ranks(_fit, 2, str(tmp_path), mesh_kw, True)[0]
     assert len(losses) == STEPS
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
