@@ -61,6 +61,7 @@ class ParallelModel(nn.Module):
         # gradients a step found already there, kept out of its sums over ranks
         self._carried_grads: Optional[dict[int, torch.Tensor]] = None
         self._wrap_checked = False  # check_attachments ran (at the first call)
+        self._split_layers: Optional[list] = None  # tp_user_hooks.split_layers, found once
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "__class__":  # fully_shard(model) by the user: refused
@@ -119,12 +120,14 @@ class ParallelModel(nn.Module):
         tp-split layers given whole tensors
         (:func:`annot.runtime.tp_user_hooks.view_hooks`). At the first call and
         the start of every training step."""
-        from annot.runtime.tp_user_hooks import view_hooks
+        from annot.runtime.tp_user_hooks import split_layers, view_hooks
         from annot.wrap_guard import check_unwrapped
 
         check_unwrapped(self)
         if self.ctx.mesh.tp > 1:
-            view_hooks(self.module)
+            if self._split_layers is None:  # the layers tp split stay: found once
+                self._split_layers = split_layers(self.module)
+            view_hooks(self._split_layers)
         root = self.module
         if (
             self.pipeline is not None

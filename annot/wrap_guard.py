@@ -133,7 +133,8 @@ def check_unwrapped(model: Any) -> None:
 
     foreign = isinstance(model, FSDPModule)
     if not foreign and model.fsdp is None:
-        foreign = any(isinstance(p, DTensor) for p in model.module.parameters())
+        # fully_shard on a module holding the model makes every parameter a DTensor
+        foreign = isinstance(next(model.module.parameters(), None), DTensor)
     if foreign:
         raise IntegrationError(_fully_shard_refusal(model))
 

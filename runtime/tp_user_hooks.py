@@ -35,7 +35,7 @@ from annot.runtime import tp_embedding as E
 from annot.runtime import tp_layers as L
 from annot.runtime.tp_comm import GatherFromTP, ScatterToTP, tp_env
 
-__all__ = ["WholeView", "carry_hooks", "is_annots", "view_hooks"]
+__all__ = ["WholeView", "carry_hooks", "is_annots", "split_layers", "view_hooks"]
 
 # every hook dictionary of an nn.Module (the flags are keyed by hook id)
 HOOK_DICTS = (
@@ -76,13 +76,18 @@ def split_side(module: nn.Module) -> Optional[str]:
     return None
 
 
-def view_hooks(model: nn.Module) -> None:
-    """Wrap each user hook on a tp-split layer of ``model`` that sees a shard
-    in a :class:`WholeView` (once); refuse those that cannot be."""
-    for path, module in model.named_modules():
-        side = split_side(module)
-        if side is None:
-            continue
+def split_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(path, layer, side)`` of each layer of ``model`` that tp splits (see
+    :func:`split_side`): found once, as the layers stay."""
+    found = [(path, m, split_side(m)) for path, m in model.named_modules()]
+    return [(path, m, side) for path, m, side in found if side is not None]
+
+
+def view_hooks(layers: list[tuple[str, nn.Module, str]]) -> None:
+    """Wrap each user hook on the tp-split ``layers`` (:func:`split_layers`)
+    that sees a shard in a :class:`WholeView` (once); refuse those that
+    cannot be."""
+    for path, module, side in layers:
         if module._backward_hooks or module._backward_pre_hooks:
             raise IntegrationError(
                 f"a backward hook on {path!r}, a {type(module).__name__} split over tp: its "
