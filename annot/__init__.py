@@ -59,19 +59,19 @@ __all__ = [
 # The torch-heavy entry points load on first use, so `annot rewrite` and the
 # rewriters start without importing torch.
 _LAZY = {
-    "jit": "annot.jit_step",
-    "parallelize": "annot.build",
+    "jit": "annot.training.jit",
+    "parallelize": "annot.build.parallelize",
     "ParallelModel": "annot.parallel_model",
     "clip_grad_norm_": "annot.parallel_model",
-    "StepOutput": "annot.microbatch",
-    "save": "annot.dcp",
-    "load": "annot.dcp",
-    "load_full": "annot.dcp",
-    "from_pretrained": "annot.pretrained",
-    "save_pretrained": "annot.save_pretrained",
-    "zero_optimizer": "annot.optim",
-    "grad_scaler": "annot.grad_scaler",
-    "state_bytes": "annot.optim",
+    "StepOutput": "annot.training.microbatch",
+    "save": "annot.io.dcp",
+    "load": "annot.io.dcp",
+    "load_full": "annot.io.dcp",
+    "from_pretrained": "annot.io.pretrained",
+    "save_pretrained": "annot.io.save_pretrained",
+    "zero_optimizer": "annot.training.optim",
+    "grad_scaler": "annot.training.grad_scaler",
+    "state_bytes": "annot.training.optim",
 }
 
 

@@ -3,7 +3,7 @@
 A thin ``nn.Module`` around this rank's part of the model (its tp shard of its
 pipeline stages). ``model(...)`` runs it; ``model.backward(loss)`` replaces
 ``loss.backward()`` and then makes the gradients whole: averaged over dp
-(overlapped with the backward, :mod:`annot.runtime.grad_buckets`), summed
+(overlapped with the backward, :mod:`annot.runtime.grads.buckets`), summed
 over the pipeline stages that share a tied weight. Inside an ``@annot.jit``
 step the pipeline executor takes both calls over.
 """
@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.core.errors import PipelineError
-from annot.runtime.tp_comm import compiling
+from annot.runtime.tp.comm import compiling
 
 if TYPE_CHECKING:
-    from annot.runtime.fsdp import ShardedData
+    from annot.runtime.grads.fsdp import ShardedData
 
 __all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
 
@@ -43,17 +43,17 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.module = module
         self.ctx = ctx
-        self.pipeline = pipeline  # annot.runtime.stages.PipelineLayout or None
-        self.report = report  # annot.build_report.BuildReport: what parallelize did
+        self.pipeline = pipeline  # annot.runtime.pipeline.layout.PipelineLayout or None
+        self.report = report  # annot.build.report.BuildReport: what parallelize did
         self.autocast_dtype = autocast  # torch.bfloat16 with precision="bf16", else None
         self.verify = verify  # check replicated gradients agree over tp after each step
         self._step: Any = None  # the active jit step (set by annot.jit while it runs)
-        self.preflight = None  # annot.preflight's check, run on the first call when set
-        self.dropout = None  # annot.runtime.tp_dropout.ShardedDropout's sites, from the pre-flight
+        self.preflight = None  # annot.build.preflight's check, run on the first call when set
+        self.dropout = None  # annot.runtime.tp.dropout.ShardedDropout's sites, from the pre-flight
         self._dropout_names = None
         self.overlap_grad_reduce = overlap_grad_reduce  # dp average in buckets during backward
         self.bucket_cap_mb = bucket_cap_mb
-        self._buckets = None  # annot.runtime.grad_buckets.GradBuckets, built on first use
+        self._buckets = None  # annot.runtime.grads.buckets.GradBuckets, built on first use
         self.fsdp: Optional[ShardedData] = None  # with parallelize(fsdp=True) at dp > 1
         self.compiled_blocks: list[str] = []  # paths whose forward torch.compile compiled
         self._warned_outer_compile = False
@@ -65,7 +65,7 @@ class ParallelModel(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "__class__":  # fully_shard(model) by the user: refused
-            from annot.wrap_guard import refuse_class_swap
+            from annot.integrations.wrappers import refuse_class_swap
 
             refuse_class_swap(self, value)
         super().__setattr__(name, value)
@@ -73,7 +73,7 @@ class ParallelModel(nn.Module):
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
         dropout sees tp shards, each rank's slice of the single-device mask."""
-        from annot.precision import forward_context
+        from annot.training.precision import forward_context
 
         autocast = forward_context(self.ctx.device, self.autocast_dtype)
         if not self.dropout:
@@ -84,9 +84,9 @@ class ParallelModel(nn.Module):
         return stack
 
     def dropout_context(self):
-        """:class:`~annot.runtime.tp_dropout.ShardedDropout` over this rank's
+        """:class:`~annot.runtime.tp.dropout.ShardedDropout` over this rank's
         model, unless it is on already (never twice: each would draw a mask)."""
-        from annot.runtime.tp_dropout import ShardedDropout, active, module_names
+        from annot.runtime.tp.dropout import ShardedDropout, active, module_names
 
         if not self.dropout or active() is not None:
             return contextlib.nullcontext()
@@ -96,7 +96,7 @@ class ParallelModel(nn.Module):
 
     def backward_context(self):
         """Autocast off for backward (a no-op in fp32)."""
-        from annot.precision import backward_context
+        from annot.training.precision import backward_context
 
         return backward_context(self.ctx.device, self.autocast_dtype)
 
@@ -105,7 +105,7 @@ class ParallelModel(nn.Module):
         return self.ctx.mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from annot.runtime.tp_layers import forget_shared_inputs
+        from annot.runtime.tp.layers import forget_shared_inputs
 
         if compiling() and not self._traceable():
             return self._eager_forward(*args, **kwargs)
@@ -116,12 +116,12 @@ class ParallelModel(nn.Module):
 
     def check_attachments(self) -> None:
         """What users and libraries attached to the model since the last check:
-        ``fully_shard`` around it refused (:mod:`annot.wrap_guard`); hooks on
+        ``fully_shard`` around it refused (:mod:`annot.integrations.wrappers`); hooks on
         tp-split layers given whole tensors
-        (:func:`annot.runtime.tp_user_hooks.view_hooks`). At the first call and
+        (:func:`annot.runtime.tp.user_hooks.view_hooks`). At the first call and
         the start of every training step."""
-        from annot.runtime.tp_user_hooks import split_layers, view_hooks
-        from annot.wrap_guard import check_unwrapped
+        from annot.integrations.wrappers import check_unwrapped
+        from annot.runtime.tp.user_hooks import split_layers, view_hooks
 
         check_unwrapped(self)
         if self.ctx.mesh.tp > 1:
@@ -164,7 +164,7 @@ class ParallelModel(nn.Module):
     )
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._traced_whole() and self.preflight is None:  # traced from the next call on
-            from annot.compile import check_no_dropout
+            from annot.build.compile import check_no_dropout
 
             out = check_no_dropout(self.module, self.forward, args, kwargs, "torch.compile(model)")
             self._no_dropout.add(self.module.training)
@@ -182,12 +182,12 @@ class ParallelModel(nn.Module):
 
     def compile(self, **options: Any) -> None:
         """``torch.compile`` this rank's model after sharding: whole in one
-        stage, else each block, as torchtitan does (:mod:`annot.compile`): ``options`` are
+        stage, else each block, as torchtitan does (:mod:`annot.build.compile`): ``options`` are
         ``torch.compile``'s (``backend=``, ``mode=``, ``dynamic=``, ...). The
         module tree and state-dict keys are unchanged; the pipeline, its
         replay and annot's reductions stay eager."""
-        from annot.compile import compile_blocks
-        from annot.hf import nested_blocks
+        from annot.build.compile import compile_blocks
+        from annot.hf.models import nested_blocks
 
         plan = self.pipeline
         staged = plan is not None and plan.num_stages > 1
@@ -248,7 +248,7 @@ class ParallelModel(nn.Module):
 
     @property
     def grad_buckets(self):
-        """The :class:`~annot.runtime.grad_buckets.GradBuckets` that average
+        """The :class:`~annot.runtime.grads.buckets.GradBuckets` that average
         gradients over dp during the backward, or None (dp = 1, or
         ``overlap_grad_reduce=False``: one flat all-reduce after it; or FSDP2,
         which reduce-scatters them itself). Built
@@ -261,7 +261,7 @@ class ParallelModel(nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         old = self._buckets
         if old is None or not old.holds(params):
-            from annot.runtime.grad_buckets import GradBuckets
+            from annot.runtime.grads.buckets import GradBuckets
 
             if old is not None:
                 old.close()
@@ -271,7 +271,7 @@ class ParallelModel(nn.Module):
     def begin_grad_reduce(self) -> None:
         """A new step: forget what an unfinished one left in the buckets (with
         FSDP2: accumulate gradients unreduced until :meth:`arm_grad_reduce`)."""
-        from annot.runtime.grads import carried_grads
+        from annot.runtime.grads.reduce import carried_grads
 
         self.check_attachments()
         # gradients accumulated over earlier steps: kept out of this step's sums
@@ -300,7 +300,7 @@ class ParallelModel(nn.Module):
         stages that hold them. Called once per step, after all backwards. With
         ``verify`` it then checks every tp-replicated gradient is the same on
         every tp rank (:class:`annot.VerifyError` otherwise)."""
-        from annot.runtime.grads import check_replicated_grads, reduce_gradients
+        from annot.runtime.grads.reduce import check_replicated_grads, reduce_gradients
 
         carried, self._carried_grads = self._carried_grads, None
         reduce_gradients(
@@ -313,7 +313,7 @@ class ParallelModel(nn.Module):
         """``torch.nn.utils.clip_grad_norm_`` for the whole parallel model (tp
         shards, pipeline stages, tied copies counted once); returns the total
         norm on every rank. Call it after the step, before ``opt.step()``."""
-        from annot.runtime.grads import clip_grad_norm_
+        from annot.runtime.grads.reduce import clip_grad_norm_
 
         return clip_grad_norm_(
             self.module,
@@ -327,14 +327,14 @@ class ParallelModel(nn.Module):
     # Checkpoint-friendly views: keys equal the single-device model's.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from annot.runtime.process_groups import use
-        from annot.runtime.state_dict import full_state_dict
+        from annot.runtime.tp.state_dict import full_state_dict
 
         with use(self.ctx):
             return _gather_stages(full_state_dict(self.module), self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         from annot.runtime.process_groups import use
-        from annot.runtime.state_dict import full_grads
+        from annot.runtime.tp.state_dict import full_grads
 
         with use(self.ctx):
             return _gather_stages(full_grads(self.module), self)
@@ -353,7 +353,7 @@ class ParallelModel(nn.Module):
 
         from annot.core.errors import CheckpointError
         from annot.runtime.process_groups import use
-        from annot.runtime.state_dict import load_full_state_dict
+        from annot.runtime.tp.state_dict import load_full_state_dict
 
         if self.pipeline is None:
             with use(self.ctx):

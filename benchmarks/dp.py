@@ -6,7 +6,7 @@ The dp=2 gradient average of a small GPT (benchmarks/bench_models.py, 3.4 M
 parameters, 13 MiB of float32 gradients), two ways on the same 2 ranks:
 one flat all-reduce after the backward (``overlap_grad_reduce=False``) and
 buckets all-reduced while the backward runs (annot's default,
-:mod:`annot.runtime.grad_buckets`):
+:mod:`annot.runtime.grads.buckets`):
 
 (a) ``model.backward(loss)`` step, 25 MiB buckets (DDP's default: here a 1.5 MiB
     first bucket, then the rest in one), overlapped / flat

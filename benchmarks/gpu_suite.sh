@@ -30,7 +30,7 @@ timeout "${SUITE_S:-300}" python3 -m pytest "$@" -n 15 -v --timeout 90 \
 echo "suite rc=$?" >>"$OUT/fast.txt"
 
 timeout 60 python3 -m pytest -q -p no:cacheprovider -k cuda \
-    tests/runtime/test_checkpointing.py tests/runtime/test_deferred_init.py >"$OUT/cuda_tests.txt" 2>&1
+    tests/runtime/test_recompute.py tests/runtime/init/test_deferred.py >"$OUT/cuda_tests.txt" 2>&1
 
 timeout "${CHECK_S:-150}" torchrun --nproc-per-node 1 benchmarks/gpu_check.py --steps 10 \
     >"$OUT/gpu_check.txt" 2>&1

@@ -7,7 +7,7 @@ to run, heavy in parameters), a large LM head (heavy in both), and blocks of
 mixed MLP widths (some 4x wider than the others). Three ways to place the
 stage boundaries:
 
-* **annot**: :func:`annot.planner.plan` (``units=SourceSegments(...)``) with ``cost="time"`` on one
+* **annot**: :func:`annot.plan.planner.plan` (``units=SourceSegments(...)``) with ``cost="time"`` on one
   microbatch (per-segment forward + backward times, exact min-bottleneck);
 * **uniform**: the same number of blocks per stage, the embedding with the
   first, the head with the last (torchtitan / torch.distributed.pipelining's
@@ -19,7 +19,7 @@ stage boundaries:
   the largest minus the smallest stage sum; ties go to the later cut).
 
 Part 1 runs each stage of each split whole on one sample microbatch
-(:func:`annot.planner.measure_split`: forward + backward, one torch thread;
+(:func:`annot.plan.planner.measure_split`: forward + backward, one torch thread;
 each stage's fastest of 8 interleaved rounds) and prints max/mean of the
 stage times, next to max/mean of the stages' counted FLOPs (noise-free).
 Part 2 times the partitioner on 10 000 segments into 64 stages. Part 3 runs
@@ -212,7 +212,7 @@ def stage_times(model, splits: dict[str, list[str]], mb) -> dict[str, list[float
     rounds, each round running every distinct split once (the median of 2
     runs). On a busy machine a run of a few milliseconds is often preempted;
     the fastest is the closest to its cost."""
-    from annot.planner import measure_split
+    from annot.plan.planner import measure_split
 
     distinct = {tuple(split) for split in splits.values()}
     runs: dict[tuple, list[list[float]]] = {k: [] for k in distinct}
@@ -261,9 +261,9 @@ def _rank_steps(cfg: UnevenConfig, splits: dict[str, list[str]], pp: int, batch:
 
 
 def main() -> None:
-    from annot.planner import plan as plan_stages
-    from annot.planner_segments import SourceSegments
-    from annot.runtime.partition import evaluate, partition
+    from annot.plan.partition import evaluate, partition
+    from annot.plan.planner import plan as plan_stages
+    from annot.plan.segments import SourceSegments
     from annot.testing import run_ranks
     from benchmarks.partition_speed import median_time
 

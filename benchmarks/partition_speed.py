@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from annot.runtime.partition import partition
+from annot.plan.partition import partition
 
 __all__ = []
 

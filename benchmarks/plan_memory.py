@@ -5,7 +5,7 @@ pipeline training step on gloo ranks.
     python benchmarks/plan_memory.py --hidden 2048 --intermediate 5632 --layers 16 \\
         --heads 16 --kv-heads 4                           # the 852.6M Llama
 
-1. The plan: :func:`annot.planner.plan` (``units=ModuleUnits()``) on the meta
+1. The plan: :func:`annot.plan.planner.plan` (``units=ModuleUnits()``) on the meta
    device (no weight allocated) for a ``LlamaForCausalLM`` (untied head) at
    ``--pp`` stages, one microbatch of ``--microbatch-size`` x ``--seq-len``
    tokens with labels (the loss inside the model), AdamW in float32, 1F1B
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import LlamaForCausalLM
 
-    from annot.module_units import ModuleUnits
-    from annot.planner import plan as plan_stages
-    from annot.runtime.memory_model import Training
+    from annot.plan.memory_model import Training
+    from annot.plan.module_units import ModuleUnits
+    from annot.plan.planner import plan as plan_stages
     from annot.testing import run_ranks
 
     cfg = _config(args)

@@ -16,7 +16,7 @@
 (d) the bubble, measured against theory, of every schedule annot runs (GPipe, 1F1B,
     interleaved with 2 virtual stages per rank, ZB-H1) on fixed-cost stages whose
     backward is half input-gradient (I) and half weight-gradient (W) work; theory is
-    the schedule's own simulated step (annot.runtime.schedule_check.simulate) on
+    the schedule's own simulated step (annot.runtime.pipeline.schedule_check.simulate) on
     the same costs; and ZB-H1's step against 1F1B's;
 (e) a real model: HF Llama (8 layers, unmodified; BENCH_LAYERS=32 for 32) at pp=2 and
     pp=4, annot's automatic
@@ -323,8 +323,8 @@ def _bubble_rank(schedule: str, chunks: int, microbatches: int, cost_ms, cache: 
 
 def bubbles(pp: int = 2, microbatches: int = 8, cost_ms=(20.0, 40.0, 20.0)) -> list[tuple]:
     """(d): per schedule, (name, measured bubble, theory bubble, step seconds)."""
-    from annot.runtime.schedule_check import simulate
-    from annot.runtime.schedules import get_schedule
+    from annot.runtime.pipeline.schedule_check import simulate
+    from annot.runtime.pipeline.schedules import get_schedule
     from annot.testing import run_ranks
 
     f, b, w = cost_ms

@@ -8,11 +8,11 @@ torch.distributed.pipelining with the same uniform split done by hand.
 The model is ``LlamaForCausalLM`` built from a small config, unmodified; annot
 cuts it inside the nested ``LlamaModel.forward``: at whole blocks by the nested
 source split (the default runner since 2026-11-27), inside a block by the
-replay (annot.runtime.replay). Per pp
+replay (annot.runtime.runners.replay). Per pp
 (2 and 4), three systems, steps interleaved (annot-auto, annot-uniform,
 torch, ...), 1F1B, 8 microbatches:
 
-* **auto**: ``annot.planner.plan(units=ModuleUnits(), cost="time")`` on one
+* **auto**: ``annot.plan.planner.plan(units=ModuleUnits(), cost="time")`` on one
   microbatch: each block part (attention | MLP) timed, median of 7 forwards;
 * **uniform**: the blocks spread evenly (``annot.hf.stages_from_hf_config``);
 * **torch**: ``PipelineStage`` + ``Schedule1F1B`` over hand-written stage
@@ -45,7 +45,7 @@ here: with 4 ranks on 2 cores the step time follows the total work, not the
 slowest stage, and the automatic split's step was 5-8% above the uniform
 one's in 3 of 4 runs. Each stage replays the earlier stages' Python on meta;
 a block of another stage is one cached meta call and the glue's meta ops come
-from a shape cache (annot.runtime.meta_ops.MetaOps). The first version was
+from a shape cache (annot.runtime.runners.meta_ops.MetaOps). The first version was
 2.8x / 4.4x torch's step, a later one 1.39x / 1.71x. The goal step <= 1.0x
 torch is not met.
 
@@ -246,8 +246,8 @@ def main() -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from annot.module_units import ModuleUnits
-    from annot.planner import plan as plan_stages
+    from annot.plan.module_units import ModuleUnits
+    from annot.plan.planner import plan as plan_stages
     from annot.testing import run_ranks
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ def _rank() -> dict:
     import torch
     import torch.distributed as dist
 
-    from annot.runtime.p2p import recv_pytree, send_pytree
+    from annot.runtime.pipeline.p2p import recv_pytree, send_pytree
 
     torch.set_num_threads(1)
     r = dist.get_rank()
@@ -93,7 +93,7 @@ def _cold(r: int, peer: int, x) -> dict:
     import torch
     import torch.distributed as dist
 
-    from annot.runtime.p2p import recv_pytree, send_pytree
+    from annot.runtime.pipeline.p2p import recv_pytree, send_pytree
 
     w, a = torch.randn(1024, 1024), torch.randn(64, 1024)
     cpu: dict[str, list[float]] = {"annot cold": [], "plain cold": []}

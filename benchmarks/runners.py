@@ -35,7 +35,7 @@ build of that day (the replay's message and frame-walk costs cut): llama pp=2
 The source split is 5% faster or more on every model here (the replay's cost
 grows with the stages it replays on meta), so it is the build's fast path
 wherever the rewriter can cut, the nested split included
-(annot.stage_points.choose_runner). tests/test_runners.py checks both give
+(annot.plan.stage_points.choose_runner). tests/test_runners.py checks both give
 identical losses and gradients.
 """
 

@@ -277,7 +277,7 @@ def _overlap_rank(cache: str) -> tuple[float, float]:
     from transformers import LlamaForCausalLM
 
     import annot
-    from annot.runtime.tp_layers import ColumnParallelLinear
+    from annot.runtime.tp.layers import ColumnParallelLinear
 
     tp = dist.get_world_size()
     cfg = _llama_config()
@@ -352,7 +352,7 @@ def _large_source(copies: int = 60) -> str:
 def bench_rewrite() -> tuple[float, float, int]:
     import libcst as cst
 
-    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
+    from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
 
     src = _large_source()
     ta, tb = [], []
@@ -368,7 +368,7 @@ def bench_rewrite() -> tuple[float, float, int]:
 
 def bench_cache() -> tuple[float, float]:
     import annot
-    from annot.rewrite_cache import last_rewritten
+    from annot.build.rewrite_cache import last_rewritten
     from examples.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2)

@@ -137,7 +137,7 @@ def _leave() -> None:
     threads are joined before teardown (left to the interpreter, a gloo rank
     could abort with "terminate called without an active exception" after
     the program's last line). Bounded: a peer that hung cannot hold the exit."""
-    from annot.runtime.faults import abort_process_group
+    from annot.runtime.faults.failures import abort_process_group
 
     if dist.is_available() and dist.is_initialized():
         abort_process_group(wait_s=10.0)

@@ -11,7 +11,7 @@ row per pipeline stage (``tid``)::
     write_chrome_trace("step.json", {0: tracer.events})   # ui.perfetto.dev
 
 :func:`schedule_to_chrome_trace` draws a schedule from
-:func:`annot.runtime.schedule_check.simulate` the same way, with no processes.
+:func:`annot.runtime.pipeline.schedule_check.simulate` the same way, with no processes.
 """
 
 from __future__ import annotations
@@ -158,11 +158,11 @@ def schedule_to_chrome_trace(
     schedule, cost_f: float = 1, cost_b: float = 2, *, cost_w: Optional[float] = None
 ) -> dict[str, Any]:
     """Draw a schedule as a Chrome trace from
-    :func:`annot.runtime.schedule_check.simulate` (one cost unit = 1 ms, the
+    :func:`annot.runtime.pipeline.schedule_check.simulate` (one cost unit = 1 ms, the
     same costs): one process per rank, one thread per stage, an ``X`` event
     per F/B/I/W and an instant event (``"ph": "i"``) per SEND/RECV."""
-    from annot.runtime.schedule_check import simulate
-    from annot.runtime.schedules import CATEGORY, COMPUTE
+    from annot.runtime.pipeline.schedule_check import simulate
+    from annot.runtime.pipeline.schedules import CATEGORY, COMPUTE
 
     timeline = simulate(schedule, cost_f, cost_b, cost_w=cost_w)
     by_rank: dict[int, Events] = {}

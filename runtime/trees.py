@@ -7,9 +7,9 @@ on top: a ``torch.Size`` stays whole (:func:`keep_whole`; pytree would
 rebuild it as a plain tuple). :func:`tensors` is the tensors among the
 leaves, :func:`map_tensors` maps them, :func:`flatten` takes a structure
 apart for ``tree_unflatten``. Hand-written walkers remain only where pytree
-cannot say what is needed: the p2p wire codec (:mod:`annot.runtime.p2p_codec`),
-the frame walk of the replay (:mod:`annot.runtime.frame_walk`) and the op
-cache's structure keys (:mod:`annot.runtime.meta_ops`), each saying why.
+cannot say what is needed: the p2p wire codec (:mod:`annot.runtime.pipeline.p2p_codec`),
+the frame walk of the replay (:mod:`annot.runtime.runners.frame_walk`) and the op
+cache's structure keys (:mod:`annot.runtime.runners.meta_ops`), each saying why.
 """
 
 from __future__ import annotations

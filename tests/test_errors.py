@@ -7,10 +7,10 @@ import torch.nn as nn
 
 import annot
 from annot import Col, HintError, Local, MeshError, PipelineError, Row, Vocab
+from annot.build.hint_checks import check_shard_hints
 from annot.core.hints import resolve_external_hints, resolve_hints, shard, stage
-from annot.hint_checks import check_shard_hints
-from annot.microbatch import split_microbatches
 from annot.testing import RanksFailed, run_ranks
+from annot.training.microbatch import split_microbatches
 
 
 class Attn(nn.Module):

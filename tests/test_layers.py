@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # folder in the repository -> package it installs as (pyproject's package-dir)
 PACKAGES = {
     "annot": "annot",
-    "annot/core": "annot.core",
     "rewriters": "annot.rewriters",
     "runtime": "annot.runtime",
 }
@@ -21,8 +20,13 @@ PACKAGES = {
 def _modules() -> dict[str, Path]:
     out = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if folder == "annot" and parts[0] in ("rewriters", "runtime"):
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
     return out
 
 
@@ -107,7 +111,7 @@ def test_the_installed_names_are_under_annot():
     assert {p.split(".")[0] for p in config["packages"]} == {"annot"}
     assert config["package-dir"] == {"annot.rewriters": "rewriters", "annot.runtime": "runtime"}
 
-    from annot.rewriters.tensor_parallel import rewrite_tensor_parallel
+    from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
 
     src = (
         "import torch.nn as nn\nfrom annot import shard, Col, Row\n\n"
@@ -116,15 +120,21 @@ def test_the_installed_names_are_under_annot():
         "        self.fc1 = nn.Linear(4, 8)\n        self.fc2 = nn.Linear(8, 4)\n"
     )
     out = rewrite_tensor_parallel(src, tp=2)
-    assert "from annot.runtime.tp_layers import" in out
+    assert "from annot.runtime.tp.layers import" in out
     assert "\nfrom runtime" not in out
 
 
 # Tests mirror the layout: tests/<folder>/test_<name>.py tests the module <name>
 # of the package in that folder (or a topic of it: test_<module>_<topic>.py).
-TEST_FOLDERS = {"tests": "annot", "tests/core": "annot/core"} | {
-    f"tests/{folder}": folder for folder in ("rewriters", "runtime")
-}
+def source_folder(tests_folder: str) -> str:
+    """tests/ mirrors annot/; tests/rewriters/... and tests/runtime/... mirror the
+    folders installed as annot.rewriters and annot.runtime."""
+    parts = tests_folder.split("/")[1:]
+    if parts and parts[0] in ("rewriters", "runtime"):
+        return "/".join(parts)
+    return "/".join(["annot", *parts])
+
+
 # folders of tests that span the layers, and top-level files that do
 CROSS_MODULE_FOLDERS = {"tests/e2e", "tests/fixtures"}
 CROSS_MODULE = {
@@ -134,7 +144,7 @@ CROSS_MODULE = {
     "tests/test_fsdp.py": "parallelize(fsdp=True) composed with tp and pp",
     "tests/test_fuzz_structures.py": "the fuzzer of model structures, through every layer",
     "tests/test_layers.py": "the layers, read off every module's imports",
-    "tests/test_plan_memory.py": "planner and runtime.memory_model on the meta device",
+    "tests/plan/test_memory_model.py": "planner and runtime.memory_model on the meta device",
     "tests/test_printed_stages.py": "what `annot rewrite --pp` prints, run on ranks",
     "tests/test_readme.py": "the README's commands and code, run as written",
     "tests/test_runners.py": "the two stage runners on one plan, through build and explain",
@@ -150,13 +160,14 @@ def test_tests_mirror_the_layout():
         folder, name = rel.parent.as_posix(), path.stem.removeprefix("test_")
         if rel.as_posix() in CROSS_MODULE or folder in CROSS_MODULE_FOLDERS:
             continue
-        if folder not in TEST_FOLDERS:
-            wrong.append(f"{rel}: tests/ has no folder {folder!r} (mirror {sorted(TEST_FOLDERS)})")
+        source = source_folder(folder)
+        if not (ROOT / source / "__init__.py").exists():
+            wrong.append(f"{rel}: {folder} mirrors {source}/, which is not a package")
             continue
-        modules = {p.stem for p in (ROOT / TEST_FOLDERS[folder]).glob("*.py")}
+        modules = {p.stem for p in (ROOT / source).glob("*.py")}
         if not any(name == m or name.startswith(f"{m}_") for m in modules):
             wrong.append(
-                f"{rel}: no module {TEST_FOLDERS[folder]}/{name}.py; name the file after the "
+                f"{rel}: no module {source}/{name}.py; name the file after the "
                 "module it tests (test_<module>.py or test_<module>_<topic>.py), or list it in "
                 "CROSS_MODULE with the reason it spans modules"
             )

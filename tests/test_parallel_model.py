@@ -2,7 +2,7 @@
 single-device model (the total norm, and every gradient after clipping), at
 tp=2, pp=2 (with the embedding tied to the head across stages) and tp2 x pp2.
 ``_clip(..., how="torch")`` calls torch's own on the model's parameters
-instead (tests/test_clip_guard.py)."""
+instead (tests/training/test_clip_grad.py)."""
 
 import pytest
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from annot.cli import main
+from annot.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def test_printed_nested_split_computes_the_model(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.test_hf_gpt2 import LLAMA_KW
+    from tests.hf.test_models_gpt2 import LLAMA_KW
 
     monkeypatch.setenv("ANNOT_CACHE_DIR", str(tmp_path / "cache"))
     printed = _printed(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from annot.cli import main
+from annot.cli.main import main
 from annot.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

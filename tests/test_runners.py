@@ -1,4 +1,4 @@
-"""The two stage runners (annot.runtime.stage_runner) on the same plan: the source
+"""The two stage runners (annot.runtime.runners.stage_runner) on the same plan: the source
 split, the build's fast path where the rewriter can cut the root's forward, and the
 replay, which cuts any plan, give identical losses and every gradient, on real
 gloo ranks; the choice is made once at build, recorded and shown by explain."""
@@ -233,7 +233,7 @@ def _refusals(cache: str):
     assert model.report.runner_reason.startswith("the source split cannot cut there: ")
 
 
-@pytest.mark.slow  # the refusal's reason: tests/test_stage_points.py, fast
+@pytest.mark.slow  # the refusal's reason: tests/plan/test_stage_points.py, fast
 def test_a_runner_that_cannot_run_the_plan_is_refused(tmp_path):
     run_ranks(_refusals, 2, str(tmp_path))
 
@@ -280,7 +280,7 @@ def test_nested_source_split_refuses_what_wraps_the_whole_call(tmp_path, asked, 
     under the nested split: asking it for what only the whole call gives is
     refused on every rank (the replay runs the model's own forward,
     tests/e2e/test_pp_nested.py; a config that asks makes the build choose it,
-    tests/test_stage_points.py)."""
+    tests/plan/test_stage_points.py)."""
     texts = run_ranks(_capture_refused, 2, str(tmp_path), asked)
     assert named in texts[0]
     assert "on a pipeline run by the source split" in texts[0]

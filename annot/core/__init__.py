@@ -5,5 +5,5 @@ but itself: the errors (:mod:`~annot.core.errors`), the sharding specs
 atomic file writes (:mod:`~annot.core.files`).
 
 The layers above it: the rewriters (``annot.rewriters``) and the runtime
-(``annot.runtime``), side by side; the orchestration (``annot.build``,
-``annot.cli``, the planner) on top."""
+(``annot.runtime``), side by side; the orchestration (``annot.build.parallelize``,
+``annot.cli.main``, the planner) on top."""

@@ -2,7 +2,7 @@
 
 They only *record* a validated spec on the class and return it unchanged, so
 an annotated model still runs single-device with plain PyTorch. Checking the
-hints against a built model happens separately (:mod:`annot.hint_checks`).
+hints against a built model happens separately (:mod:`annot.build.hint_checks`).
 
 Hints can also be given from outside the source, keyed by module-path
 patterns (:func:`resolve_external_hints`), for a model the user cannot edit.

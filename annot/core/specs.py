@@ -279,8 +279,8 @@ SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial, Heads)
 
 #: The tensor-parallel layer a spec makes of each kind of layer (``nn.Linear``,
 #: HF transformers' ``Conv1D``, ``nn.Embedding``), by its name on
-#: ``annot.runtime.tp_layers``: the rewriter writes the name into the source it
-#: emits, ``annot.runtime.tp_convert`` builds the class of that name from a
+#: ``annot.runtime.tp.layers``: the rewriter writes the name into the source it
+#: emits, ``annot.runtime.tp.convert`` builds the class of that name from a
 #: built layer. A pair not here is no layer (the two check that first).
 PARALLEL_LAYERS: dict[tuple[str, type], str] = {
     ("linear", Col): "ColumnParallelLinear",

@@ -38,7 +38,7 @@ def _block_counts(cache: str):
     assert_close(y, ref_y, "block output")
     assert_close(x.grad, ref_x.grad, "block input grad")
     compare_grads(block, ref, "block")
-    from annot.runtime.grads import check_replicated_grads
+    from annot.runtime.grads.reduce import check_replicated_grads
 
     check_replicated_grads(block.module, block.ctx)
     all_reduce = torch.ops.c10d.allreduce_

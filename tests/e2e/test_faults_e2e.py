@@ -42,7 +42,7 @@ def _train(kind: str, cache: str):
 @pytest.mark.parametrize(
     "kind",
     # a hang waits out the timeout (26 s): with the slow cases for the fast-set budget;
-    # tests/runtime/test_faults.py names a hung rank (and a killed one) in the fast set
+    # tests/runtime/faults/test_failures.py names a hung rank (and a killed one) in the fast set
     [
         "raise",
         pytest.param("hang", marks=pytest.mark.slow),

@@ -97,7 +97,7 @@ def test_frozen_parameters_train_as_on_one_device(tmp_path, arch, case):
         assert isinstance(frozen, list), frozen
 
 
-@pytest.mark.slow  # tests/runtime/test_grads.py refuses the disagreement in the fast suite
+@pytest.mark.slow  # tests/runtime/grads/test_reduce.py refuses the disagreement in the fast suite
 def test_a_tied_weight_frozen_by_one_of_its_names_is_refused(tmp_path):
     """GPT-2's head is its token embedding: on one device, freezing
     ``transformer.wte.weight`` freezes the head too; here stage 1 holds the

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from annot.core.specs import Col, Heads, Local, Row
 from annot.testing import RanksFailed, run_ranks
-from tests.test_hf_gpt2 import LLAMA_KW
+from tests.hf.test_models_gpt2 import LLAMA_KW
 
 SMALL = {**LLAMA_KW, "head_dim": 8}  # the same small decoder, any family
 
@@ -243,7 +243,7 @@ def _dropout_parity(cache: str, name: str):
         cfg.dropout_rate = 0.1
         hints = HINTS["t5"]()
     else:
-        from tests.test_hf_gpt2 import GPT2_KW, _accept_conv1d_in_verify, _gpt2_hints
+        from tests.hf.test_models_gpt2 import GPT2_KW, _accept_conv1d_in_verify, _gpt2_hints
 
         _accept_conv1d_in_verify()
         kw = {**GPT2_KW, "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}

@@ -67,7 +67,7 @@ def _fit(cache: str, mesh_kw: dict, strategy: bool):
     from torch.utils.data import DataLoader
 
     import annot
-    from annot.lightning_strategy import AnnotStrategy
+    from annot.integrations.lightning import AnnotStrategy
     from tests.tiny_hf import tiny_llama
 
     cls, cfg, split = tiny_llama()

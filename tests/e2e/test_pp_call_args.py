@@ -1,6 +1,6 @@
 """An argument of the model call that only the last stage reads (a target) is
 taken from the call on the last stage's rank, not handed through the pipeline
-(annot.runtime.stage_runner.SourceRunner), and is still sent where taking it
+(annot.runtime.runners.stage_runner.SourceRunner), and is still sent where taking it
 would differ from the single-device run: a target that requires grad, or one
 sharing memory with an input the first stage changes in place. Real gloo ranks;
 loss, every gradient and every parameter after AdamW steps against the single
@@ -22,7 +22,7 @@ def _target_run(pp: int, case: str, cache: str):
     import torch
 
     import annot
-    import annot.runtime.pipeline_messages as messages
+    import annot.runtime.pipeline.messages as messages
     from tests.parity import assert_close, compare_grads, compare_state
     from tests.pipeline_models import Regression
 

@@ -1,4 +1,4 @@
-"""Pipelines of models as they are written: boundaries at any depth (annot.runtime.replay).
+"""Pipelines of models as they are written: boundaries at any depth (annot.runtime.runners.replay).
 
 Each case builds a model annot has no hint for (Hugging Face models from small
 configs, and models in timm's, torchvision's and plain ``nn.Sequential``
@@ -444,7 +444,7 @@ def _parity(
             runner=runner,
         )
         if fsdp:  # no shadow keeps a whole (stale) copy of a weight FSDP2 sharded
-            from annot.runtime.stage_prune import shadow_modules
+            from annot.runtime.runners.stage_prune import shadow_modules
 
             real = [
                 t for m in shadow_modules(model.module) for t in m.parameters() if not t.is_meta
@@ -514,13 +514,13 @@ def test_hf_llama_mid_block_splits_and_tied_head(tmp_path):
 
 @pytest.mark.slow  # (fast-set budget)
 def test_measured_plans_split_inside_block_parts(tmp_path):
-    # annot.module_units with measured costs goes inside a block part where the
+    # annot.plan.module_units with measured costs goes inside a block part where the
     # parts cannot balance the stages: here at pp=3 over 4 layers, inside an
     # attention and an MLP (at pp=2 the blocks balance)
     import torch
 
-    from annot.module_units import ModuleUnits
-    from annot.planner import plan as plan_stages
+    from annot.plan.module_units import ModuleUnits
+    from annot.plan.planner import plan as plan_stages
 
     cls, args = _llama()
     torch.manual_seed(0)
@@ -533,7 +533,7 @@ def test_measured_plans_split_inside_block_parts(tmp_path):
 
 @pytest.mark.slow  # 10-17 s: keeps the README's test command under 10 minutes
 def test_automatic_splits_are_balanced_nested_boundaries(tmp_path):
-    # no split=: annot.module_units balances blocks and block parts in call order
+    # no split=: annot.plan.module_units balances blocks and block parts in call order
     res = _run(tmp_path, "llama", [None], pp=2)
     (boundary,) = res[0][0][1]
     assert boundary.startswith("model.layers."), boundary  # inside LlamaModel.forward

@@ -1,0 +1,580 @@
+"""``annot.parallelize``: build this rank's part of a hinted model.
+
+Steps (each logged at debug level):
+
+1. join the mesh (torchrun's environment; gloo on CPU, NCCL on CUDA);
+2. build the single-device reference on the meta device (structure only: the
+   truth every shard is cut from, without its memory);
+3. collect hints (``@shard`` on classes, external ``hints=`` by module path)
+   and verify them against the reference (names, types, divisibility);
+4. rewrite the model's source just in time (cached on disk) and build the
+   rewritten classes: each rank constructs only its tp shard;
+5. give each shard its part of the reference weights, computed tensor by
+   tensor (deferred initialization: no rank ever holds the full model); wrap
+   ``@checkpoint`` classes for activation checkpointing;
+6. at tp > 1, run the model once on meta tensors of a sample's shapes and
+   refuse hints that would crash (:mod:`annot.build.preflight`; on the first call
+   when no sample is known).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from annot.build.hint_checks import check_shard_hints
+from annot.build.materialize import (
+    adopt,
+    check_same_rng,
+    materialize,
+    materialize_from,
+    take_rewritten_classes,
+)
+from annot.build.preflight import preflight
+from annot.build.report import BuildReport
+from annot.build.rewrite_cache import last_rewritten, rewrite_classes
+from annot.core.errors import HintError, PipelineError
+from annot.core.hints import (
+    ShardSpec,
+    checkpointed_classes,
+    get_shard_spec,
+    hinted_paths,
+    resolve_hints,
+    stage_checkpoint,
+)
+from annot.core.mesh import Mesh
+from annot.core.specs import Spec
+from annot.integrations.wrappers import guard as guard_wrappers
+from annot.parallel_model import ParallelModel
+from annot.plan.stage_choice import MemoryBudget, choose_boundaries, resplit
+from annot.plan.stage_points import StagePoints, choose_runner
+from annot.rewriters.split.stage_split import split_stages
+from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
+from annot.runtime import process_groups as rmesh
+from annot.runtime.grads.buckets import check_bucket_options
+from annot.runtime.init.deferred import meta_copy
+from annot.runtime.pipeline.layout import build_plan, stage_calls
+from annot.runtime.recompute import apply_activation_checkpointing
+from annot.runtime.runners.replay import call_with
+from annot.runtime.runners.stage_runner import ReplayRunner, SourceRunner
+from annot.runtime.tp.sequence_parallel import apply_sequence_parallel, stage_runs
+from annot.training.clip_grad import guard as guard_clip
+
+__all__ = ["parallelize"]
+
+log = logging.getLogger("annot")
+
+
+def _class_specs(
+    ref: nn.Module, hints: Optional[dict]
+) -> tuple[dict[type, ShardSpec], dict[str, Spec]]:
+    """(the specs each class's source rewrite applies, every hint by path):
+    ``@shard`` decorators, merged with external ``hints=`` (which win)."""
+    specs: dict[type, ShardSpec] = {}
+    for m in ref.modules():
+        s = get_shard_spec(type(m))
+        if s is not None:
+            specs[type(m)] = s
+    external: dict[str, Spec] = {}
+    if hints:
+        ext_specs, external = resolve_hints(ref, hints)
+        for cls, ext in ext_specs.items():
+            base = specs.get(cls)
+            if base is not None:  # external entries override the decorator's
+                ext = ShardSpec(
+                    {**base.specs, **ext.specs}, tuple(dict.fromkeys(base.local + ext.local))
+                )
+            specs[cls] = ext
+    return specs, {**hinted_paths(ref, specs), **external}
+
+
+def _external_for_module(specs: dict[type, ShardSpec], module) -> dict[str, ShardSpec]:
+    return {
+        cls.__name__: s
+        for cls, s in specs.items()
+        if cls.__module__ == module.__name__ and get_shard_spec(cls) != s
+    }
+
+
+def parallelize(
+    model: Any,
+    *args: Any,
+    mesh: Optional[Mesh] = None,
+    hints: Optional[dict] = None,
+    seed: Optional[int] = None,
+    chunks: int = 1,
+    split: Optional[list[str]] = None,
+    sample: Any = None,
+    precision: Optional[str] = None,
+    verify: Optional[bool] = None,
+    sequence_parallel: Union[bool, str, list[str]] = False,
+    sequence_dim: int = 1,
+    overlap_grad_reduce: bool = True,
+    bucket_cap_mb: float = 25.0,
+    fsdp: bool = False,
+    compile: Union[bool, dict, None] = None,
+    model_kwargs: Optional[dict] = None,
+    weights: Any = None,
+    memory: Union[int, str, None] = None,
+    runner: str = "auto",
+    **kwargs: Any,
+) -> ParallelModel:
+    """Build this rank's part of ``model`` over ``mesh``.
+
+    ``model`` is an ``nn.Module`` class (built as ``model(*args, **kwargs)``)
+    whose classes carry ``@shard`` / ``@stage`` hints, or ``hints=`` give them
+    from outside, keyed by module-path patterns::
+
+        model = annot.parallelize(GPT, config, mesh=annot.Mesh(tp=2), seed=0)
+
+    With ``seed`` the result equals ``torch.manual_seed(seed); GPT(config)``
+    cut into shards. With ``mesh.pp > 1`` the root class's forward is split
+    into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule)
+    at ``split=[...]`` (module paths where stages begin; overrides the class's
+    ``@stage(split=[...])``), at ``annot.boundary()`` markers, or balanced
+    automatically by the planner (``@stage(auto=True, cost=..., memory=...)``;
+    ``sample=`` one microbatch of forward's arguments, a tuple or a dict, lets
+    it count FLOPs or measure time instead of parameters).
+    ``precision="bf16"`` runs forward and the loss under bfloat16 autocast
+    with float32 master weights, gradients and reductions (:mod:`annot.training.precision`).
+    ``verify=True`` (default: the ``ANNOT_VERIFY=1`` environment variable)
+    checks after every backward that each parameter replicated over tp has
+    the same gradient on every tp rank, and raises :class:`VerifyError` naming
+    the parameters that do not (their gradients are partial: hint them
+    ``Replicate(sum_grad=True)``).
+    ``sequence_parallel=True`` runs the model's blocks on sequence shards
+    (Megatron-SP, :mod:`annot.runtime.tp.sequence_parallel`): its block list (a
+    transformers model's pp plan, else its largest ``nn.ModuleList``), or the
+    container or block paths given, split along ``sequence_dim`` (1: batch
+    first); in a pipeline each stage's blocks enter and leave the shards.
+    ``fsdp=True`` shards parameters, gradients and so the state of an
+    optimizer built afterwards over dp with torch's FSDP2 (``fully_shard`` on
+    each block and the root, :mod:`annot.runtime.grads.fsdp`); at dp = 1 there is
+    nothing to shard and it changes nothing.
+    ``model_kwargs={...}`` passes constructor arguments whose names are
+    also options here (a model's own ``compile=``, ``seed=``): an option
+    given by name that the constructor also takes is refused, never taken
+    silently by one of the two.
+    ``compile=True`` (or a dict of ``torch.compile`` options) compiles each
+    block of this rank's model after sharding (:mod:`annot.build.compile`; the
+    same as ``model.compile(**options)`` on the result).
+    ``weights=`` a weight source in place of the seed or the built model:
+    :class:`annot.io.pretrained.PretrainedWeights`, which
+    :func:`annot.from_pretrained` passes (storage given at step 5, values
+    read once FSDP2 has sharded the parameters).
+    ``memory=`` (bytes, or ``"80GiB"``) per device: the automatic split is
+    planned so that every stage fits it (weights, gradients and AdamW state
+    by ``precision`` and ``fsdp``; also the activations of the microbatches
+    1F1B keeps in flight, measured on meta on ``sample=`` or, without one, on
+    the microbatch ``annot plan`` assumes (:func:`annot.plan.planner.assumed_sample`);
+    :mod:`annot.plan.memory_model`), the planner ``annot plan`` uses; a
+    model that cannot fit is refused before any rank allocates, naming the
+    stage, its memory and the budget.
+    ``runner=`` how the pipeline stages run (:mod:`annot.runtime.runners.stage_runner`):
+    ``"auto"`` chooses once from the plan (:func:`annot.plan.stage_points.choose_runner`),
+    ``"replay"`` cuts them at run time at module calls, ``"source"`` runs the
+    stage methods the rewriter cuts the root's forward into (and the forwards it
+    calls, for boundaries in nested forwards: the split ``annot rewrite --pp``
+    prints); the choice and its reason are in ``model.report.runner`` and
+    ``explain``.
+    Returns a :class:`ParallelModel`.
+    """
+    # first, before any option is rebound: the options as the caller gave them
+    given = {k: v for k, v in locals().items() if k in _OPTION_DEFAULTS}
+    from annot.build.compile import compile_options
+    from annot.training.precision import parse_precision
+
+    autocast = parse_precision(precision)
+    mesh = _check_options(mesh, chunks, overlap_grad_reduce, bucket_cap_mb)
+    compile_kw = compile_options(compile)
+    _check_option_names(model, given, model_kwargs or {})
+    kwargs = {**kwargs, **(model_kwargs or {})}
+    instance, cls = _model_and_class(model, args, kwargs)
+    report = BuildReport(mesh)
+
+    ctx = rmesh.init(mesh)
+    log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
+    ref = _reference(cls, instance, args, kwargs, seed, ctx)
+    log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
+    specs, paths = _hints(ref, hints, mesh.tp)
+    report.specs = specs
+    log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
+
+    n_stages = mesh.pp * chunks
+    # where a stage may begin; one meta forward when needed, shared by the planner and the stages
+    points = StagePoints(ref, cls, sample)
+    if n_stages > 1:
+        report.boundaries = choose_boundaries(
+            points,
+            n_stages,
+            split,
+            tp=mesh.tp,
+            ctx=ctx,
+            seed=seed,
+            build=lambda: cls(*args, **kwargs),
+            report=report,
+            budget=None if memory is None else MemoryBudget.of(memory, precision, fsdp, mesh.dp),
+            runner=runner,
+        )
+        choice = choose_runner(points, report.boundaries, runner)
+        points.check(report.boundaries, choice.name)
+        report.runner, report.runner_reason = choice.name, choice.reason
+        differing = ctx.ranks_differing((report.boundaries, choice.name))
+        if differing:  # each rank plans alone: a difference would hang or mix stages
+            raise PipelineError(
+                f"ranks {differing} planned other pipeline stages than rank 0 "
+                f"(boundaries {report.boundaries}, runner {choice.name!r} on rank {ctx.rank}): "
+                "every rank must see the same model source, options and sample. To fix: "
+                "give split=[...] and runner=... explicitly, and check that no rank reads "
+                "files that change while the ranks start"
+            )
+        log.debug(
+            "annot: stage boundaries %s, runner %s (%s)",
+            report.boundaries,
+            choice.name,
+            choice.reason,
+        )
+    local, split_plan = _rewrite_and_build(
+        cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages
+    )
+    log.debug("annot: step 4: built %s for tp=%d (meta)", type(local).__qualname__, mesh.tp)
+    if n_stages > 1 and report.runner == "source" and split_plan is None:
+        split_plan = resplit(cls, report.boundaries)  # a cache hit: the plan of the source
+
+    if sequence_parallel is not False and mesh.tp > 1:
+        report.sequence_blocks = _sequence_blocks(local, sequence_parallel, report.boundaries)
+    check = None
+    if mesh.tp > 1:
+        twin = ref if instance is None else meta_copy(instance)
+        whole = None
+        if n_stages > 1:  # every stage's tp shard, copied before this rank keeps its own
+            whole = meta_copy(local)
+            apply_sequence_parallel(whole, report.sequence_blocks, sequence_dim, mesh.tp)
+        check = functools.partial(
+            preflight,
+            whole=whole,
+            split_forwards=split_plan.forwards if split_plan is not None else (),
+            ref=twin,
+            ctx=ctx,
+            specs=specs,
+            paths=paths,
+        )
+    plan = None
+    if n_stages > 1:
+        plan = _pipeline_plan(local, cls, split_plan, points, ctx, chunks, report)
+        log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
+    if weights is not None:
+        weights.allocate(local, ref, ctx)
+    elif instance is not None:
+        materialize_from(local, instance, ctx)
+    else:
+        materialize(local, cls, args, kwargs, seed, ctx, plan)
+    del ref, points
+    log.debug("annot: step 5: materialized this rank's shard of the reference weights")
+
+    apply_activation_checkpointing(local, checkpointed_classes(local))
+    _mark_grad_sums(local, paths)
+    for run in (
+        [report.sequence_blocks]
+        if plan is None
+        else stage_runs(plan, local, report.sequence_blocks)
+    ):
+        apply_sequence_parallel(local, run, sequence_dim, mesh.tp)
+    if verify is None:
+        verify = os.environ.get("ANNOT_VERIFY") == "1"
+    built = ParallelModel(
+        local,
+        ctx,
+        pipeline=plan,
+        report=report,
+        autocast=autocast,
+        verify=verify,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_cap_mb=bucket_cap_mb,
+    )
+    if check is not None:
+        _run_preflight(built, check, sample)
+        log.debug("annot: step 6: pre-flight %s", report.preflight)
+    if fsdp and ctx.distributed and mesh.dp > 1:
+        _shard_data(built, plan)
+        assert built.fsdp is not None  # _shard_data set it
+        log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
+    elif fsdp:
+        log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
+    if ctx.distributed and (
+        (plan is not None and plan.num_stages > 1) or mesh.tp > 1 or built.fsdp is not None
+    ):
+        # torch's clip_grad_norm_ on this rank's part would clip by a part's norm
+        guard_clip(built)
+    if ctx.distributed:  # DDP / fully_shard over ranks that hold different parts: refused
+        guard_wrappers(built)
+    if weights is not None:
+        weights.fill(built)
+        log.debug("annot: step 7b: read this rank's part of the weights")
+    if compile_kw is not None:
+        built.compile(**compile_kw)
+        log.debug("annot: step 8: torch.compile on %s", built.compiled_blocks)
+    return built
+
+
+def _shard_data(built: ParallelModel, plan) -> None:
+    """Step 7 (``fsdp=True``): FSDP2 over dp, a unit per block of the
+    model's block list (:func:`annot.hf.nested_blocks`) and the root."""
+    from annot.hf.models import nested_blocks
+    from annot.runtime.grads.fsdp import ShardedData, blocks_of
+    from annot.runtime.runners.stage_prune import forget_real_weights
+
+    local = built.module
+    if built.preflight is not None and built.preflight.keywords.get("whole") is None:
+        # the pre-flight on the first call runs on a meta copy of the model as built
+        built.preflight = functools.partial(built.preflight, whole=meta_copy(local))
+    blocks = blocks_of(local, nested_blocks(local))
+    built.fsdp = ShardedData(
+        local,
+        built.ctx.device_mesh["dp"],
+        blocks,
+        pipelined=plan is not None and plan.num_stages > 1,
+    )
+    forget_real_weights(local)  # a shadow's tied weight: FSDP2 holds the live one now
+
+
+def _option_defaults() -> dict[str, Any]:
+    params = inspect.signature(parallelize).parameters
+    return {
+        n: p.default
+        for n, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "model_kwargs"
+    }
+
+
+_OPTION_DEFAULTS = _option_defaults()
+
+
+def _check_option_names(model: Any, given: dict[str, Any], model_kwargs: dict) -> None:
+    """Refuse an option of :func:`parallelize` given (not its default) that
+    the model's constructor takes too: the value went to annot, and the
+    model would silently be built without it."""
+    if not (isinstance(model, type) and issubclass(model, nn.Module)):
+        return
+    try:
+        params = inspect.signature(model.__init__).parameters
+    except (TypeError, ValueError):  # a builtin __init__: no names to clash
+        return
+    for name, value in given.items():
+        default = _OPTION_DEFAULTS[name]
+        if name in model_kwargs or name not in params:
+            continue
+        if not (value is default or (type(value) is type(default) and value == default)):
+            raise HintError(
+                f"parallelize: {model.__name__}.__init__ takes {name}=, and so does "
+                f"parallelize; {name}={value!r} went to parallelize. Say which you mean: "
+                f"for the model, pass model_kwargs={{{name!r}: {value!r}}}; for annot, "
+                f"pass the model's own value through model_kwargs too, e.g. "
+                f"annot.parallelize({model.__name__}, ..., {name}={value!r}, "
+                f"model_kwargs={{{name!r}: ...}})"
+            )
+
+
+def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:
+    """The mesh, after the checks that need no rank: refused before any works."""
+    mesh = mesh or Mesh()
+    if not isinstance(mesh, Mesh):
+        raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
+    check_bucket_options(overlap, bucket_cap_mb)
+    return mesh
+
+
+def _model_and_class(model: Any, args: tuple, kwargs: dict) -> tuple[Optional[nn.Module], type]:
+    """``(the built model or None, its class)``."""
+    if isinstance(model, nn.Module):  # built already (e.g. by a library's loader)
+        if args or kwargs:
+            raise HintError(
+                "parallelize: got a built model and constructor arguments; pass either the "
+                "class and its arguments, or the model alone"
+            )
+        return model, type(model)
+    if not (isinstance(model, type) and issubclass(model, nn.Module)):
+        raise HintError(
+            f"parallelize: expected an nn.Module class (and its constructor arguments) or a "
+            f"built nn.Module, got {type(model).__name__}; e.g. "
+            "annot.parallelize(GPT, config, mesh=mesh)"
+        )
+    return None, model
+
+
+def _reference(cls: type, instance, args: tuple, kwargs: dict, seed, ctx) -> nn.Module:
+    """Step 2: the single-device model, on meta (structure only: no rank builds
+    the full model), or the built one."""
+    if instance is not None:
+        return instance
+    rng = torch.random.get_rng_state()
+    with torch.device("meta"):
+        ref = cls(*args, **kwargs)
+    if seed is None:
+        check_same_rng(ctx, rng)
+    return ref
+
+
+def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
+    """Step 3: ``(specs by class, hints by path)``, verified against the
+    reference; a transformers model's own tp plan when nothing is hinted."""
+    if hints is None and tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
+        from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
+
+        hints = hints_from_hf_config(ref, tp=tp) or None
+    specs, paths = _class_specs(ref, hints)
+    if tp > 1 and not specs and not paths:
+        raise HintError(
+            f"tp={tp}, but nothing in {type(ref).__name__} says how to split it: no @shard on "
+            "its classes, no hints= given, and no transformers tp plan; every rank would run "
+            "the whole model. Give the layers' layout from outside, e.g. "
+            "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
+            "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
+        )
+    check_shard_hints(ref, specs, tp, paths)
+    return specs, paths
+
+
+def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages):
+    """Step 4: rewrite the model's sources just in time (cached) and build this
+    rank's model from them on meta, its hinted layers sharded; ``(model, the
+    stage split of the root's forward or None)``."""
+    from annot.runtime.tp.convert import convert_hinted, tied_names
+
+    tp, boundaries = report.mesh.tp, report.boundaries
+    split_root = report.runner == "source"
+    splits: dict = {}
+
+    def transform(source: str, path: str, module) -> str:
+        out = rewrite_tensor_parallel(
+            source, tp, path=path, extra_hints=_external_for_module(specs, module)
+        )
+        if split_root and module.__name__ == cls.__module__:
+            split = split_stages(out, cls.__qualname__, list(boundaries), path=path, nested=True)
+            splits["split"] = split
+            out = split.source
+        return out
+
+    key = (  # the split's class too: another class of the same file splits the file otherwise
+        f"tp={tp};stages={n_stages}:{cls.__module__}.{cls.__qualname__}:{boundaries}:"
+        f"{report.runner or 'one stage'};"
+        f"hints={sorted((f'{c.__module__}.{c.__qualname__}', repr(s)) for c, s in specs.items())}"
+    )
+    mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
+    report.rewritten = last_rewritten()
+    if instance is not None:
+        local = adopt(instance, mapping)
+    else:
+        with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
+            local = mapping.get(cls, cls)(*args, **kwargs)
+        take_rewritten_classes(local, mapping)  # modules built by an unchanged factory
+    with rmesh.use(ctx), torch.device("meta"):  # what construction did not shard
+        convert_hinted(local, paths, tp, tied_names(ref))
+    return local, splits.get("split")
+
+
+def _pipeline_plan(local, cls, split, points: StagePoints, ctx, chunks: int, report):
+    """This rank's stages, run by the runner the build chose (``report.runner``):
+    the root's forward split into stage methods by the rewriter, or cut at run
+    time (replay) at the boundaries' module calls."""
+    boundaries = report.boundaries
+    runner: Union[SourceRunner, ReplayRunner]
+    if report.runner == "source":
+        runner = SourceRunner(split)
+    else:
+        seq = points.calls
+        runner = ReplayRunner(stage_calls(seq, boundaries) if seq is not None else None)
+    return build_plan(
+        local,
+        runner,
+        ctx,
+        chunks=chunks,
+        boundaries=boundaries,
+        checkpoint=stage_checkpoint(type(local)),
+    )
+
+
+def _run_preflight(built: ParallelModel, check, sample) -> None:
+    """Step 6: the pre-flight on the sample's shapes (a transformers model
+    makes its own tiny one), or on the first call when there is none."""
+    from annot.hf.models import sample_inputs
+
+    probe = sample if sample is not None else sample_inputs(check.keywords["ref"])
+    if probe is None:  # checked on the first call, with its shapes
+        built.preflight = check
+        built.report.preflight = "on the first call"
+        return
+    with built.forward_context():
+        built.dropout = call_with(lambda *a, **k: check(built.module, a, k), probe)
+    built.report.preflight = "passed"
+
+
+def _sequence_blocks(
+    model: nn.Module, option: Union[bool, str, list[str]], boundaries: tuple[str, ...]
+) -> list[str]:
+    """The block paths ``sequence_parallel=`` names: ``True`` the model's block
+    list, a container's path its children, else the paths given. A pipeline
+    boundary inside one of them is refused."""
+    blocks = _named_blocks(model, option)
+    for b in boundaries:
+        block = next((k for k in blocks if b.startswith(f"{k}.")), None)
+        if block is not None:
+            raise HintError(
+                f"parallelize: the pipeline boundary {b!r} lies inside the block {block!r}, "
+                "which sequence_parallel= runs on sequence shards; a stage must hand whole "
+                f"blocks on. Put the boundary at a block ({block!r} or the next one), or leave "
+                "the block out of sequence_parallel=[...]"
+            )
+    return blocks
+
+
+def _named_blocks(model: nn.Module, option: Union[bool, str, list[str]]) -> list[str]:
+    from annot.hf.models import nested_blocks
+
+    if option is True:
+        found = nested_blocks(model)
+        if found is None:
+            raise HintError(
+                f"parallelize: sequence_parallel=True, but {type(model).__name__} has no "
+                "nn.ModuleList of blocks; name them, e.g. sequence_parallel='blocks' or "
+                "sequence_parallel=['blocks.0', 'blocks.1']"
+            )
+        option = found
+    if isinstance(option, str):
+        container = dict(model.named_modules()).get(option)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            return [f"{option}.{name}" for name, _ in container.named_children()]
+        return [option]
+    if isinstance(option, (list, tuple)) and all(isinstance(p, str) for p in option):
+        return list(option)
+    raise HintError(
+        f"parallelize: sequence_parallel={option!r}; expected True, a container's path "
+        "('model.layers') or a list of block paths"
+    )
+
+
+def _mark_grad_sums(local: nn.Module, paths: dict) -> None:
+    """Mark the parameters hinted ``Replicate(sum_grad=True)`` (a module's or a
+    raw parameter's) for the runtime: their gradients are summed over tp."""
+    from annot.core.specs import Replicate
+
+    for path, s in paths.items():
+        if not (isinstance(s, Replicate) and s.sum_grad):
+            continue
+        owner, _, name = path.rpartition(".")
+        try:
+            target = getattr(local.get_submodule(owner), name, None)
+        except AttributeError:  # on another pipeline stage
+            continue
+        params = target.parameters() if isinstance(target, nn.Module) else [target]
+        for p in params:
+            if isinstance(p, nn.Parameter):
+                p.__dict__["annot_grad_sum"] = "tp"  # a flag nn.Parameter does not declare

@@ -1,0 +1,41 @@
+"""What :func:`annot.parallelize` built, step by step: ``model.report``.
+
+Read by :func:`annot.training.explain` and by tests; every field is set by the build
+step named beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from annot.core.hints import ShardSpec
+from annot.core.mesh import Mesh
+
+__all__ = ["BuildReport"]
+
+
+@dataclass
+class BuildReport:
+    mesh: Mesh
+    # step 3, hints: the shard spec each class's rewrite applies
+    specs: dict[type, ShardSpec] = field(default_factory=dict)
+    # stages: where they begin, and the runner that runs them (annot.plan.stage_points.choose_runner):
+    # "source" (the rewriter's stage methods) or "replay" (cut at run time); None without a pipeline
+    boundaries: tuple[str, ...] = ()
+    runner: Optional[str] = None
+    runner_reason: str = ""
+    plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
+    # step 4, rewrite: annot.build.rewrite_cache's record of each rewritten source
+    rewritten: list = field(default_factory=list)
+    # sequence parallelism: the blocks run on sequence shards
+    sequence_blocks: list[str] = field(default_factory=list)
+    # step 6: "passed", "on the first call" or "not run" (tp = 1, or pp > 1)
+    preflight: str = "not run"
+    # step 5 with annot.from_pretrained: where the weights were read
+    # (annot.io.pretrained.Source: the directory, each model name's stored name)
+    pretrained: Optional[object] = None
+
+    @property
+    def replay(self) -> bool:
+        """Whether the stages are cut at run time (:mod:`annot.runtime.runners.replay`)."""
+        return self.runner == "replay"

@@ -1,0 +1,1 @@
+"""The ``annot`` command: ``rewrite``, ``plan``, ``verify``."""

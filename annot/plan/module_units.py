@@ -1,0 +1,885 @@
+"""Automatic pipeline boundaries over a model's modules, at any depth.
+
+With stages cut at run time (:mod:`annot.runtime.runners.replay`) any module call can begin
+a stage, so the candidates are every block of the model's block lists
+(``model.layers.3``) and, inside a block, each of its parts with weights
+(``model.layers.3.mlp``: attention | MLP), plus the modules with weights
+outside the blocks (embeddings, final norm, head), in the order forward calls
+them; with measured costs also the parts of those parts (``self_attn.o_proj``)
+where a split there balances the stages clearly better. Each candidate *unit*
+runs until the next one begins; its cost is its parameter count, or its
+measured time. :func:`annot.plan.partition.partition`
+then gives the exact min-bottleneck contiguous split::
+
+    plan = annot.plan.planner.plan(model, 4, units=ModuleUnits(), sample={"input_ids": ids}, cost="time")
+    print(plan.table())
+    annot.parallelize(LlamaForCausalLM, cfg, mesh=annot.Mesh(pp=4), split=plan.boundaries)
+
+Measured time holds up under load: each unit's forward and backward are
+timed in ``repeats`` full steps and the *median* is kept (one load spike moves
+a mean or a single run, not a median).
+
+:func:`annot.plan.planner.plan` with a :class:`ModuleUnits` is :func:`measure_units`
+then :func:`plan_units`. Its ``cost``: "params" (no sample needed; a meta model
+is fine: each unit's parameters as a proxy for its FLOPs per token, an
+embedding's table counting zero and a tied head counting in full,
+:attr:`Unit.work`), "time" (real weights and ``sample``), "flops" (``sample``,
+one microbatch of forward's arguments: a dict, a tuple or a tensor; a meta
+model and meta sample are fine) or a user's
+:class:`annot.plan.costs.UnitCost`. ``memory``: bytes each stage must fit
+(:mod:`annot.plan.memory_model`: its weights, gradients, master copy and
+optimizer state by ``setup``, a tied weight in every stage that holds it, plus
+with a sample the activations of the microbatches the schedule keeps in flight
+on it). ``tp``: the stages' figures at that tp degree (the layers ``@shard`` or
+the transformers tp plan splits hold ``1/tp``, and so do the activations
+computed from them); ``dp``: the data-parallel degree (what fsdp shards over).
+A split at the parts is taken only where it makes the slowest stage more
+than 5% faster than the best split at whole blocks (:data:`DEEPER_GAIN`:
+only the replay cuts inside a block); with a measured cost the split may
+also begin inside a block part (``self_attn.o_proj``, :func:`units` at
+``depth=2``), where that makes the slowest stage more than 3% faster than
+the best split at the parts (5% than one at whole blocks): such a boundary
+carries more tensors than one between parts.
+``stranded``: the module calls where no stage can begin
+(:func:`annot.runtime.runners.stranded.stranded`; found on ``sample`` when not given):
+their units join the one before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from annot.core.errors import HintError, PartitionError
+from annot.plan.result import StagePlan
+from annot.plan.stage_points import StagePoints, never_called
+
+__all__ = [
+    "ModuleUnits",
+    "StageMemoryError",
+    "Unit",
+    "UnitFigures",
+    "UnitMeasures",
+    "block_paths",
+    "call_order",
+    "coarser",
+    "never_called",
+    "measure_units",
+    "plan_units",
+    "split_layers",
+    "tp_sharded",
+    "units",
+]
+
+_BLOCKS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A run of module calls that a stage boundary may begin: ``path`` is the
+    module whose call begins it (a block, a part of a block, a leaf);
+    ``owns`` the modules whose weights it holds."""
+
+    path: str
+    params: int
+    owns: tuple[str, ...] = ()
+    # the parameters its forward multiplies by, a proxy for its FLOPs per token:
+    # an embedding's table (looked up) counts zero, a tied weight counts in every
+    # unit that multiplies by it (``params`` counts it once, for memory)
+    work: int = 0
+    # where its call sits: 0 outside the blocks or at a block, 1 a block's part
+    # (attention | MLP), 2 a part's part (``self_attn.o_proj``)
+    level: int = 0
+
+
+class StageMemoryError(PartitionError):
+    """No split into the stages asked for fits the memory budget: names the
+    stage of the balanced split that needs the most, its memory and the budget."""
+
+    def __init__(self, plan: StagePlan, stage: int):
+        from annot.plan.cost_table import format_bytes
+
+        self.plan, self.stage = plan, stage
+        d = plan.stage_detail[stage]
+        first, last = plan.stage_units(stage)
+        n = len(plan.stage_costs)
+        p = d.params
+        act = (
+            f", activations {format_bytes(d.activations)} for {d.in_flight} microbatch"
+            f"{'es' if d.in_flight != 1 else ''} in flight"
+            if d.in_flight
+            else ""
+        )
+        master = f", master copy {format_bytes(p.master)}" if p.master else ""
+        budget = plan.memory_budget
+        assert budget is not None  # a plan made under a budget
+        super().__init__(
+            f"no split into {n} pipeline stage{'s' if n != 1 else ''} at tp={plan.tp} fits the "
+            f"memory budget of {format_bytes(budget)} per device: stage {stage} "
+            f"({first} .. {last}) needs {format_bytes(d.total)} (weights "
+            f"{format_bytes(p.weights)}, gradients {format_bytes(p.grads)}{master}, optimizer "
+            f"state {format_bytes(p.optimizer)}{act}). To fix: more pipeline stages or "
+            "tensor-parallel degree, activation checkpointing, fewer microbatches in flight "
+            "(a smaller microbatch), fsdp, or a larger budget"
+        )
+
+
+def call_order(calls: list[tuple[str, ...]]) -> list[str]:
+    """Module paths in the order forward first calls them, from
+    :func:`annot.runtime.pipeline.layout.record_calls`; every path of a shared module is
+    listed at its first call."""
+    return list(dict.fromkeys(p for paths in calls for p in paths))
+
+
+def block_paths(model: nn.Module) -> set[str]:
+    """The paths of the model's blocks: the elements of its outermost block
+    lists (``nn.ModuleList`` / ``nn.Sequential`` of two or more)."""
+    named = dict(model.named_modules(remove_duplicate=False))
+    lists = [p for p, m in named.items() if isinstance(m, _BLOCKS) and len(m) >= 2]
+    outer = [p for p in lists if not any(p.startswith(q + ".") for q in lists if q != p)]
+    return {f"{p}.{c}" if p else c for p in outer for c, _ in named[p].named_children()}
+
+
+def units(model: nn.Module, order: Optional[list[str]] = None, depth: int = 1) -> list[Unit]:
+    """The candidate units of ``model`` in call order (``order`` from
+    :func:`call_order`; default: registration order). Without ``order`` a
+    block is one unit: the order its parts are registered in need not be the
+    order its forward calls them (Whisper's decoder layer registers
+    ``self_attn`` before the norm it calls first), and a stage that began
+    at a part by registration would be refused at the first forward.
+
+    ``depth``: how far inside a block units go. 1: its parts (attention |
+    MLP); 2: also the parts of those parts that forward called in ``order``
+    (``self_attn.o_proj``, ``mlp.down_proj``), where a part holds no weight of
+    its own and calls its parts directly (not through a module list: experts
+    called per routed token are no place for a boundary)."""
+    named = dict(model.named_modules(remove_duplicate=False))
+    blocks = block_paths(model)
+    rank = {p: i for i, p in enumerate(order or [])}
+    paths = sorted(named, key=lambda p: (rank.get(p, len(rank)), list(named).index(p)))
+    counted: set[int] = set()
+    worked: set[int] = set()  # modules whose work a unit counts already
+    out: list[Unit] = []
+
+    def block_of(path: str) -> str:
+        """The block ``path`` is a part of: its parent, or the first ancestor
+        above module lists / dicts (T5Block.layer[i], x-transformers' norms)."""
+        parent = path.rpartition(".")[0]
+        while parent and parent not in blocks and never_called(named[parent]):
+            parent = parent.rpartition(".")[0]
+        return parent
+
+    def level(path: str) -> int:
+        """0 for a block, 1 for its parts, 2 for their parts, ... (a part that
+        forward never calls, only its parts, is no level of its own)."""
+        n = 0
+        while path not in blocks:
+            n += order is None or path in rank
+            path = block_of(path)
+        return n
+
+    def inside(path: str) -> bool:
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+
+    def weighted(m: nn.Module) -> bool:
+        return next(m.parameters(), None) is not None
+
+    @functools.cache
+    def descends(path: str) -> bool:
+        """Whether the units inside ``path`` are its parts rather than itself."""
+        m = named[path]
+        has_parts = any(weighted(c) for c in m.children())
+        if path in blocks:
+            return has_parts and (order is not None or never_called(m))
+        return (
+            has_parts
+            and order is not None
+            and (level(path) < depth or path not in rank)  # (a part never called itself)
+            and descends(block_of(path))
+            and next(m.parameters(recurse=False), None) is None
+            and not isinstance(m, _BLOCKS)
+            and all(f"{path}.{n}" in rank for n, c in m.named_children() if weighted(c))
+        )
+
+    for path in paths:
+        m = named[path]
+        in_block = inside(path)
+        if in_block:
+            if descends(path):
+                continue  # its parts are the units; the first one begins at it
+            if path not in blocks:
+                container = block_of(path)
+                deep = container not in blocks and container != path.rpartition(".")[0]
+                if not descends(container) or deep or not weighted(m):
+                    continue  # a block taken whole, reached through a list, or no weights
+        elif next(m.parameters(recurse=False), None) is None or path == "":
+            continue
+        if never_called(m) or (isinstance(m, _BLOCKS) and path not in blocks and not in_block):
+            continue  # never called (a list, a dict), or a container outside the blocks
+        n = 0
+        for p in m.parameters():
+            if id(p) not in counted:
+                counted.add(id(p))
+                n += p.numel()
+        lvl = level(path) if in_block else 0
+        out.append(Unit(path, n, (path,), _work(m, worked), lvl))
+    # a unit that is the first part of a block (or of a part) begins at it
+    fixed: list[Unit] = []
+    begun: set[str] = set()
+    for u in out:
+        path, container = u.path, block_of(u.path)
+        while container not in begun and inside(container):
+            begun.add(container)
+            if never_called(named[container]) or (order is not None and container not in rank):
+                break  # no call of it begins anything
+            path = container
+            if container in blocks:
+                break
+            container = block_of(container)
+        u = dataclasses.replace(u, path=path, level=level(path) if inside(path) else 0)
+        if fixed and fixed[-1].path == u.path:  # one call begins both: one unit
+            fixed[-1] = _joined(fixed[-1], u)
+        else:
+            fixed.append(u)
+    return fixed
+
+
+def coarser(found: list[Unit], level: int) -> list[Unit]:
+    """``found`` with every unit deeper than ``level`` inside its block joined
+    to the unit before it: the units of :func:`units` at ``depth=level``."""
+    return [functools.reduce(_joined, (found[i] for i in g)) for g in _groups(found, level)]
+
+
+def _groups(found: list[Unit], level: int) -> list[list[int]]:
+    """The indices of ``found`` that each unit of ``coarser(found, level)`` joins."""
+    out: list[list[int]] = []
+    for i, u in enumerate(found):
+        if out and u.level > level:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _begin_where_possible(found: list[Unit], stranded: dict[str, str]) -> list[Unit]:
+    """``found`` with each unit whose call would strand a tensor joined to the
+    unit before it."""
+    out: list[Unit] = []
+    for u in found:
+        if out and u.path in stranded:
+            out[-1] = _joined(out[-1], u)
+        else:
+            out.append(u)
+    return out
+
+
+def _joined(a: Unit, b: Unit) -> Unit:
+    return Unit(a.path, a.params + b.params, a.owns + b.owns, a.work + b.work, a.level)
+
+
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _work(module: nn.Module, worked: set[int]) -> int:
+    """The parameters ``module``'s forward multiplies by (see :attr:`Unit.work`),
+    leaving out the modules in ``worked`` (counted by an enclosing unit), which
+    it then joins."""
+    seen: dict[int, int] = {}
+    for m in module.modules():
+        if id(m) in worked:
+            continue
+        worked.add(id(m))
+        if not isinstance(m, _LOOKUPS):
+            for p in m.parameters(recurse=False):
+                seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def _first_grad_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return a
+    return None
+
+
+def _output_scalar(out: Any) -> Optional[torch.Tensor]:
+    """A scalar to run backward from: the sum of every floating output that
+    requires grad (the loss of a step body is not part of the model)."""
+    from annot.runtime.trees import tensors
+
+    if hasattr(out, "to_tuple"):  # transformers' ModelOutput
+        out = out.to_tuple()
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    parts = [t.float().sum() for t in tensors(out) if t.requires_grad and t.is_floating_point()]
+    return torch.stack(parts).sum() if parts else None
+
+
+def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
+    """Median forward + backward time of each unit over ``repeats`` steps (a
+    unit runs from its call until the next unit's call).
+
+    Forward: a clock that a pre-hook on each unit's module moves on. Backward
+    runs the same spans in reverse: a gradient hook on the first input of each
+    unit that requires grad fires when backward has passed that unit's start,
+    so the time since the previous such hook is that unit's backward. Glue with
+    no backward (masks, position tables) thus costs its forward only; a model
+    that gives no input a gradient path (frozen) counts backward as twice
+    forward. The model's ``.grad``s are cleared afterwards."""
+    from annot.runtime.runners.replay import call_with
+
+    starts = {u.path: i for i, u in enumerate(found)}
+    modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
+    samples: list[list[float]] = [[] for _ in found]
+    clock: dict = {}
+
+    def mark(i: Optional[int]) -> None:
+        now = time.perf_counter()
+        if clock["unit"] is not None:
+            clock["acc"][clock["unit"]] += now - clock["t"]
+        clock["unit"], clock["t"] = i, now
+
+    def back_mark(i: int) -> None:
+        # backward has reached unit i's start: the time since the last mark is
+        # the backward of units i .. (the last marked unit - 1), shared among
+        # them as their forwards are
+        now = time.perf_counter()
+        span = range(i, clock["bw_last"]) if i < clock["bw_last"] else range(i, i + 1)
+        fw = [clock["fw"][j] for j in span]
+        total = sum(fw)
+        for j, f in zip(span, fw):
+            clock["acc"][j] += (now - clock["bw_t"]) * (f / total if total else 1 / len(fw))
+        clock["bw_t"], clock["bw_last"] = now, min(i, clock["bw_last"])
+
+    def pre_hook(i: int, module, args, kwargs) -> None:
+        mark(i)
+        if torch.is_grad_enabled():
+            t = _first_grad_input(args, kwargs)
+            if t is not None and i not in clock["hooked"]:
+                clock["hooked"].add(i)
+                t.register_hook(lambda g, i=i: back_mark(i))
+
+    handles = [
+        modules[path].register_forward_pre_hook(functools.partial(pre_hook, i), with_kwargs=True)
+        for path, i in starts.items()
+    ]
+    try:
+        for r in range(repeats + 1):
+            clock.update(unit=None, t=0.0, acc=[0.0] * len(found), hooked=set())
+            out = call_with(model, sample)
+            mark(None)
+            clock["fw"] = list(clock["acc"])
+            loss = _output_scalar(out)
+            if loss is None:  # no backward to time: twice forward
+                clock["acc"] = [3 * t for t in clock["fw"]]
+            else:
+                clock.update(bw_t=time.perf_counter(), bw_last=len(found))
+                loss.backward()
+                back_mark(0)  # the rest of backward: the units before the first mark
+            model.zero_grad(set_to_none=True)
+            if r:  # the first step warms up
+                for j, t in enumerate(clock["acc"]):
+                    samples[j].append(t)
+    finally:
+        for h in handles:
+            h.remove()
+    return [statistics.median(s) for s in samples]
+
+
+@dataclass(frozen=True)
+class UnitFigures:
+    """What one microbatch's forward and backward show of a unit (on meta as on
+    real weights): its FLOPs and the bytes it keeps for backward
+    (:class:`annot.plan.saved_bytes.SavedBytes`), of which ``*_split`` tp
+    divides; ``kept``: what it keeps with the blocks checkpointed;
+    ``recompute``: for a block's first unit, the whole block's saved bytes
+    (what backward recomputes at once); ``backward``: the most bytes backward
+    holds at once in what it makes while it is in this unit (gradients on
+    their way, :class:`annot.plan.saved_bytes.BackwardPeak`)."""
+
+    flops: int = 0
+    saved: int = 0
+    saved_split: int = 0
+    kept: int = 0
+    kept_split: int = 0
+    recompute: int = 0
+    recompute_split: int = 0
+    backward: int = 0
+
+    def transient(self, tp: int) -> int:
+        """:attr:`backward` at ``tp``, split in the unit's own share."""
+        if not self.saved:
+            return self.backward
+        return self.backward * _at_tp(self.saved, self.saved_split, tp) // self.saved
+
+    def activations(self, tp: int, checkpoint: bool) -> int:
+        """Bytes kept per microbatch at ``tp``."""
+        if checkpoint:
+            return _at_tp(self.kept, self.kept_split, tp)
+        return _at_tp(self.saved, self.saved_split, tp)
+
+    def recomputed(self, tp: int) -> int:
+        return _at_tp(self.recompute, self.recompute_split, tp)
+
+    def __add__(self, other: UnitFigures) -> UnitFigures:
+        joined = {
+            f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+        }
+        joined["backward"] = max(self.backward, other.backward)  # one unit at a time
+        return UnitFigures(**joined)
+
+
+def measurable(model: nn.Module) -> nn.Module:
+    """What :func:`_measure` runs: FLOPs and saved bytes are counted on meta,
+    so a model with real weights (an instance, ``from_pretrained``) is
+    measured on a meta copy of itself; and a transformers model's own
+    activation checkpointing (``gradient_checkpointing_enable()``), whose
+    recompute in backward runs outside the modes that measure the forward, is
+    switched off on a copy (the user's model keeps it): it is measured as
+    without it."""
+    from annot.runtime.init.deferred import meta_copy
+
+    copy = model if _on_meta(model) else meta_copy(model)
+    if getattr(copy, "is_gradient_checkpointing", False):
+        copy = meta_copy(model) if copy is model else copy
+        new = hasattr(copy, "activation_checkpointing_disable")  # transformers 5's name
+        disable: Any = getattr(copy, f"{'activation' if new else 'gradient'}_checkpointing_disable")
+        disable()
+    return copy
+
+
+def _on_meta(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.is_meta
+
+
+def _at_tp(total: int, split: int, tp: int) -> int:
+    return total - split + -(-split // tp)
+
+
+def split_layers(model: nn.Module) -> dict[nn.Module, str]:
+    """The layers tensor parallelism splits, as ``"col"`` (output split) or
+    ``"row"`` (output reduced whole): ``@shard`` hints, else a transformers
+    tp plan's. A vocab-parallel embedding's output is whole, as a row's."""
+    from annot.core.hints import get_shard_spec, resolve_hints
+    from annot.core.specs import Col, Row, Vocab
+    from annot.hf import hints_from_hf_config
+
+    kinds = {Col: "col", Row: "row", Vocab: "row"}
+    out: dict[nn.Module, str] = {}
+    for m in model.modules():
+        spec = get_shard_spec(type(m))
+        for name, sp in spec.specs.items() if spec is not None else ():
+            target = getattr(m, name, None)
+            if isinstance(target, nn.Module) and type(sp) in kinds:
+                out[target] = kinds[type(sp)]
+    hints: dict[str, object] = dict(hints_from_hf_config(model))
+    if hints:
+        named = dict(model.named_modules())
+        for path, sp in resolve_hints(model, hints)[1].items():
+            if isinstance(named.get(path), nn.Module) and type(sp) in kinds:
+                out[named[path]] = kinds[type(sp)]
+    return out
+
+
+def _measure(
+    model: nn.Module,
+    found: list[Unit],
+    sample: Any,
+    *,
+    float_size: Optional[int] = None,
+    checkpoint: bool = False,
+) -> list[UnitFigures]:
+    """Per unit, from one forward and backward on ``sample``: its FLOPs
+    (forward + backward: ``FlopCounterMode``'s counts of the ops run while
+    the run is in it, :class:`annot.plan.flops.SpanFlops`)
+    and the bytes its forward saves for backward (each storage once, by
+    identity, parameters left out; on a meta model as on a real one), split
+    as tp would split them; with ``checkpoint`` also what a second forward,
+    its blocks checkpointed, keeps. ``float_size``: see :class:`SavedBytes`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from annot.plan.flops import SpanFlops
+    from annot.plan.saved_bytes import BackwardPeak, SavedBytes, real_paths_on_meta
+    from annot.runtime.recompute import (
+        apply_activation_checkpointing,
+        remove_activation_checkpointing,
+    )
+    from annot.runtime.runners.replay import call_with, meta_values
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = list(model.parameters())
+    layers = split_layers(model)
+    saved = SavedBytes(params, layers, float_size)
+    saved.key = 0  # glue before the first unit's call is the first unit's
+    active = [saved]
+    peak = BackwardPeak(float_size)
+    hooked: set[int] = set()
+    counter = FlopCounterMode(display=False)
+    spans = SpanFlops(counter, len(found))
+
+    def passed(i: int) -> None:  # backward past unit i's start: it is in unit i - 1
+        spans.back(i)
+        peak.key = spans.key
+
+    def enter(i: int, module, args, kwargs) -> None:
+        active[0].key = i
+        if active[0] is not saved:
+            return
+        spans.enter(i)
+        t = _first_grad_input(args, kwargs) if torch.is_grad_enabled() else None
+        if t is not None and i not in hooked:
+            hooked.add(i)
+            t.register_hook(lambda g, i=i: passed(i))
+
+    handles = [
+        modules[u.path].register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
+        for i, u in enumerate(found)
+    ]
+    kept = None
+    try:
+        with counter, meta_values(), real_paths_on_meta():
+            with saved.counting():
+                out = call_with(model, sample)
+            loss = _output_scalar(out)
+            if loss is not None:
+                for p in params:  # gradients accumulate in place, as after a first step
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                spans.charge()  # forward's end: backward begins in the unit called last
+                peak.key = spans.key
+                with peak:
+                    loss.backward()
+            spans.charge()
+            spans.on = False
+        del out, loss
+        if checkpoint:
+            blocks = block_paths(model)
+            apply_activation_checkpointing(model, {type(modules[b]) for b in blocks})
+            kept = active[0] = SavedBytes(params, layers, float_size)
+            kept.key = 0
+            try:
+                with kept.counting(), meta_values(), real_paths_on_meta():
+                    call_with(model, sample)  # forward only: what it keeps
+            finally:
+                remove_activation_checkpointing(model)
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    flops = spans.flops
+    recompute = [0] * len(found)
+    recompute_split = [0] * len(found)
+    if checkpoint:
+        first = {u.path: i for i, u in enumerate(found)}
+        for b in block_paths(model):
+            if b in first:
+                inside = [
+                    i for i, u in enumerate(found) if u.path == b or u.path.startswith(b + ".")
+                ]
+                recompute[first[b]] = sum(saved.of(i) for i in inside)
+                recompute_split[first[b]] = sum(saved.split_bytes(i) for i in inside)
+    return [
+        UnitFigures(
+            flops=flops[i],
+            saved=saved.of(i),
+            saved_split=saved.split_bytes(i),
+            kept=kept.of(i) if kept is not None else 0,
+            kept_split=kept.split_bytes(i) if kept is not None else 0,
+            recompute=recompute[i],
+            recompute_split=recompute_split[i],
+            backward=peak.of(i),
+        )
+        for i in range(len(found))
+    ]
+
+
+def _measured(flops: int, activations: int) -> Any:
+    """A unit's measurements as :class:`annot.plan.cost_segments.SegmentCost`'s
+    measured fields."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        flops=flops, forward_flops=0, activations=activations, time=0.0, output_bytes=0
+    )
+
+
+def tp_sharded(model: nn.Module, tp: int) -> set[int]:
+    """The parameters tp splits: ``@shard`` hints, else a transformers tp plan's."""
+    from annot.core.hints import resolve_hints
+    from annot.hf import hints_from_hf_config
+    from annot.plan.costs import sharded_ids
+
+    hints: dict[str, object] = dict(hints_from_hf_config(model, tp=tp)) if tp > 1 else {}
+    return sharded_ids(model, resolve_hints(model, hints)[1] if hints else None)
+
+
+@dataclass(frozen=True)
+class UnitMeasures:
+    """A model's units and what one microbatch showed of them, measured once
+    and planned at any pp and tp (:func:`plan_units`)."""
+
+    model: nn.Module
+    fine: list[Unit]
+    figures: Optional[list[UnitFigures]]  # None: nothing ran (cost "params", no sample)
+    timed: Optional[list[float]]
+    cost: Any  # an annot.plan.costs.UnitCost
+    setup: Any  # annot.plan.memory_model.Training
+
+
+@dataclass(frozen=True)
+class ModuleUnits:
+    """A unit source of :func:`annot.plan.planner.plan`: every block, block part
+    and weighted module outside the blocks, in call order (``order``; default:
+    the call order on the sample, else registration order), less the calls
+    where no stage can begin (``stranded``), for stages cut at run time
+    (:mod:`annot.runtime.runners.replay`). ``measures``: units measured already (one
+    measurement planned at many pp and tp, :mod:`annot.plan.what_if`); ``sharded``:
+    the ids of the parameters tp splits (default: found from the hints)."""
+
+    order: Optional[list[str]] = None
+    stranded: Optional[dict[str, str]] = None
+    repeats: int = 7
+    progress: Any = None  # an annot.plan.what_if.Progress
+    measures: Optional[UnitMeasures] = None
+    sharded: Optional[set[int]] = None
+
+    @staticmethod
+    def of(points: StagePoints) -> ModuleUnits:
+        """The module calls where :class:`annot.plan.stage_points.StagePoints` says a stage may begin."""
+        return ModuleUnits(order=points.order, stranded=points.stranded)
+
+
+def measure_units(
+    model: nn.Module,
+    *,
+    sample: Any = None,
+    cost: Any = "params",
+    repeats: int = 7,
+    order: Optional[list[str]] = None,
+    stranded: Optional[dict[str, str]] = None,
+    setup: Any = None,
+    min_units: int = 1,
+    progress: Any = None,
+) -> UnitMeasures:
+    """Step 1 of :func:`annot.plan.planner.plan` over :class:`ModuleUnits`: the
+    units, and with a sample their FLOPs and saved bytes (and with a ``cost``
+    that needs "time", its times: on a
+    model built on the meta device, each unit materialized alone,
+    :func:`annot.plan.unit_timing.time_units_alone`). ``progress``: an
+    :class:`annot.plan.what_if.Progress` to note each unit timed on."""
+    from annot.plan.costs import WEIGHTED_PARAMS, resolve_cost
+    from annot.plan.memory_model import Training
+    from annot.runtime.pipeline.layout import record_calls
+
+    setup = setup if setup is not None else Training()
+    cost = resolve_cost(cost, WEIGHTED_PARAMS, "modules")
+    if cost.needs != "params" and sample is None:
+        raise HintError(f"plan: cost={cost.name!r} needs sample= (one microbatch)")
+    if order is None and sample is not None:
+        order = call_order(record_calls(model, sample))
+    # measured costs also weigh the parts of block parts (a parameter count is
+    # too rough a proxy for that); without an order a block is one unit
+    fine = units(model, order, depth=1 if cost.needs == "params" else 2)
+    if stranded is None and sample is not None:
+        stranded = StagePoints(model, type(model), sample).stranded
+    fine = _begin_where_possible(fine, stranded or {})
+    if len(fine) < min_units:
+        raise HintError(
+            f"{type(model).__name__} has {len(fine)} places a pipeline stage can begin, fewer "
+            f"than the {min_units} stages asked for"
+        )
+    figures = None
+    if sample is not None:
+        figures = _measure(
+            measurable(model),
+            fine,
+            sample,
+            float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
+            checkpoint=setup.checkpoint,
+        )
+    timed = None
+    if cost.needs == "time" and _on_meta(model):  # one unit materialized at a time
+        from annot.plan.unit_timing import time_units_alone
+
+        timed = time_units_alone(model, fine, sample, repeats, progress)
+    elif cost.needs == "time":
+        timed = _times(model, fine, sample, repeats)
+    return UnitMeasures(model, fine, figures, timed, cost, setup)
+
+
+def plan_units(
+    measures: UnitMeasures,
+    n_stages: int,
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    sharded: Optional[set[int]] = None,
+) -> StagePlan:
+    """Step 2 of :func:`annot.plan.planner.plan` over :class:`ModuleUnits`: the balanced split of the
+    measured units into ``n_stages`` stages at ``tp`` (and ``dp``, which only
+    FSDP's shares depend on). ``sharded``: the ids of the parameters tp
+    splits (default: found from the model's hints)."""
+    fine = measures.fine
+    if len(fine) < n_stages and not fit:
+        raise HintError(
+            f"{type(measures.model).__name__} has {len(fine)} places a pipeline stage can "
+            f"begin, fewer than the {n_stages} stages asked for"
+        )
+    if tp > 1 and sharded is None:
+        sharded = tp_sharded(measures.model, tp)
+    best, best_level = None, 0
+    levels = [lv for lv in (0, 1, 2) if lv == 0 or len(coarser(fine, lv - 1)) < len(fine)]
+    for level in levels:  # whole blocks, their parts, then the parts of those parts
+        try:
+            plan = _plan_level(measures, level, n_stages, memory, fit, tp, dp, sharded or set())
+        except PartitionError:
+            if best is None and level == levels[-1]:
+                raise
+            continue  # too few blocks, or they do not fit the memory; their parts may
+        if best is None or _deeper_pays(best, plan, DEEPER_GAIN[best_level]):
+            best, best_level = plan, level
+    assert best is not None  # the last level planned, or raised
+    return best
+
+
+# How much faster than the best plan at level k (0: whole blocks, 1: their
+# parts) a deeper level must make the slowest stage to be taken. A boundary
+# inside a block only the replay cuts (the source split cuts a loop between
+# its elements, and is 5-15% faster on the same plan: benchmarks/runners.py);
+# one inside a part carries every tensor alive in that part's forward (the
+# frame walk of annot.runtime.runners.replay), more than one between parts.
+DEEPER_GAIN = {0: 0.05, 1: 0.03}
+
+
+def _deeper_pays(shallow: StagePlan, deep: StagePlan, gain: float) -> bool:
+    if len(deep.stage_costs) != len(shallow.stage_costs):  # fit=True: fewer stages fit
+        return len(deep.stage_costs) < len(shallow.stage_costs)
+    return max(deep.stage_costs) < (1 - gain) * max(shallow.stage_costs)
+
+
+def _plan_level(
+    measures: UnitMeasures,
+    level: int,
+    n_stages: int,
+    memory: Optional[int],
+    fit: bool,
+    tp: int,
+    dp: int,
+    sharded: set[int],
+) -> StagePlan:
+    """The balanced split over ``coarser(fine, level)``, its figures the sums of
+    the fine units' measurements.
+
+    The partition charges every stage the activations of the most
+    microbatches any stage keeps in flight (1F1B: stage 0's pp) and, with
+    checkpointing, the largest recomputed block: never less than a stage
+    holds. Each stage's own figure (:func:`annot.plan.memory_model.stage_memory`)
+    is what the plan reports; where that charge refuses every split, the
+    balanced split is checked stage by stage at its own figures."""
+    from annot.plan.cost import partition_args
+    from annot.plan.costs import apply_cost, facts_of, segment_costs, stage_memories
+    from annot.plan.memory_model import in_flight
+    from annot.plan.planner import partition_units
+
+    model, fine, setup, cost = measures.model, measures.fine, measures.setup, measures.cost
+    groups = _groups(fine, level)
+    found = coarser(fine, level)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owned = [[modules[p] for p in u.owns] for u in found]
+    figures = None
+    if measures.figures is not None:
+        figures = [
+            functools.reduce(UnitFigures.__add__, (measures.figures[i] for i in g)) for g in groups
+        ]
+    pp = n_stages
+    flight = in_flight(setup.schedule, pp, setup.microbatches)
+    most = max(flight)  # with fit, at most n_stages stages: never less than a stage holds
+    per_mb: Optional[list[int]] = None
+    measured = None
+    if figures:
+        per_mb = [f.activations(tp, setup.checkpoint) for f in figures]
+        measured = [_measured(f.flops, a * most) for f, a in zip(figures, per_mb)]
+    costs_of = segment_costs(
+        model,
+        [u.path for u in found],
+        owned,
+        measured,
+        optimizer=setup.optimizer,
+        tp=tp,
+        sharded=sharded,
+        setup=setup,
+        dp=dp,
+        pp=pp,
+    )
+    share = [1.0] * len(found)  # this rank's part of each unit at tp: params, or time alike
+    if tp > 1:
+        whole = [
+            sum({id(p): p.numel() for m in ms for p in m.parameters()}.values()) for ms in owned
+        ]
+        share = [c.n_params / n if n else 1.0 for c, n in zip(costs_of, whole)]
+    if measures.timed is not None:
+        timed = [sum(measures.timed[i] for i in g) for g in groups]
+        costs_of = [dataclasses.replace(c, time=t) for c, t in zip(costs_of, timed)]
+    facts = [facts_of(c, ms, u.work, f) for c, ms, u, f in zip(costs_of, owned, found, share)]
+    costs_of = apply_cost(cost, costs_of, facts)
+    recompute = [f.recomputed(tp) for f in figures] if figures and setup.checkpoint else None
+    transient = [f.transient(tp) for f in figures] if figures else None
+    args = partition_args(costs_of)
+    most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
+    budget = memory - most_extra if memory is not None and most_extra else memory
+    if memory is not None and budget is not None and budget <= 0:
+        from annot.plan.cost_table import format_bytes
+
+        raise PartitionError(
+            f"the memory budget of {format_bytes(memory)} per device is less than what "
+            f"backward holds at once in one stage ({format_bytes(most_extra)}: gradients on "
+            "their way, a recomputed block); raise the budget or use a smaller microbatch"
+        )
+    # where no split fits as charged: the split whose largest stage is least,
+    # checked stage by stage at its own figures below
+    part = partition_units(
+        args, n_stages, memory=budget, fit=fit, least_when_none_fits=memory is not None
+    )
+    if fit:
+        flight = in_flight(setup.schedule, part.n_stages, setup.microbatches)
+    detail = stage_memories(
+        part,
+        owned,
+        setup,
+        per_microbatch=per_mb,
+        flight=flight,
+        tp=tp,
+        sharded=sharded,
+        dp=dp,
+        recompute=recompute,
+        transient=transient,
+    )
+    plan = StagePlan(
+        class_name=type(model).__name__,
+        boundaries=tuple(found[b].path for b in part.boundaries),
+        partition=part,
+        segments=tuple(u.path for u in found),
+        costs=tuple(costs_of),
+        cost=cost.name,
+        measured=figures is not None,
+        tp=tp,
+        memory_budget=memory,
+        stage_detail=tuple(detail),
+        timed=measures.timed is not None,
+        units=tuple(found),
+    )
+    if memory is not None:
+        over = max(range(len(detail)), key=lambda s: detail[s].total)
+        if detail[over].total > memory:
+            raise StageMemoryError(plan, over)
+    return plan

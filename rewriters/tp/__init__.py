@@ -1,0 +1,2 @@
+"""The tensor-parallel rewrite: ``@shard`` hints into tp constructors, per-rank
+sizes and the vocab-parallel loss."""
