@@ -22,7 +22,7 @@ from annot.core.errors import PipelineError
 from annot.runtime.tp.comm import compiling
 
 if TYPE_CHECKING:
-    from annot.runtime.grads.fsdp import ShardedData
+    from annot.runtime.fsdp import ShardedData
 
 __all__ = ["ParallelModel", "clip_grad_norm_", "unwrap"]
 
@@ -65,7 +65,7 @@ class ParallelModel(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "__class__":  # fully_shard(model) by the user: refused
-            from annot.integrations.wrappers import refuse_class_swap
+            from annot.runtime.wrap_guard import refuse_class_swap
 
             refuse_class_swap(self, value)
         super().__setattr__(name, value)
@@ -73,7 +73,7 @@ class ParallelModel(nn.Module):
     def forward_context(self):
         """Where forward and the loss run: autocast (a no-op in fp32) and, where
         dropout sees tp shards, each rank's slice of the single-device mask."""
-        from annot.training.precision import forward_context
+        from annot.runtime.precision import forward_context
 
         autocast = forward_context(self.ctx.device, self.autocast_dtype)
         if not self.dropout:
@@ -96,7 +96,7 @@ class ParallelModel(nn.Module):
 
     def backward_context(self):
         """Autocast off for backward (a no-op in fp32)."""
-        from annot.training.precision import backward_context
+        from annot.runtime.precision import backward_context
 
         return backward_context(self.ctx.device, self.autocast_dtype)
 
@@ -116,12 +116,12 @@ class ParallelModel(nn.Module):
 
     def check_attachments(self) -> None:
         """What users and libraries attached to the model since the last check:
-        ``fully_shard`` around it refused (:mod:`annot.integrations.wrappers`); hooks on
+        ``fully_shard`` around it refused (:mod:`annot.runtime.wrap_guard`); hooks on
         tp-split layers given whole tensors
         (:func:`annot.runtime.tp.user_hooks.view_hooks`). At the first call and
         the start of every training step."""
-        from annot.integrations.wrappers import check_unwrapped
         from annot.runtime.tp.user_hooks import split_layers, view_hooks
+        from annot.runtime.wrap_guard import check_unwrapped
 
         check_unwrapped(self)
         if self.ctx.mesh.tp > 1:
@@ -164,7 +164,7 @@ class ParallelModel(nn.Module):
     )
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._traced_whole() and self.preflight is None:  # traced from the next call on
-            from annot.build.compile import check_no_dropout
+            from annot.runtime.compile import check_no_dropout
 
             out = check_no_dropout(self.module, self.forward, args, kwargs, "torch.compile(model)")
             self._no_dropout.add(self.module.training)
@@ -182,12 +182,12 @@ class ParallelModel(nn.Module):
 
     def compile(self, **options: Any) -> None:
         """``torch.compile`` this rank's model after sharding: whole in one
-        stage, else each block, as torchtitan does (:mod:`annot.build.compile`): ``options`` are
+        stage, else each block, as torchtitan does (:mod:`annot.runtime.compile`): ``options`` are
         ``torch.compile``'s (``backend=``, ``mode=``, ``dynamic=``, ...). The
         module tree and state-dict keys are unchanged; the pipeline, its
         replay and annot's reductions stay eager."""
-        from annot.build.compile import compile_blocks
         from annot.hf.models import nested_blocks
+        from annot.runtime.compile import compile_blocks
 
         plan = self.pipeline
         staged = plan is not None and plan.num_stages > 1

@@ -90,7 +90,7 @@ def rank_load(path: str, pp: int, tp: int, cache: str) -> dict:
     from transformers.utils import logging
 
     import annot
-    from annot.runtime.grads.fsdp import local
+    from annot.runtime.fsdp import local
 
     logging.set_verbosity_error()
     start = time.perf_counter()

@@ -368,7 +368,7 @@ def bench_rewrite() -> tuple[float, float, int]:
 
 def bench_cache() -> tuple[float, float]:
     import annot
-    from annot.build.rewrite_cache import last_rewritten
+    from annot.rewrite_cache import last_rewritten
     from examples.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2)

@@ -8,7 +8,7 @@ rebuild it as a plain tuple). :func:`tensors` is the tensors among the
 leaves, :func:`map_tensors` maps them, :func:`flatten` takes a structure
 apart for ``tree_unflatten``. Hand-written walkers remain only where pytree
 cannot say what is needed: the p2p wire codec (:mod:`annot.runtime.pipeline.p2p_codec`),
-the frame walk of the replay (:mod:`annot.runtime.runners.frame_walk`) and the op
+the frame walk of the replay (:mod:`annot.runtime.frames`) and the op
 cache's structure keys (:mod:`annot.runtime.runners.meta_ops`), each saying why.
 """
 

@@ -1,6 +1,7 @@
-"""The README's code runs as written: every ``annot`` command it shows exits 0
-from the repository root, and every Python block that names its own run line
-(``# torchrun --nproc-per-node N FILE``) runs that way from a fresh directory."""
+"""The README's and docs/' code runs as written: every ``annot`` command they
+show exits 0 from the repository root, and every Python block that names its
+own run line (``# torchrun --nproc-per-node N FILE``) runs that way from a
+fresh directory. Every relative link in them points at a file."""
 
 import os
 import re
@@ -15,7 +16,8 @@ from annot.cli.main import main
 from annot.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = "\n".join(p.read_text() for p in PAGES)
 
 
 def _blocks(lang: str) -> list[str]:
@@ -38,6 +40,18 @@ def _programs() -> list[tuple[int, str, str]]:
 def test_the_readme_shows_commands_and_programs():
     assert len(_commands()) >= 2
     assert len(_programs()) >= 2
+    names = [p[1] for p in _programs()]
+    assert len(names) == len(set(names)), "two programs share a file name"
+
+
+def test_the_readme_is_a_quick_start_and_its_links_resolve():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
 
 
 @pytest.mark.parametrize("command", _commands())

@@ -1,28 +1,29 @@
-"""``annot.parallelize``: build this rank's part of a hinted model.
+"""``annot.parallelize``: build this rank's part of a hinted model, in named
+steps, each logged at debug level and recorded in ``model.report``:
 
-Steps (each logged at debug level):
-
-1. join the mesh (torchrun's environment; gloo on CPU, NCCL on CUDA);
-2. build the single-device reference on the meta device (structure only: the
+1. the options checked before any rank works (:mod:`annot.build.options`), and
+   the mesh joined (torchrun's environment; gloo on CPU, NCCL on CUDA);
+2. the single-device reference built on the meta device (structure only: the
    truth every shard is cut from, without its memory);
-3. collect hints (``@shard`` on classes, external ``hints=`` by module path)
-   and verify them against the reference (names, types, divisibility);
-4. rewrite the model's source just in time (cached on disk) and build the
-   rewritten classes: each rank constructs only its tp shard;
-5. give each shard its part of the reference weights, computed tensor by
-   tensor (deferred initialization: no rank ever holds the full model); wrap
-   ``@checkpoint`` classes for activation checkpointing;
-6. at tp > 1, run the model once on meta tensors of a sample's shapes and
-   refuse hints that would crash (:mod:`annot.build.preflight`; on the first call
-   when no sample is known).
+3. the hints collected (``@shard`` on classes, ``hints=`` by module path, a
+   transformers model's own tp plan) and checked against the reference;
+   with pp > 1 the stage boundaries chosen (given, or planned) and the runner
+   that cuts them there (:mod:`annot.build.stage_choice`);
+4. the model's source rewritten just in time (cached on disk) and this rank's
+   tp shard built from it on meta;
+5. this rank's stages cut out and its part of the weights given, tensor by
+   tensor (deferred initialization: no rank ever holds the full model);
+6. at tp > 1, a pre-flight on meta tensors of a sample's shapes that refuses
+   hints that would crash (:mod:`annot.build.preflight`; on the first call when
+   no sample is known);
+7. FSDP2 over dp (``fsdp=True``), the guards against torch's wrappers, a
+   weight source read, ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import os
 from typing import Any, Optional, Union
 
 import torch
@@ -36,9 +37,10 @@ from annot.build.materialize import (
     materialize_from,
     take_rewritten_classes,
 )
+from annot.build.options import Options, option_defaults, resolve_options
 from annot.build.preflight import preflight
 from annot.build.report import BuildReport
-from annot.build.rewrite_cache import last_rewritten, rewrite_classes
+from annot.build.stage_choice import choose_boundaries, resplit
 from annot.core.errors import HintError, PipelineError
 from annot.core.hints import (
     ShardSpec,
@@ -50,20 +52,20 @@ from annot.core.hints import (
 )
 from annot.core.mesh import Mesh
 from annot.core.specs import Spec
-from annot.integrations.wrappers import guard as guard_wrappers
 from annot.parallel_model import ParallelModel
-from annot.plan.stage_choice import MemoryBudget, choose_boundaries, resplit
 from annot.plan.stage_points import StagePoints, choose_runner
+from annot.rewrite_cache import last_rewritten, rewrite_classes
 from annot.rewriters.split.stage_split import split_stages
 from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
 from annot.runtime import process_groups as rmesh
-from annot.runtime.grads.buckets import check_bucket_options
 from annot.runtime.init.deferred import meta_copy
-from annot.runtime.pipeline.layout import build_plan, stage_calls
+from annot.runtime.pipeline.layout import build_plan
 from annot.runtime.recompute import apply_activation_checkpointing
 from annot.runtime.runners.replay import call_with
+from annot.runtime.runners.stage_modules import stage_calls
 from annot.runtime.runners.stage_runner import ReplayRunner, SourceRunner
 from annot.runtime.tp.sequence_parallel import apply_sequence_parallel, stage_runs
+from annot.runtime.wrap_guard import guard as guard_wrappers
 from annot.training.clip_grad import guard as guard_clip
 
 __all__ = ["parallelize"]
@@ -142,7 +144,7 @@ def parallelize(
     ``sample=`` one microbatch of forward's arguments, a tuple or a dict, lets
     it count FLOPs or measure time instead of parameters).
     ``precision="bf16"`` runs forward and the loss under bfloat16 autocast
-    with float32 master weights, gradients and reductions (:mod:`annot.training.precision`).
+    with float32 master weights, gradients and reductions (:mod:`annot.runtime.precision`).
     ``verify=True`` (default: the ``ANNOT_VERIFY=1`` environment variable)
     checks after every backward that each parameter replicated over tp has
     the same gradient on every tp rank, and raises :class:`VerifyError` naming
@@ -155,14 +157,14 @@ def parallelize(
     first); in a pipeline each stage's blocks enter and leave the shards.
     ``fsdp=True`` shards parameters, gradients and so the state of an
     optimizer built afterwards over dp with torch's FSDP2 (``fully_shard`` on
-    each block and the root, :mod:`annot.runtime.grads.fsdp`); at dp = 1 there is
+    each block and the root, :mod:`annot.runtime.fsdp`); at dp = 1 there is
     nothing to shard and it changes nothing.
     ``model_kwargs={...}`` passes constructor arguments whose names are
     also options here (a model's own ``compile=``, ``seed=``): an option
     given by name that the constructor also takes is refused, never taken
     silently by one of the two.
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each
-    block of this rank's model after sharding (:mod:`annot.build.compile`; the
+    block of this rank's model after sharding (:mod:`annot.runtime.compile`; the
     same as ``model.compile(**options)`` on the result).
     ``weights=`` a weight source in place of the seed or the built model:
     :class:`annot.io.pretrained.PretrainedWeights`, which
@@ -187,147 +189,163 @@ def parallelize(
     """
     # first, before any option is rebound: the options as the caller gave them
     given = {k: v for k, v in locals().items() if k in _OPTION_DEFAULTS}
-    from annot.build.compile import compile_options
-    from annot.training.precision import parse_precision
-
-    autocast = parse_precision(precision)
-    mesh = _check_options(mesh, chunks, overlap_grad_reduce, bucket_cap_mb)
-    compile_kw = compile_options(compile)
-    _check_option_names(model, given, model_kwargs or {})
-    kwargs = {**kwargs, **(model_kwargs or {})}
-    instance, cls = _model_and_class(model, args, kwargs)
-    report = BuildReport(mesh)
-
+    model_kwargs = model_kwargs or {}
+    opts = resolve_options(
+        model, args, {**kwargs, **model_kwargs}, given, _OPTION_DEFAULTS, model_kwargs
+    )
+    mesh, cls, n_stages = opts.mesh, opts.cls, opts.mesh.pp * chunks
     ctx = rmesh.init(mesh)
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
-    ref = _reference(cls, instance, args, kwargs, seed, ctx)
+    ref = _reference(opts, args, seed, ctx)
     log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
-    specs, paths = _hints(ref, hints, mesh.tp)
-    report.specs = specs
-    log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in specs))
+    report = BuildReport(mesh)
+    report.specs, paths = _hints(ref, hints, mesh.tp)
+    log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in report.specs))
 
-    n_stages = mesh.pp * chunks
-    # where a stage may begin; one meta forward when needed, shared by the planner and the stages
-    points = StagePoints(ref, cls, sample)
+    points = StagePoints(ref, cls, sample)  # where a stage may begin; shared by planner and stages
     if n_stages > 1:
-        report.boundaries = choose_boundaries(
-            points,
-            n_stages,
-            split,
-            tp=mesh.tp,
-            ctx=ctx,
-            seed=seed,
-            build=lambda: cls(*args, **kwargs),
-            report=report,
-            budget=None if memory is None else MemoryBudget.of(memory, precision, fsdp, mesh.dp),
-            runner=runner,
+        report.boundaries, choice = _choose_stages(
+            points, opts, args, split, runner, seed, ctx, report
         )
-        choice = choose_runner(points, report.boundaries, runner)
-        points.check(report.boundaries, choice.name)
         report.runner, report.runner_reason = choice.name, choice.reason
-        differing = ctx.ranks_differing((report.boundaries, choice.name))
-        if differing:  # each rank plans alone: a difference would hang or mix stages
-            raise PipelineError(
-                f"ranks {differing} planned other pipeline stages than rank 0 "
-                f"(boundaries {report.boundaries}, runner {choice.name!r} on rank {ctx.rank}): "
-                "every rank must see the same model source, options and sample. To fix: "
-                "give split=[...] and runner=... explicitly, and check that no rank reads "
-                "files that change while the ranks start"
-            )
-        log.debug(
-            "annot: stage boundaries %s, runner %s (%s)",
-            report.boundaries,
-            choice.name,
-            choice.reason,
-        )
-    local, split_plan = _rewrite_and_build(
-        cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages
-    )
+        log.debug("annot: stages at %s, runner %s", report.boundaries, choice)
+    local, split_plan = _rewrite_and_build(opts, args, paths, ref, ctx, report, n_stages)
     log.debug("annot: step 4: built %s for tp=%d (meta)", type(local).__qualname__, mesh.tp)
-    if n_stages > 1 and report.runner == "source" and split_plan is None:
-        split_plan = resplit(cls, report.boundaries)  # a cache hit: the plan of the source
-
-    if sequence_parallel is not False and mesh.tp > 1:
-        report.sequence_blocks = _sequence_blocks(local, sequence_parallel, report.boundaries)
-    check = None
-    if mesh.tp > 1:
-        twin = ref if instance is None else meta_copy(instance)
-        whole = None
-        if n_stages > 1:  # every stage's tp shard, copied before this rank keeps its own
-            whole = meta_copy(local)
-            apply_sequence_parallel(whole, report.sequence_blocks, sequence_dim, mesh.tp)
-        check = functools.partial(
-            preflight,
-            whole=whole,
-            split_forwards=split_plan.forwards if split_plan is not None else (),
-            ref=twin,
-            ctx=ctx,
-            specs=specs,
-            paths=paths,
-        )
+    if opts.sequence_parallel is not False and mesh.tp > 1:
+        report.sequence_blocks = _sequence_blocks(local, opts.sequence_parallel, report.boundaries)
+    check = _preflight_check(opts, ref, local, split_plan, ctx, report, paths, n_stages)
     plan = None
     if n_stages > 1:
-        plan = _pipeline_plan(local, cls, split_plan, points, ctx, chunks, report)
+        plan = _pipeline_plan(local, split_plan, points, ctx, chunks, report)
         log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
-    if weights is not None:
-        weights.allocate(local, ref, ctx)
-    elif instance is not None:
-        materialize_from(local, instance, ctx)
-    else:
-        materialize(local, cls, args, kwargs, seed, ctx, plan)
+    _materialize(local, opts, args, ref, seed, ctx, plan)
     del ref, points
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
-    apply_activation_checkpointing(local, checkpointed_classes(local))
-    _mark_grad_sums(local, paths)
-    for run in (
-        [report.sequence_blocks]
-        if plan is None
-        else stage_runs(plan, local, report.sequence_blocks)
-    ):
-        apply_sequence_parallel(local, run, sequence_dim, mesh.tp)
-    if verify is None:
-        verify = os.environ.get("ANNOT_VERIFY") == "1"
-    built = ParallelModel(
-        local,
-        ctx,
-        pipeline=plan,
-        report=report,
-        autocast=autocast,
-        verify=verify,
-        overlap_grad_reduce=overlap_grad_reduce,
-        bucket_cap_mb=bucket_cap_mb,
-    )
+    built = _assemble(local, opts, ctx, plan, report, paths)
     if check is not None:
         _run_preflight(built, check, sample)
         log.debug("annot: step 6: pre-flight %s", report.preflight)
-    if fsdp and ctx.distributed and mesh.dp > 1:
-        _shard_data(built, plan)
-        assert built.fsdp is not None  # _shard_data set it
-        log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
-    elif fsdp:
-        log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
-    if ctx.distributed and (
-        (plan is not None and plan.num_stages > 1) or mesh.tp > 1 or built.fsdp is not None
-    ):
-        # torch's clip_grad_norm_ on this rank's part would clip by a part's norm
-        guard_clip(built)
-    if ctx.distributed:  # DDP / fully_shard over ranks that hold different parts: refused
-        guard_wrappers(built)
-    if weights is not None:
-        weights.fill(built)
+    _shard_over_dp(built, opts, plan)
+    _guard(built, plan)
+    if opts.weights is not None:
+        opts.weights.fill(built)
         log.debug("annot: step 7b: read this rank's part of the weights")
-    if compile_kw is not None:
-        built.compile(**compile_kw)
+    if opts.compile_kw is not None:
+        built.compile(**opts.compile_kw)
         log.debug("annot: step 8: torch.compile on %s", built.compiled_blocks)
     return built
 
 
-def _shard_data(built: ParallelModel, plan) -> None:
+def _choose_stages(points: StagePoints, opts: Options, args, split, runner, seed, ctx, report):
+    """``(boundaries, runner choice)``: where the stages begin (given, or
+    planned) and which runner cuts them there, the same on every rank."""
+    mesh = opts.mesh
+    boundaries = choose_boundaries(
+        points,
+        mesh.pp * opts.chunks,
+        split,
+        tp=mesh.tp,
+        ctx=ctx,
+        seed=seed,
+        build=lambda: opts.cls(*args, **opts.kwargs),
+        report=report,
+        budget=opts.memory_budget(),
+        runner=runner,
+    )
+    choice = choose_runner(points, boundaries, runner)
+    points.check(boundaries, choice.name)
+    differing = ctx.ranks_differing((boundaries, choice.name))
+    if differing:  # each rank plans alone: a difference would hang or mix stages
+        raise PipelineError(
+            f"ranks {differing} planned other pipeline stages than rank 0 "
+            f"(boundaries {boundaries}, runner {choice.name!r} on rank {ctx.rank}): "
+            "every rank must see the same model source, options and sample. To fix: "
+            "give split=[...] and runner=... explicitly, and check that no rank reads "
+            "files that change while the ranks start"
+        )
+    return boundaries, choice
+
+
+def _preflight_check(opts: Options, ref, local, split_plan, ctx, report, paths, n_stages):
+    """At tp > 1, the pre-flight bound to what it compares against (the
+    reference, every stage's tp shard before this rank keeps its own); else None."""
+    if opts.mesh.tp == 1:
+        return None
+    twin = ref if opts.instance is None else meta_copy(opts.instance)
+    whole = None
+    if n_stages > 1:  # every stage's tp shard, copied before this rank keeps its own
+        whole = meta_copy(local)
+        apply_sequence_parallel(whole, report.sequence_blocks, opts.sequence_dim, opts.mesh.tp)
+    return functools.partial(
+        preflight,
+        whole=whole,
+        split_forwards=split_plan.forwards if split_plan is not None else (),
+        ref=twin,
+        ctx=ctx,
+        specs=report.specs,
+        paths=paths,
+    )
+
+
+def _materialize(local, opts: Options, args, ref, seed, ctx, plan) -> None:
+    """Step 5: this rank's part of the weights: storage for a weight source to
+    fill later, the given model's values, or the seed's, tensor by tensor."""
+    if opts.weights is not None:
+        opts.weights.allocate(local, ref, ctx)
+    elif opts.instance is not None:
+        materialize_from(local, opts.instance, ctx)
+    else:
+        materialize(local, opts.cls, args, opts.kwargs, seed, ctx, plan)
+
+
+def _assemble(local, opts: Options, ctx, plan, report, paths) -> ParallelModel:
+    """The :class:`ParallelModel`: activation checkpointing, ``sum_grad``
+    marks and sequence parallelism applied to this rank's modules."""
+    apply_activation_checkpointing(local, checkpointed_classes(local))
+    _mark_grad_sums(local, paths)
+    runs = (
+        [report.sequence_blocks]
+        if plan is None
+        else stage_runs(plan, local, report.sequence_blocks)
+    )
+    for run in runs:
+        apply_sequence_parallel(local, run, opts.sequence_dim, opts.mesh.tp)
+    return ParallelModel(
+        local,
+        ctx,
+        pipeline=plan,
+        report=report,
+        autocast=opts.autocast,
+        verify=opts.verify,
+        overlap_grad_reduce=opts.overlap_grad_reduce,
+        bucket_cap_mb=opts.bucket_cap_mb,
+    )
+
+
+def _guard(built: ParallelModel, plan) -> None:
+    """Refuse from now on what would be wrong around a model whose ranks hold
+    different parts: torch's clip_grad_norm_ on one part's norm, DDP or
+    fully_shard over the parts."""
+    ctx = built.ctx
+    if ctx.distributed and (
+        (plan is not None and plan.num_stages > 1) or ctx.mesh.tp > 1 or built.fsdp is not None
+    ):
+        guard_clip(built)
+    if ctx.distributed:
+        guard_wrappers(built)
+
+
+def _shard_over_dp(built: ParallelModel, opts: Options, plan) -> None:
     """Step 7 (``fsdp=True``): FSDP2 over dp, a unit per block of the
     model's block list (:func:`annot.hf.nested_blocks`) and the root."""
+    if not opts.fsdp:
+        return
+    if not (built.ctx.distributed and opts.mesh.dp > 1):
+        log.info("annot: fsdp=True at dp=1: nothing to shard over dp")
+        return
     from annot.hf.models import nested_blocks
-    from annot.runtime.grads.fsdp import ShardedData, blocks_of
+    from annot.runtime.fsdp import ShardedData, blocks_of
     from annot.runtime.runners.stage_prune import forget_real_weights
 
     local = built.module
@@ -342,82 +360,20 @@ def _shard_data(built: ParallelModel, plan) -> None:
         pipelined=plan is not None and plan.num_stages > 1,
     )
     forget_real_weights(local)  # a shadow's tied weight: FSDP2 holds the live one now
+    log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
 
 
-def _option_defaults() -> dict[str, Any]:
-    params = inspect.signature(parallelize).parameters
-    return {
-        n: p.default
-        for n, p in params.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "model_kwargs"
-    }
+_OPTION_DEFAULTS = option_defaults(parallelize)
 
 
-_OPTION_DEFAULTS = _option_defaults()
-
-
-def _check_option_names(model: Any, given: dict[str, Any], model_kwargs: dict) -> None:
-    """Refuse an option of :func:`parallelize` given (not its default) that
-    the model's constructor takes too: the value went to annot, and the
-    model would silently be built without it."""
-    if not (isinstance(model, type) and issubclass(model, nn.Module)):
-        return
-    try:
-        params = inspect.signature(model.__init__).parameters
-    except (TypeError, ValueError):  # a builtin __init__: no names to clash
-        return
-    for name, value in given.items():
-        default = _OPTION_DEFAULTS[name]
-        if name in model_kwargs or name not in params:
-            continue
-        if not (value is default or (type(value) is type(default) and value == default)):
-            raise HintError(
-                f"parallelize: {model.__name__}.__init__ takes {name}=, and so does "
-                f"parallelize; {name}={value!r} went to parallelize. Say which you mean: "
-                f"for the model, pass model_kwargs={{{name!r}: {value!r}}}; for annot, "
-                f"pass the model's own value through model_kwargs too, e.g. "
-                f"annot.parallelize({model.__name__}, ..., {name}={value!r}, "
-                f"model_kwargs={{{name!r}: ...}})"
-            )
-
-
-def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:
-    """The mesh, after the checks that need no rank: refused before any works."""
-    mesh = mesh or Mesh()
-    if not isinstance(mesh, Mesh):
-        raise HintError(f"parallelize: mesh={mesh!r}; expected annot.Mesh(dp=, pp=, tp=)")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise HintError(f"parallelize: chunks={chunks!r}; expected an int >= 1")
-    check_bucket_options(overlap, bucket_cap_mb)
-    return mesh
-
-
-def _model_and_class(model: Any, args: tuple, kwargs: dict) -> tuple[Optional[nn.Module], type]:
-    """``(the built model or None, its class)``."""
-    if isinstance(model, nn.Module):  # built already (e.g. by a library's loader)
-        if args or kwargs:
-            raise HintError(
-                "parallelize: got a built model and constructor arguments; pass either the "
-                "class and its arguments, or the model alone"
-            )
-        return model, type(model)
-    if not (isinstance(model, type) and issubclass(model, nn.Module)):
-        raise HintError(
-            f"parallelize: expected an nn.Module class (and its constructor arguments) or a "
-            f"built nn.Module, got {type(model).__name__}; e.g. "
-            "annot.parallelize(GPT, config, mesh=mesh)"
-        )
-    return None, model
-
-
-def _reference(cls: type, instance, args: tuple, kwargs: dict, seed, ctx) -> nn.Module:
+def _reference(opts: Options, args: tuple, seed, ctx) -> nn.Module:
     """Step 2: the single-device model, on meta (structure only: no rank builds
     the full model), or the built one."""
-    if instance is not None:
-        return instance
+    if opts.instance is not None:
+        return opts.instance
     rng = torch.random.get_rng_state()
     with torch.device("meta"):
-        ref = cls(*args, **kwargs)
+        ref = opts.cls(*args, **opts.kwargs)
     if seed is None:
         check_same_rng(ctx, rng)
     return ref
@@ -443,12 +399,13 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
     return specs, paths
 
 
-def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, report, n_stages):
+def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
     """Step 4: rewrite the model's sources just in time (cached) and build this
     rank's model from them on meta, its hinted layers sharded; ``(model, the
     stage split of the root's forward or None)``."""
     from annot.runtime.tp.convert import convert_hinted, tied_names
 
+    cls, instance, kwargs, specs = opts.cls, opts.instance, opts.kwargs, report.specs
     tp, boundaries = report.mesh.tp, report.boundaries
     split_root = report.runner == "source"
     splits: dict = {}
@@ -478,10 +435,13 @@ def _rewrite_and_build(cls, instance, args, kwargs, specs, paths, ref, ctx, repo
         take_rewritten_classes(local, mapping)  # modules built by an unchanged factory
     with rmesh.use(ctx), torch.device("meta"):  # what construction did not shard
         convert_hinted(local, paths, tp, tied_names(ref))
-    return local, splits.get("split")
+    split = splits.get("split")
+    if split is None and split_root:
+        split = resplit(cls, boundaries)  # a cache hit: the plan of the source
+    return local, split
 
 
-def _pipeline_plan(local, cls, split, points: StagePoints, ctx, chunks: int, report):
+def _pipeline_plan(local, split, points: StagePoints, ctx, chunks: int, report):
     """This rank's stages, run by the runner the build chose (``report.runner``):
     the root's forward split into stage methods by the rewriter, or cut at run
     time (replay) at the boundaries' module calls."""

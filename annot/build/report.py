@@ -25,7 +25,7 @@ class BuildReport:
     runner: Optional[str] = None
     runner_reason: str = ""
     plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
-    # step 4, rewrite: annot.build.rewrite_cache's record of each rewritten source
+    # step 4, rewrite: annot.rewrite_cache's record of each rewritten source
     rewritten: list = field(default_factory=list)
     # sequence parallelism: the blocks run on sequence shards
     sequence_blocks: list[str] = field(default_factory=list)

@@ -332,7 +332,7 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
     from annot.plan.module_units import ModuleUnits, call_order, measure_units
     from annot.plan.stage_points import StagePoints
     from annot.plan.what_if import Progress, format_what_if, what_if
-    from annot.runtime.pipeline.layout import record_calls
+    from annot.runtime.runners.stage_modules import record_calls
 
     progress = Progress()
     probe = sample if sample is not None else None

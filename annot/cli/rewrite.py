@@ -123,7 +123,7 @@ def rewrite_source(
             )
         return result.source.encode(encoding)
     if pp > 1:
-        from annot.rewriters.source.hint_reader import read_stage_hints
+        from annot.rewriters.analysis.hint_reader import read_stage_hints
         from annot.rewriters.split.stage_split import split_decorated
 
         encoding, _ = tokenize.detect_encoding(io.BytesIO(out).readline)

@@ -1,7 +1,7 @@
 """Hugging Face transformers under annot: a model's tp and pp plans read as
 hints (:mod:`annot.hf.models`, :mod:`annot.hf.tp_plan`), and transformers'
 ``Trainer`` and accelerate's ``Accelerator`` for an annot model
-(:mod:`annot.hf.trainer`, loaded on first use: it imports both)."""
+(:mod:`annot.integrations.hf_trainer`, loaded on first use: it imports both)."""
 
 from typing import Any
 
@@ -12,7 +12,7 @@ __all__ = ["Accelerator", "Trainer", "hints_from_hf_config", "stages_from_hf_con
 
 def __getattr__(name: str) -> Any:
     if name in ("Trainer", "Accelerator"):
-        from annot.hf import trainer
+        from annot.integrations import hf_trainer
 
-        return getattr(trainer, name)
+        return getattr(hf_trainer, name)
     raise AttributeError(f"module 'annot.hf' has no attribute {name!r}")

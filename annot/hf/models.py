@@ -17,7 +17,7 @@ each layer's outputs to a collector) crosses stages through
 :func:`captured_outputs`, which the replay logs with each layer's outputs.
 
 Training loops: ``annot.hf.Trainer`` and ``annot.hf.Accelerator``
-(:mod:`annot.hf.trainer`, loaded on first use) are transformers' Trainer and
+(:mod:`annot.integrations.hf_trainer`, loaded on first use) are transformers' Trainer and
 accelerate's Accelerator for an annot model.
 """
 

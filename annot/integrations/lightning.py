@@ -2,7 +2,7 @@
 
 Lightning's default strategy on several processes wraps the LightningModule
 in ``DistributedDataParallel`` over all of them (refused around an annot
-model whose ranks hold different parts: :mod:`annot.integrations.wrappers`) and gives
+model whose ranks hold different parts: :mod:`annot.runtime.wrap_guard`) and gives
 each process other batches. ``Trainer(strategy=AnnotStrategy())`` instead:
 
 - leaves the model unwrapped (annot places it and reduces its gradients);

@@ -69,7 +69,7 @@ from annot.io.dcp_adapter import (
 )
 from annot.io.dcp_publish import check_replaceable, own_files, publish, seal, write_file
 from annot.io.dcp_read import FORMAT, INFO, Opened, SafeReader, open_checkpoint
-from annot.runtime.grads.fsdp import copy_full_into, shard_like
+from annot.runtime.fsdp import copy_full_into, shard_like
 
 __all__ = ["save", "load", "load_full"]
 

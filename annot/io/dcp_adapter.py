@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from annot.core.errors import CheckpointError
-from annot.runtime.grads.fsdp import full
+from annot.runtime.fsdp import full
 
 __all__ = [
     "Layout",

@@ -19,7 +19,7 @@ Steps:
    rotary tables) their values from the class's constructor, replayed by
    deferred initialization without the weight init;
 4. after FSDP2 has sharded the parameters over dp (``fsdp=True``), each
-   rank reads its boxes of the stored tensors (:mod:`annot.runtime.tp.held_slices`:
+   rank reads its boxes of the stored tensors (:mod:`annot.io.held_slices`:
    its stages' tensors, its tp slice, its dp chunk) straight into them
    (:func:`annot.io.safetensors_files.read_box`). No rank reads or holds
    more than its own part; a load past a few seconds prints its progress on
@@ -228,9 +228,9 @@ class PretrainedWeights:
         built model (after FSDP2's sharding: its dp chunk only). Every rank
         calls it; a failure on any rank is raised on all."""
         from annot.io.dcp_adapter import Target, exchange
+        from annot.io.held_slices import held_slices
         from annot.io.safetensors_files import read_box
         from annot.runtime import process_groups as rmesh
-        from annot.runtime.tp.held_slices import held_slices
 
         target = Target.of(built)
         err = None

@@ -234,7 +234,7 @@ def _write_own_files(model, planned: list[Planned], tmp: str) -> None:
     """Step 3: this stage's tensors, gathered whole one at a time; its first
     rank (dp 0, tp 0) writes them."""
     from annot.io.safetensors_files import StreamWriter
-    from annot.runtime.grads.fsdp import full
+    from annot.runtime.fsdp import full
     from annot.runtime.process_groups import use
     from annot.runtime.tp.state_dict import gather_whole, shard_layouts
 

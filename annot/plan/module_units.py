@@ -133,7 +133,7 @@ class StageMemoryError(PartitionError):
 
 def call_order(calls: list[tuple[str, ...]]) -> list[str]:
     """Module paths in the order forward first calls them, from
-    :func:`annot.runtime.pipeline.layout.record_calls`; every path of a shared module is
+    :func:`annot.runtime.runners.stage_modules.record_calls`; every path of a shared module is
     listed at its first call."""
     return list(dict.fromkeys(p for paths in calls for p in paths))
 
@@ -677,7 +677,7 @@ def measure_units(
     :class:`annot.plan.what_if.Progress` to note each unit timed on."""
     from annot.plan.costs import WEIGHTED_PARAMS, resolve_cost
     from annot.plan.memory_model import Training
-    from annot.runtime.pipeline.layout import record_calls
+    from annot.runtime.runners.stage_modules import record_calls
 
     setup = setup if setup is not None else Training()
     cost = resolve_cost(cost, WEIGHTED_PARAMS, "modules")
@@ -789,7 +789,7 @@ def _plan_level(
     from annot.plan.cost import partition_args
     from annot.plan.costs import apply_cost, facts_of, segment_costs, stage_memories
     from annot.plan.memory_model import in_flight
-    from annot.plan.planner import partition_units
+    from annot.plan.partition import partition_units
 
     model, fine, setup, cost = measures.model, measures.fine, measures.setup, measures.cost
     groups = _groups(fine, level)

@@ -40,14 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from annot.core.errors import PartitionError
 from annot.plan.partition_chain import Chain
 
-__all__ = ["Partition", "partition", "fit", "evaluate", "least_memory"]
+__all__ = ["Partition", "partition", "partition_units", "fit", "evaluate", "least_memory"]
 
 
 @dataclass(frozen=True)
@@ -228,3 +228,37 @@ def evaluate(
             f"boundaries {list(boundaries)} must increase strictly within 1..{chain.n - 1}"
         )
     return _stats(chain, ends)
+
+
+_fewest_stages = fit  # partition_units takes a flag named fit
+
+
+def partition_units(
+    args: dict[str, Any],
+    n_stages: int,
+    *,
+    memory: Optional[int] = None,
+    fit: bool = False,
+    least_when_none_fits: bool = False,
+) -> Any:
+    """The planner's one partition step, for either unit source: the exact
+    min-bottleneck contiguous split of the units (``args``:
+    :func:`annot.plan.cost.partition_args` of their costs) into
+    ``n_stages`` stages under ``memory`` bytes each
+    (:func:`annot.plan.partition.partition`), or with ``fit`` the fewest
+    stages, at most ``n_stages``, that fit it (:func:`annot.plan.partition.fit`).
+    ``least_when_none_fits``: where no split fits the budget as charged, the
+    split whose largest stage is least (the caller checks each stage at its
+    own figures)."""
+
+    if fit:
+        if memory is None:
+            raise PartitionError("fit=True needs memory= (the budget each stage must fit)")
+        return _fewest_stages(memory_budget=memory, max_stages=n_stages, **args)
+    try:
+        return partition(n_stages=n_stages, memory_budget=memory, **args)
+    except PartitionError:
+        if not least_when_none_fits:
+            raise
+        least = least_memory(args["memories"], n_stages, shared=args["shared"])
+        return partition(n_stages=n_stages, memory_budget=least, **args)

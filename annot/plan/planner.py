@@ -52,7 +52,7 @@ approximation, as the activations and measured times are not scaled.
 begin, the segments of a source split (:class:`annot.plan.segments.SourceSegments`,
 steps 1 to 3 above) or the module calls at any depth the replay runner cuts
 at (:class:`annot.plan.module_units.ModuleUnits`), and the answer is one
-:class:`StagePlan` with one table. ``parallelize`` (:mod:`annot.plan.stage_choice`),
+:class:`StagePlan` with one table. ``parallelize`` (:mod:`annot.build.stage_choice`),
 ``annot plan`` (:mod:`annot.cli.plan`) and :mod:`annot.plan.what_if` call it.
 
 This module holds the entry points; steps 1 to 3 live in
@@ -84,6 +84,7 @@ from annot.plan.costs import (
     segment_costs,
     stage_memories,
 )
+from annot.plan.partition import partition_units
 from annot.plan.points import (
     module_at,
     no_markers,
@@ -336,39 +337,6 @@ def _result(m: _Measured, part: Any, memory: Optional[int], tp: int) -> StagePla
         memory_budget=memory,
         warnings=tuple(warnings),
     )
-
-
-def partition_units(
-    args: dict[str, Any],
-    n_stages: int,
-    *,
-    memory: Optional[int] = None,
-    fit: bool = False,
-    least_when_none_fits: bool = False,
-) -> Any:
-    """The planner's one partition step, for either unit source: the exact
-    min-bottleneck contiguous split of the units (``args``:
-    :func:`annot.plan.cost.partition_args` of their costs) into
-    ``n_stages`` stages under ``memory`` bytes each
-    (:func:`annot.plan.partition.partition`), or with ``fit`` the fewest
-    stages, at most ``n_stages``, that fit it (:func:`annot.plan.partition.fit`).
-    ``least_when_none_fits``: where no split fits the budget as charged, the
-    split whose largest stage is least (the caller checks each stage at its
-    own figures)."""
-    from annot.plan.partition import fit as fit_fewest
-    from annot.plan.partition import least_memory, partition
-
-    if fit:
-        if memory is None:
-            raise PartitionError("fit=True needs memory= (the budget each stage must fit)")
-        return fit_fewest(memory_budget=memory, max_stages=n_stages, **args)
-    try:
-        return partition(n_stages=n_stages, memory_budget=memory, **args)
-    except PartitionError:
-        if not least_when_none_fits:
-            raise
-        least = least_memory(args["memories"], n_stages, shared=args["shared"])
-        return partition(n_stages=n_stages, memory_budget=least, **args)
 
 
 def _check_count(m: _Measured, n: int, what: str) -> None:

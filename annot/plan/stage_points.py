@@ -89,8 +89,8 @@ class StagePoints:
     @functools.cached_property
     def calls(self) -> Optional[list[tuple[str, ...]]]:
         """The module calls of one meta forward, in order
-        (:func:`annot.runtime.pipeline.layout.record_calls`); None without a probe."""
-        from annot.runtime.pipeline.layout import record_calls
+        (:func:`annot.runtime.runners.stage_modules.record_calls`); None without a probe."""
+        from annot.runtime.runners.stage_modules import record_calls
 
         return self._probe(record_calls)
 
@@ -177,7 +177,7 @@ class StagePoints:
         path = _source_file(self.cls)
         if path is None:
             return f"{self.cls.__qualname__} has no source file to split"
-        from annot.build.rewrite_cache import read_source
+        from annot.rewrite_cache import read_source
         from annot.rewriters.split.stage_split import split_or_refusal
 
         return split_or_refusal(
@@ -191,8 +191,8 @@ class StagePoints:
     def source_paths(self, model: nn.Module) -> list[str]:
         """Every module path where the source runner can begin a stage of the
         root's forward, in forward order (:mod:`annot.plan.points`)."""
-        from annot.build.rewrite_cache import read_source
         from annot.plan.points import split_points
+        from annot.rewrite_cache import read_source
 
         path = _source_file(self.cls)
         if path is None:
@@ -248,7 +248,7 @@ def check_stranded(ref: nn.Module, boundaries: tuple[str, ...], stranded: dict[s
 
 @functools.lru_cache(maxsize=32)
 def _markers(path: str, qualname: str) -> int:
-    from annot.build.rewrite_cache import read_source
+    from annot.rewrite_cache import read_source
     from annot.rewriters.split.stage_split import split_stages
 
     return len(split_stages(read_source(path), qualname, [], path=path).stages) - 1

@@ -216,7 +216,7 @@ class Step:
 
         import torch.distributed as dist
 
-        from annot.runtime.trace import write_chrome_trace
+        from annot.runtime.pipeline.trace import write_chrome_trace
 
         events = self.trace_events()
         ctx = self.model.ctx

@@ -17,7 +17,7 @@ optimizer's, and the broadcast keeps the replicas identical.
 
 This is ZeRO-1: parameters and gradients stay whole on each rank. For
 ZeRO-3 build with ``annot.parallelize(..., fsdp=True)`` (torch's FSDP2,
-:mod:`annot.runtime.grads.fsdp`): parameters, gradients and so the state of any
+:mod:`annot.runtime.fsdp`): parameters, gradients and so the state of any
 optimizer built afterwards are sharded over dp, and ``zero_optimizer``
 returns the plain optimizer.
 """
@@ -55,7 +55,7 @@ def zero_optimizer(
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in this rank's optimizer state (after a step)."""
-    from annot.runtime.grads.fsdp import local
+    from annot.runtime.fsdp import local
 
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local shard
     return sum(

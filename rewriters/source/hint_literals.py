@@ -2,7 +2,7 @@
 running the user's code, and written back as one line of source.
 
 :class:`HintArguments` reads the keyword arguments of one ``@shard(...)`` or
-``@stage(...)`` call (:mod:`annot.rewriters.source.hint_reader` finds the call).
+``@stage(...)`` call (:mod:`annot.rewriters.analysis.hint_reader` finds the call).
 Every argument must be a literal (numbers, strings, ``True``/``False``/
 ``None``, tuples and lists of those, or a spec call with literal
 arguments); anything else (a variable, a call to something else) is refused

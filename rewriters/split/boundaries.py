@@ -23,7 +23,7 @@ from typing import Optional
 import libcst as cst
 import libcst.matchers as m
 
-from annot.rewriters.source.hint_reader import BOUNDARY_NAMES, has_qualified_name
+from annot.rewriters.analysis.hint_reader import BOUNDARY_NAMES, has_qualified_name
 
 __all__ = [
     "Placement",

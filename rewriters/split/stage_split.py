@@ -57,9 +57,9 @@ from libcst.metadata import MetadataWrapper
 
 from annot.core.errors import RewriteError
 from annot.core.hints import StageSpec
+from annot.rewriters.analysis.hint_reader import STAGE_NAMES, find_hints, has_qualified_name
 from annot.rewriters.source.diagnostics import Locator, node_source, parse_source
 from annot.rewriters.source.hint_literals import format_hint
-from annot.rewriters.source.hint_reader import STAGE_NAMES, find_hints, has_qualified_name
 from annot.rewriters.split.boundaries import qualified
 from annot.rewriters.split.forward_stages import ForwardStages, Splitter
 from annot.rewriters.split.stage_methods import (

@@ -3,7 +3,7 @@
 ``rewrite_tensor_parallel(source, tp)`` returns the source every tp rank runs
 (Megatron's layout). For each hinted class:
 
-1. Its hints are read from the decorator as literals (:mod:`annot.rewriters.source.hint_reader`),
+1. Its hints are read from the decorator as literals (:mod:`annot.rewriters.analysis.hint_reader`),
    or taken from ``extra_hints`` for a class the user cannot decorate.
 2. In ``__init__``, each spec'd attribute's constructor is swapped, keeping the
    user's arguments as written::
@@ -118,10 +118,10 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 from annot.core.errors import HintError, MeshError
 from annot.core.hints import ShardSpec
+from annot.rewriters.analysis.hint_reader import find_hints
 from annot.rewriters.analysis.scopes import ModuleScopes
 from annot.rewriters.source.diagnostics import Locator, parse_source
 from annot.rewriters.source.hint_literals import format_hint
-from annot.rewriters.source.hint_reader import find_hints
 from annot.rewriters.tp.edits import Target
 from annot.rewriters.tp.local_sizes import LocalSizePlanner
 from annot.rewriters.tp.loss import LossPlanner

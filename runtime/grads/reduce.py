@@ -4,7 +4,7 @@
   per dtype, so one all-reduce instead of one per parameter), or take the
   average that :class:`~annot.runtime.grads.buckets.GradBuckets` overlapped
   with the backward, or the reduce-scatter of FSDP2
-  (:class:`~annot.runtime.grads.fsdp.ShardedData`: each dp rank then holds a
+  (:class:`~annot.runtime.fsdp.ShardedData`: each dp rank then holds a
   shard of every gradient, and the sums below work on the shards);
 - tied weights across pipeline stages (embedding and LM head): sum the
   gradient over exactly the stages that hold the weight, so every copy takes
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.core.errors import PipelineError, VerifyError
-from annot.runtime.grads.fsdp import local
+from annot.runtime.fsdp import local
 from annot.runtime.pipeline.schedules import stage_rank
 
 __all__ = [
@@ -114,7 +114,7 @@ def reduce_gradients(
 ) -> None:
     """Make this step's gradients whole: the dp average (``dp_reduction``, a
     :class:`~annot.runtime.grads.buckets.GradBuckets` or an
-    :class:`~annot.runtime.grads.fsdp.ShardedData`, holds it: ``finish()``, then one
+    :class:`~annot.runtime.fsdp.ShardedData`, holds it: ``finish()``, then one
     flat all-reduce of what it left, ``unreduced``; without one, a flat
     all-reduce per dtype of every gradient), tp partial sums and tied-weight
     sums. Sums commute with the average, so its place in the order is free.

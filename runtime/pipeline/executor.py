@@ -77,9 +77,9 @@ from annot.runtime.pipeline.schedules import (
 from annot.runtime.pipeline.schedules import forward_only as _strip_backward
 from annot.runtime.pipeline.split_backward import backward_input, backward_weight, release
 from annot.runtime.pipeline.stage_values import grad_pairs, handoff, input_grads, keep_grads
+from annot.runtime.pipeline.trace import Tracer
 from annot.runtime.runners.replay import StageDone
 from annot.runtime.runners.stage_runner import ModelArgs, SourceRunner, StageRunner
-from annot.runtime.trace import Tracer
 
 __all__ = ["LocalStage", "PipelineExecutor"]
 
@@ -235,7 +235,7 @@ class PipelineExecutor(PipelineMessages):
 
     def trace_events(self) -> list[dict[str, Any]]:
         """This rank's Chrome trace events so far (``trace=True``); merge ranks
-        with :func:`annot.runtime.trace.to_chrome_trace`."""
+        with :func:`annot.runtime.pipeline.trace.to_chrome_trace`."""
         return list(self.tracer.events)
 
     # -- actions --------------------------------------------------------------

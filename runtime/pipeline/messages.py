@@ -21,7 +21,7 @@ from annot.runtime.pipeline.model_call import StepState
 from annot.runtime.pipeline.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.pipeline.p2p_codec import flatten, simple_signature
 from annot.runtime.pipeline.schedules import RECV_B, RECV_F, Action, B, F, stage_rank
-from annot.runtime.trace import Tracer
+from annot.runtime.pipeline.trace import Tracer
 from annot.runtime.trees import map_tensors
 
 __all__ = ["PipelineMessages", "check_shareable", "posts_early"]

@@ -1,6 +1,6 @@
 """A pipeline schedule as a terminal table, drawn from its simulated step
 (:func:`annot.runtime.pipeline.schedule_check.simulate`). The same step as a Chrome
-trace is :func:`annot.runtime.trace.schedule_to_chrome_trace`.
+trace is :func:`annot.runtime.pipeline.trace.schedule_to_chrome_trace`.
 """
 
 from __future__ import annotations

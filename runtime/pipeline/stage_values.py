@@ -7,7 +7,6 @@ order of :mod:`annot.runtime.pipeline.p2p_codec`, the same on both sides of a bo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from annot.core.errors import PipelineError
 from annot.runtime.pipeline.p2p_codec import flatten, tensors_requiring_grad, unflatten
 
-__all__ = ["call_stage", "grad_pairs", "handoff", "input_grads", "keep_grads"]
+__all__ = ["grad_pairs", "handoff", "input_grads", "keep_grads"]
 
 
 def handoff(out: Any, device: Optional[torch.device]) -> Any:
@@ -51,11 +50,3 @@ def grad_pairs(out: Any, grads: list, stage: int, microbatch: int) -> list[tuple
             "disagree about its values (please report this)"
         )
     return [(t, g) for t, g in zip(tensors, grads) if g is not None]
-
-
-def call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return fn(**inputs)
-    if isinstance(inputs, tuple):
-        return fn(*inputs)
-    return fn(inputs)

@@ -51,7 +51,7 @@ stage is refused with a :class:`~annot.core.errors.PipelineError` that says so.
 Its parts: the ops on meta and their cache by signature in
 :mod:`annot.runtime.runners.meta_ops`, the log of value reads in
 :mod:`annot.runtime.runners.value_reads`, the walk that collects the frames' tensors in
-:mod:`annot.runtime.runners.frame_walk`; here the boundaries, the replay mode and the
+:mod:`annot.runtime.frames`; here the boundaries, the replay mode and the
 stage.
 """
 
@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from annot.core.errors import PipelineError
-from annot.runtime.runners.frame_walk import frame_tensors, named_frame_tensors, state_ids
+from annot.runtime.frames import frame_tensors, named_frame_tensors, state_ids
 from annot.runtime.runners.meta_ops import (
     MetaOps,
     flat,

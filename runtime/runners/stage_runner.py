@@ -34,7 +34,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from annot.core.errors import PipelineError
-from annot.runtime.pipeline.stage_values import call_stage
 
 if TYPE_CHECKING:
     from annot.runtime.pipeline.executor import LocalStage
@@ -158,7 +157,7 @@ class SourceRunner(StageRunner):
         self._default: dict[str, Any] = {}
 
     def stage_modules(self, model, boundaries, n_stages):
-        from annot.runtime.pipeline.layout import expand_module_paths, with_aliases
+        from annot.runtime.runners.stage_modules import expand_module_paths, with_aliases
 
         if len(self.split.stages) != n_stages:
             raise PipelineError(
@@ -305,7 +304,7 @@ class ReplayRunner(StageRunner):
         self.calls = calls
 
     def stage_modules(self, model, boundaries, n_stages):
-        from annot.runtime.pipeline.layout import call_order_stage_modules
+        from annot.runtime.runners.stage_modules import call_order_stage_modules
 
         return call_order_stage_modules(model, tuple(boundaries), self.calls)
 
@@ -394,3 +393,11 @@ def run_forward_hooks(module: nn.Module, model_args: ModelArgs, out: Any) -> Any
         if result is not None:
             out = result
     return out
+
+
+def call_stage(fn: Callable[..., Any], inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return fn(**inputs)
+    if isinstance(inputs, tuple):
+        return fn(*inputs)
+    return fn(inputs)

@@ -2,7 +2,7 @@
 
 A stage that begins at a module's call receives the tensors that the locals
 of the frames on the stack hold there (the frame walk,
-:func:`annot.runtime.runners.frame_walk.frame_tensors`). A tensor computed before the
+:func:`annot.runtime.frames.frame_tensors`). A tensor computed before the
 call and used after it that no local holds cannot cross: most often a
 temporary of the expression that makes the call, as in LlamaMLP's
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, where the left operand waits
@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from annot.runtime.runners.frame_walk import frame_tensors, model_line, state_ids
+from annot.runtime.frames import frame_tensors, model_line, state_ids
 
 __all__ = ["stranded"]
 

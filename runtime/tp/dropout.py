@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from annot.core.errors import HintError
-from annot.runtime.runners.frame_walk import LIBRARY_DIRS
+from annot.runtime.frames import LIBRARY_DIRS
 
 __all__ = [
     "Call",
@@ -135,7 +135,7 @@ class Call:
 
 class Recorder(TorchFunctionMode):
     """Logs every dropout-family call of a forward (the pre-flight runs it on
-    meta tensors; :mod:`annot.build.compile` on a block's first real call)."""
+    meta tensors; :mod:`annot.runtime.compile` on a block's first real call)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()

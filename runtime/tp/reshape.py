@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import HintError
-from annot.runtime.runners.frame_walk import LIBRARY_DIRS
+from annot.runtime.frames import LIBRARY_DIRS
 from annot.runtime.tp.dropout import Recorder, Site, paired, shard_dim, site
 from annot.runtime.tp.layers import ColumnParallelConv1D, ColumnParallelLinear
 

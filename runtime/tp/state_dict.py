@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from annot.core.errors import CheckpointError, MeshError
-from annot.runtime.grads.fsdp import copy_full_into, full
+from annot.runtime.fsdp import copy_full_into, full
 from annot.runtime.tp.comm import gather_full, split_local, tp_env
 
 __all__ = [

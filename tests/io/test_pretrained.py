@@ -216,7 +216,7 @@ def _saved_equals(model, plain, out) -> bool:
 def _fsdp_load(cache, path, out):
     _quiet(cache)
     import annot
-    from annot.runtime.grads.fsdp import local
+    from annot.runtime.fsdp import local
 
     cls = _cls("llama")
     model = annot.from_pretrained(cls, path, mesh=annot.Mesh(dp=2), fsdp=True)

@@ -247,7 +247,7 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
     from annot.hf.models import sample_inputs
     from annot.plan.module_units import call_order
     from annot.plan.planner import assumed_sample
-    from annot.runtime.pipeline.layout import record_calls
+    from annot.runtime.runners.stage_modules import record_calls
 
     ref = _llama("meta")
     order = call_order(record_calls(ref, sample_inputs(ref)))  # as parallelize probes it
@@ -266,15 +266,15 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
     assert min(d.activations for d in expected.stage_detail) > 0
 
 
-# ---- the README's 70B commands: their output as shown, in seconds, in little memory ------
+# ---- docs/planning.md's 70B commands: their output as shown, in seconds, in little memory ------
 
 
 def _readme_plans() -> list[tuple[str, str]]:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Plans beyond the machine", 1)[1].split("\n## ", 1)[0]
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    section = readme  # docs/planning.md is the section
     pairs = re.findall(r"```bash\n(annot plan .*?)\n```\n\n```\n(.*?)\n```", section, flags=re.S)
     return pairs
 

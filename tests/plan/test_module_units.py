@@ -301,7 +301,7 @@ class _Net(nn.Module):
 
 def test_units_inside_a_part_are_its_parts_in_call_order_never_through_a_list():
     from annot.plan.module_units import call_order, coarser, units
-    from annot.runtime.pipeline.layout import record_calls
+    from annot.runtime.runners.stage_modules import record_calls
 
     net, x = _Net(2, experts=True), torch.randn(4, 16)
     order = call_order(record_calls(net, x))
@@ -404,7 +404,7 @@ def test_a_part_forward_never_calls_is_no_unit_its_called_parts_are():
     # the block calls self.p.a and self.p.b directly: a stage can begin at
     # either call, never at p (no call of p happens)
     from annot.plan.module_units import call_order, units
-    from annot.runtime.pipeline.layout import record_calls
+    from annot.runtime.runners.stage_modules import record_calls
 
     class Part(nn.Module):
         def __init__(self):

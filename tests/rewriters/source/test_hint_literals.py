@@ -8,8 +8,8 @@ import pytest
 from annot.core.errors import RewriteError
 from annot.core.hints import ShardSpec, StageSpec
 from annot.core.specs import Col, P, Replicate, Vocab
+from annot.rewriters.analysis.hint_reader import read_shard_hints, read_stage_hints
 from annot.rewriters.source.hint_literals import format_hint
-from annot.rewriters.source.hint_reader import read_shard_hints, read_stage_hints
 from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
 from tests.rewriters.tp.cases import HEAD, refusal
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from annot.runtime.pipeline.layout import (
+from annot.runtime.runners.stage_modules import (
     call_order_stage_modules,
     expand_module_paths,
     record_calls,

@@ -28,7 +28,7 @@ from annot.runtime.pipeline.schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from annot.runtime.trace import (
+from annot.runtime.pipeline.trace import (
     Tracer,
     schedule_to_chrome_trace,
     to_chrome_trace,

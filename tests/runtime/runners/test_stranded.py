@@ -75,8 +75,8 @@ def test_hf_llama_strands_only_up_proj_among_its_calls():
 
 
 def test_check_stranded_names_an_enclosing_module_or_the_variable_fix():
+    from annot.build.stage_choice import check_stranded
     from annot.core.errors import HintError
-    from annot.plan.stage_choice import check_stranded
 
     x = torch.randn(2, 8)
     kept = Kept()
@@ -105,7 +105,7 @@ def test_check_stranded_names_an_enclosing_module_or_the_variable_fix():
 def test_the_named_walk_collects_the_same_tensors():
     import sys
 
-    from annot.runtime.runners.frame_walk import frame_tensors, named_frame_tensors
+    from annot.runtime.frames import frame_tensors, named_frame_tensors
 
     def inner(a, pair, box):
         here = sys._getframe()

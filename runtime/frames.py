@@ -29,7 +29,7 @@ _ANNOT_INIT = sys.modules["annot"].__file__
 assert _ANNOT_INIT is not None, "annot is a regular package"
 LIBRARY_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # annot.runtime
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,  # annot.runtime
     os.path.dirname(os.path.abspath(_ANNOT_INIT)) + os.sep,
 )
 
@@ -136,10 +136,13 @@ def _walk(start, stop_code, skip: set[int], *, named: bool):
 
 
 def state_ids(root: nn.Module) -> set[int]:
-    from annot.runtime.runners.stage_prune import shadow_modules
-
+    """The ids of ``root``'s parameters and buffers, and of those of the meta
+    shadows its placeholders hold outside the module tree (a
+    :class:`~annot.runtime.runners.stage_prune.Absent` keeps its ``shadow`` in
+    ``__dict__``: an attribute ``nn.Module`` never puts a submodule there)."""
+    shadows = [m.__dict__.get("shadow") for m in root.modules()]
     ids: set[int] = set()
-    for m in [root, *shadow_modules(root)]:
+    for m in [root, *(s for s in shadows if isinstance(s, nn.Module))]:
         ids.update(id(t) for t in m.parameters())
         ids.update(id(t) for t in m.buffers())
     return ids

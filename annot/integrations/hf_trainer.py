@@ -30,7 +30,7 @@ What the Trainer would do wrong around annot and these classes cannot fix is
 refused when the Trainer is built (:class:`~annot.core.errors.IntegrationError`
 naming the setting and annot's way); plain ``transformers.Trainer`` and
 ``accelerate.Accelerator`` are refused when they wrap the model in DDP
-(:mod:`annot.integrations.wrappers`).
+(:mod:`annot.runtime.wrap_guard`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Accelerator(accelerate.Accelerator):
 
     def __init__(self, *args: Any, mesh: Optional[Mesh] = None, **kwargs: Any) -> None:
         if mesh is None:
-            from annot.integrations.wrappers import last_mesh
+            from annot.runtime.wrap_guard import last_mesh
 
             mesh = last_mesh()
         if mesh is not None and kwargs.get("parallelism_config") is not None:

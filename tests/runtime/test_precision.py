@@ -22,7 +22,7 @@ FLOOR = 4e-3  # bf16 epsilon (2**-8) of the tensor norm
 
 def test_precision_names_are_checked():
     from annot import HintError
-    from annot.training.precision import parse_precision
+    from annot.runtime.precision import parse_precision
 
     assert parse_precision(None) is None
     assert parse_precision("fp32") is None

@@ -121,7 +121,7 @@ def resplit(cls: type, boundaries: tuple[str, ...]):
     """On a cache hit the rewritten source already has the stage methods; the
     plan (what each stage uses, what crosses) is the same as for the original
     source, which the tensor-parallel rewrite does not rename, so split that."""
-    from annot.build.rewrite_cache import read_source
+    from annot.rewrite_cache import read_source
     from annot.rewriters.split.stage_split import split_stages
 
     path = inspect.getfile(cls)
@@ -179,10 +179,10 @@ def choose_boundaries(
                 "or use @stage(auto=True)"
             )
         return tuple(spec.split)
-    from annot.build.rewrite_cache import cache_dir
     from annot.core.errors import AnnotError
     from annot.plan.planner import plan
     from annot.plan.segments import SourceSegments
+    from annot.rewrite_cache import cache_dir
 
     auto = spec or StageSpec(auto=True)
     cost = auto.cost or ("flops" if sample is not None else "params")

@@ -9,7 +9,7 @@ import pytest
 
 from annot.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _build(cache: str):
@@ -17,7 +17,7 @@ def _build(cache: str):
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.build.rewrite_cache import last_rewritten
+    from annot.rewrite_cache import last_rewritten
     from examples.gpt.model import GPT, GPTConfig
 
     annot.parallelize(GPT, GPTConfig(n_layer=1), mesh=annot.Mesh(tp=1), seed=0)
@@ -104,7 +104,7 @@ def test_source_less_class_is_refused():
 
     ns: dict = {"nn": nn}
     exec("class Dyn(nn.Module):\n    def forward(self, x):\n        return x\n", ns)
-    from annot.build.rewrite_cache import rewrite_classes
+    from annot.rewrite_cache import rewrite_classes
 
     ns["Dyn"].__module__ = "not_a_module_anywhere"
     with pytest.raises(annot.AnnotError, match="has no source file"):
@@ -154,7 +154,7 @@ def test_only_classes_the_rewrite_changes_are_copied(tmp_path):
     import importlib.util
     import sys
 
-    from annot.build.rewrite_cache import rewrite_classes
+    from annot.rewrite_cache import rewrite_classes
 
     path = tmp_path / "layers_model.py"
     path.write_text(LAYERS)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from annot.runtime.grads.fsdp import local as local_part
+from annot.runtime.fsdp import local as local_part
 from annot.runtime.init.deferred import named_tensors, shard_slicers
 from annot.runtime.tp.state_dict import shard_layouts
 

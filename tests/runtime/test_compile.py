@@ -1,4 +1,4 @@
-"""torch.compile on annot models (annot.build.compile): the compiled parallel run
+"""torch.compile on annot models (annot.runtime.compile): the compiled parallel run
 equals the EAGER single-device model, loss and every gradient, on real gloo
 ranks; what cannot be exact is refused before any step.
 

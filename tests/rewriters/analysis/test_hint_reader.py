@@ -1,4 +1,4 @@
-"""Reading ``@shard`` / ``@stage`` hints from source (annot.rewriters.source.hint_reader),
+"""Reading ``@shard`` / ``@stage`` hints from source (annot.rewriters.analysis.hint_reader),
 never running it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from annot.core.errors import RewriteError
 from annot.core.hints import ShardSpec, StageSpec
 from annot.core.specs import Col, P, Replicate, Row, Vocab
-from annot.rewriters.source.hint_reader import read_shard_hints, read_stage_hints
+from annot.rewriters.analysis.hint_reader import read_shard_hints, read_stage_hints
 from tests.rewriters.tp.cases import dedent
 
 

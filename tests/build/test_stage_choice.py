@@ -1,4 +1,4 @@
-"""annot.plan.stage_choice: the boundaries parallelize chooses, here under a memory
+"""annot.build.stage_choice: the boundaries parallelize chooses, here under a memory
 budget, without a sample: the same as ``annot plan --memory`` chooses (one
 rule for the microbatch both assume, :func:`annot.plan.planner.assumed_sample`).
 
@@ -12,10 +12,10 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from annot.build.stage_choice import MemoryBudget, choose_boundaries
 from annot.cli.main import main
 from annot.plan.module_units import ModuleUnits
 from annot.plan.planner import DEFAULT_SEQ_LEN, assumed_sample, plan
-from annot.plan.stage_choice import MemoryBudget, choose_boundaries
 from annot.plan.stage_points import StagePoints
 
 # a vocabulary large enough that the head's logits weigh on the stage holding it
