@@ -13,7 +13,7 @@ from annot.core.errors import (
     RewriteError,
     VerifyError,
 )
-from annot.core.hints import boundary, checkpoint, shard, stage
+from annot.core.hints import boundary, checkpoint, recompute, shard, stage
 from annot.core.mesh import Mesh
 from annot.core.specs import Col, Heads, Local, P, Partial, Replicate, Row, Vocab
 
@@ -48,6 +48,7 @@ __all__ = [
     "load",
     "load_full",
     "parallelize",
+    "recompute",
     "save",
     "save_pretrained",
     "shard",

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from annot.core.errors import AnnotError, RewriteError
 from annot.core.files import atomic_write
-from annot.core.hints import checkpoint, get_checkpoint
+from annot.core.hints import checkpoint, get_recompute
 
 __all__ = ["RewrittenModule", "cache_dir", "last_rewritten", "rewrite_classes"]
 
@@ -260,7 +260,7 @@ def rewrite_classes(
         for k, orig in originals.items():
             if k in new_classes:
                 mapping[orig] = new_classes[k]
-                if get_checkpoint(orig):  # also when applied as a call, not in the source
+                if get_recompute(orig):  # also when applied as a call, not in the source
                     checkpoint(new_classes[k])
         seconds += time.perf_counter() - t0
         records.append(

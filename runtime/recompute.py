@@ -3,10 +3,10 @@ keeping its activations (memory for compute, as in Megatron and torchtitan).
 
 Two ways in:
 
-- ``@checkpoint`` on a class (:mod:`annot.core.hints`):
-  the build calls ``apply_activation_checkpointing(model, classes)``, which
+- ``@recompute`` on a class (:mod:`annot.core.hints`):
+  the build calls ``apply_recompute(model, classes)``, which
   wraps the forward of every instance of those classes;
-- ``@stage(checkpoint=True)``: :func:`checkpoint_stage` wraps each pipeline
+- ``@stage(recompute=True)``: :func:`recompute_stage` wraps each pipeline
   stage's function.
 
 Both call ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
@@ -36,13 +36,13 @@ from annot.core.errors import HintError
 from annot.runtime.tp.dropout import recompute_context
 
 __all__ = [
-    "apply_activation_checkpointing",
-    "checkpoint_stage",
-    "remove_activation_checkpointing",
+    "apply_recompute",
+    "recompute_stage",
+    "remove_recompute",
 ]
 
 
-def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
+def _run_recomputed(fn: Callable, args: tuple, kwargs: dict) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     # kwargs go through a partial: checkpoint() keeps some names for itself
@@ -56,24 +56,24 @@ def _run_checkpointed(fn: Callable, args: tuple, kwargs: dict) -> Any:
         return _torch_checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context)
 
 
-class _CheckpointedForward:
+class _RecomputedForward:
     """What a checkpointed module's ``forward`` attribute becomes."""
 
     def __init__(self, forward: Callable):
         self.__wrapped__ = forward  # the bound forward it replaces (inspect.signature follows it)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _run_checkpointed(self.__wrapped__, args, kwargs)
+        return _run_recomputed(self.__wrapped__, args, kwargs)
 
     def __repr__(self) -> str:
         return f"checkpointed({self.__wrapped__!r})"
 
 
-def _is_checkpointed(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+def _is_recomputed(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _RecomputedForward)
 
 
-def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type]) -> int:
+def apply_recompute(module: nn.Module, classes: Iterable[type]) -> int:
     """Checkpoint the forward of every submodule of ``module`` (itself included)
     whose class is one of ``classes`` (exactly, not subclasses). Returns how
     many modules were wrapped by this call; wrapping twice is a no-op.
@@ -85,23 +85,21 @@ def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type]) -
     bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
     if bad:
         raise HintError(
-            f"apply_activation_checkpointing: classes must be nn.Module subclasses, got {bad!r}; "
-            "e.g. apply_activation_checkpointing(model, {Block})"
+            f"apply_recompute: classes must be nn.Module subclasses, got {bad!r}; "
+            "e.g. apply_recompute(model, {Block})"
         )
     if not isinstance(module, nn.Module):
-        raise HintError(
-            f"apply_activation_checkpointing: expected an nn.Module, got {type(module).__name__}"
-        )
+        raise HintError(f"apply_recompute: expected an nn.Module, got {type(module).__name__}")
     count = 0
     seen: set[int] = set()
 
     def visit(m: nn.Module) -> None:
         nonlocal count
-        if id(m) in seen or _is_checkpointed(m):
+        if id(m) in seen or _is_recomputed(m):
             return  # shared, or already recomputed as a whole: so are its children
         seen.add(id(m))
         if type(m) in classes:
-            m.forward = _CheckpointedForward(m.forward)
+            m.forward = _RecomputedForward(m.forward)
             count += 1
             return
         for child in m.children():
@@ -111,13 +109,13 @@ def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type]) -
     return count
 
 
-def remove_activation_checkpointing(module: nn.Module) -> int:
-    """Undo :func:`apply_activation_checkpointing` on ``module`` and its
+def remove_recompute(module: nn.Module) -> int:
+    """Undo :func:`apply_recompute` on ``module`` and its
     submodules: each wrapped forward is the module's own again. Returns how
     many were unwrapped."""
     count = 0
     for m in module.modules():
-        if _is_checkpointed(m):
+        if _is_recomputed(m):
             inner = m.__dict__["forward"].__wrapped__
             if getattr(inner, "__func__", None) is type(m).forward:
                 del m.forward  # the class's forward again
@@ -127,13 +125,13 @@ def remove_activation_checkpointing(module: nn.Module) -> int:
     return count
 
 
-def checkpoint_stage(fn: Callable) -> Callable:
+def recompute_stage(fn: Callable) -> Callable:
     """``fn`` (a pipeline stage's forward) that keeps only its inputs for
     backward and recomputes the rest. Arguments and results pass through
     unchanged (tensors, None, ints, tuples, dicts); keyword arguments too."""
 
     @functools.wraps(fn)
     def stage(*args: Any, **kwargs: Any) -> Any:
-        return _run_checkpointed(fn, args, kwargs)
+        return _run_recomputed(fn, args, kwargs)
 
     return stage

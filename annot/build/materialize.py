@@ -49,10 +49,10 @@ def take_rewritten_classes(model: nn.Module, mapping: dict) -> nn.Module:
 
 def materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
     """Cut this rank's shards out of a built model's own weights."""
-    from annot.runtime import process_groups as rmesh
+    from annot.runtime import process_groups
     from annot.runtime.init.deferred import materialize_, named_tensors, shard_slicers
 
-    with rmesh.use(ctx):
+    with process_groups.use(ctx):
         wanted = shard_slicers(local)
     have = named_tensors(local)
     values = {}
@@ -71,7 +71,7 @@ def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     with a warning saying why. With ``seed`` the random state afterwards is
     the reference's after its construction, the same on every rank, so random
     ops in replicated regions (dropout) draw what the single-device run draws."""
-    from annot.runtime import process_groups as rmesh
+    from annot.runtime import process_groups
     from annot.runtime.init.deferred import (
         DeferredInitError,
         deferred_reference,
@@ -79,7 +79,7 @@ def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
         shard_slicers,
     )
 
-    with rmesh.use(ctx):
+    with process_groups.use(ctx):
         wanted = shard_slicers(local)
     with torch.random.fork_rng():
         if seed is not None:
@@ -113,5 +113,5 @@ def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     local.to_empty(device=ctx.device)
     if plan is not None:
         full = {k: v for k, v in full.items() if k in set(plan.local_keys)}
-    with rmesh.use(ctx):
+    with process_groups.use(ctx):
         load_full_state_dict(local, full, strict=plan is None)

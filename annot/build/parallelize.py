@@ -44,11 +44,11 @@ from annot.build.stage_choice import choose_boundaries, resplit
 from annot.core.errors import HintError, PipelineError
 from annot.core.hints import (
     ShardSpec,
-    checkpointed_classes,
     get_shard_spec,
     hinted_paths,
+    recomputed_classes,
     resolve_hints,
-    stage_checkpoint,
+    stage_recompute,
 )
 from annot.core.mesh import Mesh
 from annot.core.specs import Spec
@@ -57,10 +57,10 @@ from annot.plan.stage_points import StagePoints, choose_runner
 from annot.rewrite_cache import last_rewritten, rewrite_classes
 from annot.rewriters.split.stage_split import split_stages
 from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
-from annot.runtime import process_groups as rmesh
+from annot.runtime import process_groups
 from annot.runtime.init.deferred import meta_copy
-from annot.runtime.pipeline.layout import build_plan
-from annot.runtime.recompute import apply_activation_checkpointing
+from annot.runtime.pipeline.layout import build_layout
+from annot.runtime.recompute import apply_recompute
 from annot.runtime.runners.replay import call_with
 from annot.runtime.runners.stage_modules import stage_calls
 from annot.runtime.runners.stage_runner import ReplayRunner, SourceRunner
@@ -194,7 +194,7 @@ def parallelize(
         model, args, {**kwargs, **model_kwargs}, given, _OPTION_DEFAULTS, model_kwargs
     )
     mesh, cls, n_stages = opts.mesh, opts.cls, opts.mesh.pp * chunks
-    ctx = rmesh.init(mesh)
+    ctx = process_groups.init(mesh)
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
     ref = _reference(opts, args, seed, ctx)
     log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
@@ -300,9 +300,9 @@ def _materialize(local, opts: Options, args, ref, seed, ctx, plan) -> None:
 
 
 def _assemble(local, opts: Options, ctx, plan, report, paths) -> ParallelModel:
-    """The :class:`ParallelModel`: activation checkpointing, ``sum_grad``
+    """The :class:`ParallelModel`: activation recompute, ``sum_grad``
     marks and sequence parallelism applied to this rank's modules."""
-    apply_activation_checkpointing(local, checkpointed_classes(local))
+    apply_recompute(local, recomputed_classes(local))
     _mark_grad_sums(local, paths)
     runs = (
         [report.sequence_blocks]
@@ -430,10 +430,10 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
     if instance is not None:
         local = adopt(instance, mapping)
     else:
-        with rmesh.use(ctx), torch.random.fork_rng(), torch.device("meta"):
+        with process_groups.use(ctx), torch.random.fork_rng(), torch.device("meta"):
             local = mapping.get(cls, cls)(*args, **kwargs)
         take_rewritten_classes(local, mapping)  # modules built by an unchanged factory
-    with rmesh.use(ctx), torch.device("meta"):  # what construction did not shard
+    with process_groups.use(ctx), torch.device("meta"):  # what construction did not shard
         convert_hinted(local, paths, tp, tied_names(ref))
     split = splits.get("split")
     if split is None and split_root:
@@ -452,13 +452,13 @@ def _pipeline_plan(local, split, points: StagePoints, ctx, chunks: int, report):
     else:
         seq = points.calls
         runner = ReplayRunner(stage_calls(seq, boundaries) if seq is not None else None)
-    return build_plan(
+    return build_layout(
         local,
         runner,
         ctx,
         chunks=chunks,
         boundaries=boundaries,
-        checkpoint=stage_checkpoint(type(local)),
+        recompute=stage_recompute(type(local)),
     )
 
 

@@ -42,7 +42,7 @@ def _failure(
     forward of ``root(*args, **kwargs)`` fails; None when it runs. ``record``: a
     mode that forward runs under (the dropout recorder). ``shapes``: filled
     with each module's input and output shapes at its first call, by path."""
-    from annot.runtime import process_groups as rmesh
+    from annot.runtime import process_groups
     from annot.runtime.runners.replay import shape_run
 
     names = {id(m): path for path, m in root.named_modules()}
@@ -60,7 +60,7 @@ def _failure(
     for m in root.modules():
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     try:
-        with rmesh.use(ctx), record if record is not None else contextlib.nullcontext():
+        with process_groups.use(ctx), record if record is not None else contextlib.nullcontext():
             shape_run(lambda: root(*args, **kwargs), ())
     except AnnotError:
         raise  # annot's own refusal says what to do already

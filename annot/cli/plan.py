@@ -144,9 +144,11 @@ def add_plan(sub) -> None:
         help="pipeline schedule: how many microbatches each stage holds (default 1f1b)",
     )
     p.add_argument(
-        "--checkpoint",
+        "--recompute",
+        "--checkpoint",  # its old name
+        dest="recompute",
         action="store_true",
-        help="activation checkpointing of every block (default off)",
+        help="activation recompute of every block (default off)",
     )
     p.add_argument(
         "--fsdp",
@@ -169,7 +171,7 @@ def _training(args: argparse.Namespace):
         precision=args.precision,
         microbatches=args.microbatches,
         schedule=args.schedule,
-        checkpoint=args.checkpoint,
+        recompute=args.recompute,
         fsdp=args.fsdp,
     )
 
@@ -186,8 +188,8 @@ def _settings(args: argparse.Namespace, sample: Optional[dict], made: bool) -> s
         )
     return (
         f"assuming: {shape}; {args.microbatches} microbatches, schedule {args.schedule}, "
-        f"precision {args.precision}, optimizer {args.optimizer}, activation checkpointing "
-        f"{'on' if args.checkpoint else 'off'}, fsdp {'on' if args.fsdp else 'off'}"
+        f"precision {args.precision}, optimizer {args.optimizer}, activation recompute "
+        f"{'on' if args.recompute else 'off'}, fsdp {'on' if args.fsdp else 'off'}"
         + (f" (dp={args.dp})" if args.fsdp and args.world_size is None else "")
     )
 

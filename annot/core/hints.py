@@ -1,4 +1,4 @@
-"""The decorators: ``@shard``, ``@stage``, ``@checkpoint``, ``boundary()``.
+"""The decorators: ``@shard``, ``@stage``, ``@recompute``, ``boundary()``.
 
 They only *record* a validated spec on the class and return it unchanged, so
 an annotated model still runs single-device with plain PyTorch. Checking the
@@ -11,6 +11,7 @@ patterns (:func:`resolve_external_hints`), for a model the user cannot edit.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union, cast
 
@@ -24,11 +25,12 @@ __all__ = [
     "stage",
     "boundary",
     "checkpoint",
+    "recompute",
     "get_shard_spec",
     "get_stage_spec",
-    "get_checkpoint",
-    "checkpointed_classes",
-    "stage_checkpoint",
+    "get_recompute",
+    "recomputed_classes",
+    "stage_recompute",
     "path_matches",
     "resolve_external_hints",
     "resolve_hints",
@@ -37,7 +39,7 @@ __all__ = [
 
 SHARD_ATTR = "__annot_shard__"
 STAGE_ATTR = "__annot_stage__"
-CHECKPOINT_ATTR = "__annot_checkpoint__"
+RECOMPUTE_ATTR = "__annot_recompute__"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class StageSpec:
     auto: bool = False
     cost: Optional[str] = None
     memory: Optional[int] = None
-    checkpoint: bool = False
+    recompute: bool = False  # @stage(recompute=True): every stage recomputed in backward
 
 
 def _is_module_class(cls: object) -> bool:
@@ -130,14 +132,25 @@ def stage(
     auto: bool = False,
     cost: Optional[Literal["time", "flops", "params"]] = None,
     memory: Union[int, str, None] = None,
-    checkpoint: bool = False,
+    recompute: bool = False,
+    checkpoint: Optional[bool] = None,
 ):
     """Record pipeline-stage hints on the ``nn.Module`` class whose forward is split.
 
     ``@stage(split=["h.4", "h.8"])``: a new stage begins before each of these
     calls. ``@stage(auto=True)``: annot chooses balanced boundaries. Boundaries
     can also be marked inside forward with :func:`boundary`.
+    ``recompute=True`` recomputes each stage's activations in backward
+    (``checkpoint=`` is its old name).
     """
+    if checkpoint is not None:
+        warnings.warn(
+            "@stage(checkpoint=...) is now @stage(recompute=...) (activation recompute; "
+            "'checkpoint' names saved checkpoints in annot)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        recompute = checkpoint
 
     def decorate(cls):
         name = getattr(cls, "__name__", repr(cls))
@@ -161,37 +174,49 @@ def stage(
                 f"{where}: argument cost={cost!r}; expected 'time', 'flops' or 'params'"
             )
         mem = parse_bytes(memory, where) if memory is not None else None
-        if not isinstance(checkpoint, bool):
-            raise HintError(f"{where}: argument checkpoint={checkpoint!r}; expected a bool")
-        setattr(cls, STAGE_ATTR, StageSpec(tuple(sp), auto, cost, mem, checkpoint))
+        if not isinstance(recompute, bool):
+            raise HintError(f"{where}: argument recompute={recompute!r}; expected a bool")
+        setattr(cls, STAGE_ATTR, StageSpec(tuple(sp), auto, cost, mem, recompute))
         return cls
 
     return decorate
 
 
-def checkpoint(cls=None):
+def recompute(cls=None):
     """Recompute this module's activations during backward instead of keeping
-    them (activation checkpointing), wherever an instance runs::
+    them (activation checkpointing, as torch calls it), wherever an instance runs::
 
-        @checkpoint
+        @recompute
         class Block(nn.Module): ...
 
-    Records ``__annot_checkpoint__ = True`` on the class and returns it
-    unchanged (``@checkpoint()`` works too). ``@stage(checkpoint=True)``
-    checkpoints every pipeline stage instead.
+    Records ``__annot_recompute__ = True`` on the class and returns it
+    unchanged (``@recompute()`` works too). ``@stage(recompute=True)``
+    recomputes every pipeline stage instead.
     """
     if cls is None:
-        return checkpoint
+        return recompute
     if not _is_module_class(cls):
         name = getattr(cls, "__name__", repr(cls))
         raise HintError(
-            f"@checkpoint on {name}: expected an nn.Module subclass, got {type(cls).__name__}; "
+            f"@recompute on {name}: expected an nn.Module subclass, got {type(cls).__name__}; "
             "put it on the class of the blocks to recompute, e.g.\n"
-            "    @checkpoint\n"
+            "    @recompute\n"
             "    class Block(nn.Module): ..."
         )
-    setattr(cls, CHECKPOINT_ATTR, True)
+    setattr(cls, RECOMPUTE_ATTR, True)
     return cls
+
+
+def checkpoint(cls=None):
+    """The old name of :func:`recompute` ("checkpoint" names saved checkpoints
+    in annot); warns."""
+    warnings.warn(
+        "annot.checkpoint is now annot.recompute (activation recompute; 'checkpoint' names "
+        "saved checkpoints in annot)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return recompute(cls)
 
 
 def boundary() -> None:
@@ -249,20 +274,20 @@ def get_stage_spec(cls: type) -> Optional[StageSpec]:
     return cls.__dict__.get(STAGE_ATTR)
 
 
-def get_checkpoint(cls: type) -> bool:
+def get_recompute(cls: type) -> bool:
     """Whether ``@checkpoint`` is declared on exactly this class (not inherited)."""
-    return bool(cls.__dict__.get(CHECKPOINT_ATTR, False))
+    return bool(cls.__dict__.get(RECOMPUTE_ATTR, False))
 
 
-def checkpointed_classes(model) -> set[type]:
+def recomputed_classes(model) -> set[type]:
     """The classes of ``model``'s modules that carry ``@checkpoint``."""
-    return {type(m) for m in model.modules() if get_checkpoint(type(m))}
+    return {type(m) for m in model.modules() if get_recompute(type(m))}
 
 
-def stage_checkpoint(cls: type) -> bool:
-    """Whether ``@stage(checkpoint=True)`` is on ``cls`` or a base class of it."""
+def stage_recompute(cls: type) -> bool:
+    """Whether ``@stage(recompute=True)`` is on ``cls`` or a base class of it."""
     spec = next((s for c in cls.__mro__ if (s := get_stage_spec(c)) is not None), None)
-    return spec is not None and spec.checkpoint
+    return spec is not None and spec.recompute
 
 
 def path_matches(pattern: str, path: str) -> bool:

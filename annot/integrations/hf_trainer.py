@@ -424,8 +424,8 @@ def refuse_settings(args: transformers.TrainingArguments, model: ParallelModel) 
         ),
         "gradient_checkpointing": (
             bool(args.gradient_checkpointing),
-            "annot checkpoints activations by module: annot.parallelize(..., "
-            "checkpoint=True) (or @annot.checkpoint on a class)",
+            "annot recomputes activations by module class: call annot.recompute(BlockClass) "
+            "(e.g. LlamaDecoderLayer) before building the model",
         ),
         "label_smoothing_factor": (
             bool(args.label_smoothing_factor),

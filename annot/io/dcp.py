@@ -3,7 +3,7 @@ on one mesh, loaded into any other, or into the plain single-device model.
 
     annot.save(model, opt, "ckpt/step_100", step=100, extra={"epoch": 3})
     info = annot.load(model, opt, "ckpt/step_100")  # any mesh; info["step"] == 100
-    model_sd, opt_sd = annot.checkpoint.load_full("ckpt/step_100")  # no torch.distributed
+    model_sd, opt_sd = annot.load_full("ckpt/step_100")  # no torch.distributed
     plain.load_state_dict(model_sd)
     plain_opt.load_state_dict(opt_sd)
 

@@ -92,7 +92,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(
             f"{self.where}: refusing to unpickle {module}.{name}: DCP metadata never holds it, so "
             "the file was crafted or damaged; nothing from it was run. Load only checkpoints "
-            "written by annot.checkpoint.save"
+            "written by annot.save"
         )
 
 
@@ -125,11 +125,11 @@ class Opened:
     files: dict[str, dict]  # name -> {"size": int, "crc32": int}
     metadata: Metadata
     info: dict
-    verified: set = field(default_factory=set)
+    crc_checked: set = field(default_factory=set)
 
-    def verify(self, name: str) -> None:
+    def check_crc(self, name: str) -> None:
         """Check one file's CRC-32 against the marker (once per file)."""
-        if name in self.verified:
+        if name in self.crc_checked:
             return
         entry = self.files.get(name)
         if entry is None:
@@ -140,7 +140,7 @@ class Opened:
                 f"{os.path.join(self.path, name)}: corrupt: CRC-32 {crc:#010x}, the marker "
                 f"recorded {entry['crc32']:#010x}; the file changed after the save"
             )
-        self.verified.add(name)
+        self.crc_checked.add(name)
 
     def tensor_md(self, key: str) -> Optional[TensorStorageMetadata]:
         md = self.metadata.state_dict_metadata.get(key)
@@ -197,8 +197,8 @@ def open_checkpoint(path: str) -> Opened:
         if name not in files:
             raise CheckpointError(f"{marker}: does not list {name}")
     opened = Opened(path, files, None, {})  # type: ignore[arg-type]
-    opened.verify(METADATA)
-    opened.verify(INFO)
+    opened.check_crc(METADATA)
+    opened.check_crc(INFO)
     opened.metadata = _read_metadata(os.path.join(path, METADATA))
     _check_metadata(opened)
     opened.info = _read_info(os.path.join(path, INFO))
@@ -262,5 +262,5 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         for name in sorted({self.storage_data[i.storage_index].relative_path for i in plan.items}):
-            self._ck.verify(name)
+            self._ck.check_crc(name)
         return super().read_data(plan, planner)

@@ -158,7 +158,7 @@ class PretrainedWeights:
         ``ref`` (the single-device model, on meta); give ``local`` (this
         rank's part, on meta) its storage: empty for what is read later,
         replayed from the constructor for the rest."""
-        from annot.runtime import process_groups as rmesh
+        from annot.runtime import process_groups
         from annot.runtime.init.deferred import materialize_, named_tensors, shard_slicers
 
         shapes = {k: entry.shape for k, (_, entry) in self.stored.tensors.items()}
@@ -177,7 +177,7 @@ class PretrainedWeights:
             values[name] = by_id[id(t)]
         rest = [n for n in tensors if n not in values]
         if rest:
-            with rmesh.use(ctx):
+            with process_groups.use(ctx):
                 slicer = shard_slicers(local)
             values.update(self._constructed(set(rest), slicer))
         materialize_(local, values, ctx.device)
@@ -230,12 +230,12 @@ class PretrainedWeights:
         from annot.io.dcp_adapter import Target, exchange
         from annot.io.held_slices import held_slices
         from annot.io.safetensors_files import read_box
-        from annot.runtime import process_groups as rmesh
+        from annot.runtime import process_groups
 
         target = Target.of(built)
         err = None
         try:
-            with rmesh.use(built.ctx):
+            with process_groups.use(built.ctx):
                 held = held_slices(built.module)
             jobs = self._jobs(held)
             progress = Progress(

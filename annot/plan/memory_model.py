@@ -73,7 +73,7 @@ class Training:
     precision: str = "fp32"
     microbatches: int = 8
     schedule: str = "1f1b"
-    checkpoint: bool = False
+    recompute: bool = False  # activation recompute of every block
     fsdp: bool = False
 
     def __post_init__(self) -> None:

@@ -398,7 +398,7 @@ class UnitFigures:
     """What one microbatch's forward and backward show of a unit (on meta as on
     real weights): its FLOPs and the bytes it keeps for backward
     (:class:`annot.plan.saved_bytes.SavedBytes`), of which ``*_split`` tp
-    divides; ``kept``: what it keeps with the blocks checkpointed;
+    divides; ``kept``: what it keeps with the blocks recomputed;
     ``recompute``: for a block's first unit, the whole block's saved bytes
     (what backward recomputes at once); ``backward``: the most bytes backward
     holds at once in what it makes while it is in this unit (gradients on
@@ -419,9 +419,9 @@ class UnitFigures:
             return self.backward
         return self.backward * _at_tp(self.saved, self.saved_split, tp) // self.saved
 
-    def activations(self, tp: int, checkpoint: bool) -> int:
+    def activations(self, tp: int, recompute: bool) -> int:
         """Bytes kept per microbatch at ``tp``."""
-        if checkpoint:
+        if recompute:
             return _at_tp(self.kept, self.kept_split, tp)
         return _at_tp(self.saved, self.saved_split, tp)
 
@@ -495,22 +495,22 @@ def _measure(
     sample: Any,
     *,
     float_size: Optional[int] = None,
-    checkpoint: bool = False,
+    recompute: bool = False,
 ) -> list[UnitFigures]:
     """Per unit, from one forward and backward on ``sample``: its FLOPs
     (forward + backward: ``FlopCounterMode``'s counts of the ops run while
     the run is in it, :class:`annot.plan.flops.SpanFlops`)
     and the bytes its forward saves for backward (each storage once, by
     identity, parameters left out; on a meta model as on a real one), split
-    as tp would split them; with ``checkpoint`` also what a second forward,
-    its blocks checkpointed, keeps. ``float_size``: see :class:`SavedBytes`."""
+    as tp would split them; with ``recompute`` also what a second forward,
+    its blocks recomputed, keeps. ``float_size``: see :class:`SavedBytes`."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from annot.plan.flops import SpanFlops
     from annot.plan.saved_bytes import BackwardPeak, SavedBytes, real_paths_on_meta
     from annot.runtime.recompute import (
-        apply_activation_checkpointing,
-        remove_activation_checkpointing,
+        apply_recompute,
+        remove_recompute,
     )
     from annot.runtime.runners.replay import call_with, meta_values
 
@@ -560,31 +560,31 @@ def _measure(
             spans.charge()
             spans.on = False
         del out, loss
-        if checkpoint:
+        if recompute:
             blocks = block_paths(model)
-            apply_activation_checkpointing(model, {type(modules[b]) for b in blocks})
+            apply_recompute(model, {type(modules[b]) for b in blocks})
             kept = active[0] = SavedBytes(params, layers, float_size)
             kept.key = 0
             try:
                 with kept.counting(), meta_values(), real_paths_on_meta():
                     call_with(model, sample)  # forward only: what it keeps
             finally:
-                remove_activation_checkpointing(model)
+                remove_recompute(model)
     finally:
         for h in handles:
             h.remove()
     model.zero_grad(set_to_none=True)
     flops = spans.flops
-    recompute = [0] * len(found)
+    recompute_bytes = [0] * len(found)
     recompute_split = [0] * len(found)
-    if checkpoint:
+    if recompute:
         first = {u.path: i for i, u in enumerate(found)}
         for b in block_paths(model):
             if b in first:
                 inside = [
                     i for i, u in enumerate(found) if u.path == b or u.path.startswith(b + ".")
                 ]
-                recompute[first[b]] = sum(saved.of(i) for i in inside)
+                recompute_bytes[first[b]] = sum(saved.of(i) for i in inside)
                 recompute_split[first[b]] = sum(saved.split_bytes(i) for i in inside)
     return [
         UnitFigures(
@@ -593,7 +593,7 @@ def _measure(
             saved_split=saved.split_bytes(i),
             kept=kept.of(i) if kept is not None else 0,
             kept_split=kept.split_bytes(i) if kept is not None else 0,
-            recompute=recompute[i],
+            recompute=recompute_bytes[i],
             recompute_split=recompute_split[i],
             backward=peak.of(i),
         )
@@ -703,7 +703,7 @@ def measure_units(
             fine,
             sample,
             float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
-            checkpoint=setup.checkpoint,
+            recompute=setup.recompute,
         )
     timed = None
     if cost.needs == "time" and _on_meta(model):  # one unit materialized at a time
@@ -807,7 +807,7 @@ def _plan_level(
     per_mb: Optional[list[int]] = None
     measured = None
     if figures:
-        per_mb = [f.activations(tp, setup.checkpoint) for f in figures]
+        per_mb = [f.activations(tp, setup.recompute) for f in figures]
         measured = [_measured(f.flops, a * most) for f, a in zip(figures, per_mb)]
     costs_of = segment_costs(
         model,
@@ -832,10 +832,10 @@ def _plan_level(
         costs_of = [dataclasses.replace(c, time=t) for c, t in zip(costs_of, timed)]
     facts = [facts_of(c, ms, u.work, f) for c, ms, u, f in zip(costs_of, owned, found, share)]
     costs_of = apply_cost(cost, costs_of, facts)
-    recompute = [f.recomputed(tp) for f in figures] if figures and setup.checkpoint else None
+    recomputed = [f.recomputed(tp) for f in figures] if figures and setup.recompute else None
     transient = [f.transient(tp) for f in figures] if figures else None
     args = partition_args(costs_of)
-    most_extra = max(recompute or [0]) + max(transient or [0])  # charged to every stage
+    most_extra = max(recomputed or [0]) + max(transient or [0])  # charged to every stage
     budget = memory - most_extra if memory is not None and most_extra else memory
     if memory is not None and budget is not None and budget <= 0:
         from annot.plan.cost_table import format_bytes
@@ -861,7 +861,7 @@ def _plan_level(
         tp=tp,
         sharded=sharded,
         dp=dp,
-        recompute=recompute,
+        recompute=recomputed,
         transient=transient,
     )
     plan = StagePlan(

@@ -165,7 +165,7 @@ class HintArguments:
         return spec
 
     def _stage(self, kwargs: dict[str, cst.Arg], where: str) -> StageSpec:
-        known = ("split", "auto", "cost", "memory", "checkpoint")
+        known = ("split", "auto", "cost", "memory", "recompute", "checkpoint")
         values = {}
         for name, arg in kwargs.items():
             if name not in known:
@@ -200,10 +200,12 @@ class HintArguments:
                 memory = parse_bytes(memory, where)
             except HintError:
                 raise bad("memory", "bytes as an int or a string like '16GiB'") from None
-        checkpoint = values.get("checkpoint", (False, None))[0]
-        if not isinstance(checkpoint, bool):
-            raise bad("checkpoint", "True or False")
-        return StageSpec(tuple(split), auto, cost, memory, checkpoint)
+        # checkpoint= is recompute='s old name
+        name = "checkpoint" if "checkpoint" in values else "recompute"
+        recompute = values.get(name, (False, None))[0]
+        if not isinstance(recompute, bool):
+            raise bad(name, "True or False")
+        return StageSpec(tuple(split), auto, cost, memory, recompute)
 
     def _literal(self, expr: cst.BaseExpression, where: str, name: str):
         """The value of a literal expression; anything else is refused."""
@@ -273,6 +275,6 @@ def format_hint(spec: Hint) -> str:
         args.append(f"cost={_quote(spec.cost)}")
     if spec.memory is not None:
         args.append(f"memory={spec.memory}")
-    if spec.checkpoint:
-        args.append("checkpoint=True")
+    if spec.recompute:
+        args.append("recompute=True")
     return f"@stage({', '.join(args)})"

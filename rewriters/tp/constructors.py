@@ -1,6 +1,6 @@
 """Step 2 of the tensor-parallel rewrite: swap the constructors in ``__init__``.
 
-For each spec'd attribute of a hinted class, :meth:`ConstructorPlanner.plan_init`
+For each spec'd attribute of a hinted class, :meth:`ConstructorEdits.plan_init`
 finds where ``__init__`` assigns it (also as a key of an ``nn.ModuleDict``),
 checks that the spec fits what is built (``Vocab()`` on an ``nn.Embedding``,
 ``P(...)`` on an ``nn.Parameter``, ...) and plans the swap, keeping the user's
@@ -46,7 +46,7 @@ from annot.rewriters.source.diagnostics import node_source
 from annot.rewriters.tp.edits import TpEdits
 from annot.rewriters.tp.syntax import assignments, first_param, self_path, unpack, with_args
 
-__all__ = ["ConstructorPlanner"]
+__all__ = ["ConstructorEdits"]
 
 TP_LAYERS = "annot.runtime.tp.layers"
 TP_CONVERT = "annot.runtime.tp.convert"
@@ -81,7 +81,7 @@ def _kwarg(name: str, value: str) -> cst.Arg:
     )
 
 
-class ConstructorPlanner(TpEdits):
+class ConstructorEdits(TpEdits):
     """Plans the constructor swaps of a hinted class's ``__init__``."""
 
     def plan_init(

@@ -1,7 +1,7 @@
 """Step 3 of the tensor-parallel rewrite: per-rank sizes (``local=``).
 
 In every method but ``__init__`` (constructors keep full sizes; the parallel
-layers divide internally), :meth:`LocalSizePlanner.plan_locals` divides by tp
+layers divide internally), :meth:`LocalSizeEdits.plan_locals` divides by tp
 the reads of ``self.<name>`` and of a plain local variable with a listed name
 (``B, T, C = x.size()``: reads of ``C`` become ``C // 2``), with parentheses
 only where precedence needs them. A dotted name is a path from ``self``:
@@ -26,10 +26,10 @@ from annot.rewriters.source.diagnostics import node_source
 from annot.rewriters.tp.edits import Edit, TpEdits
 from annot.rewriters.tp.syntax import first_param, self_path, walk
 
-__all__ = ["LocalSizePlanner"]
+__all__ = ["LocalSizeEdits"]
 
 
-class LocalSizePlanner(TpEdits):
+class LocalSizeEdits(TpEdits):
     """Plans the division by tp of the reads of per-rank sizes."""
 
     def plan_locals(self, cls: cst.ClassDef, fn: cst.FunctionDef, local: tuple[str, ...]) -> None:

@@ -1,6 +1,6 @@
 """Step 4 of the tensor-parallel rewrite: the vocab-parallel loss.
 
-:meth:`LossPlanner.plan_losses` computes, to a fixpoint over the classes of
+:meth:`LossEdits.plan_losses` computes, to a fixpoint over the classes of
 the file, which classes have a *sharded output* (``forward`` returns a
 sharded value on every return), so that ``self.cls(...)`` gives a sharded
 value in any class (Hugging Face's layout: the ``Col()`` in a head, the loss
@@ -26,7 +26,7 @@ from annot.rewriters.tp.outputs import CROSS_ENTROPY_LOSS, ShardedOutputs
 from annot.rewriters.tp.sharded import Env, Shard, Sharded, contained
 from annot.rewriters.tp.syntax import calls, self_path, with_args
 
-__all__ = ["LossPlanner"]
+__all__ = ["LossEdits"]
 
 VOCAB_LOSS = "annot.runtime.tp.vocab_loss"
 CROSS_ENTROPY = frozenset({"torch.nn.functional.cross_entropy"})
@@ -41,7 +41,7 @@ _NEEDS_FULL_ROW = frozenset(
 _NEEDS_FULL_ROW_METHODS = frozenset({"softmax", "log_softmax", "argmax", "argmin", "topk"})
 
 
-class LossPlanner(ShardedOutputs):
+class LossEdits(ShardedOutputs):
     """Plans the vocab-parallel loss rewrites and refusals of every class of the file."""
 
     def plan_losses(self, cols: dict[int, dict[tuple[str, ...], Sharded]]) -> None:

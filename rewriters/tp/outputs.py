@@ -18,7 +18,7 @@ from typing import Optional
 
 import libcst as cst
 
-from annot.rewriters.tp.constructors import ConstructorPlanner
+from annot.rewriters.tp.constructors import ConstructorEdits
 from annot.rewriters.tp.sharded import CYCLE, Env, Shard, Sharded, ShardedValues, meet, settle
 from annot.rewriters.tp.syntax import (
     assignments,
@@ -36,7 +36,7 @@ CROSS_ENTROPY_LOSS = frozenset(
 )
 
 
-class ShardedOutputs(ShardedValues, ConstructorPlanner):
+class ShardedOutputs(ShardedValues, ConstructorEdits):
     """What the classes of the file build and which of them return sharded values."""
 
     def self_name(self, fn: cst.FunctionDef) -> Optional[str]:

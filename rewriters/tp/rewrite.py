@@ -123,8 +123,8 @@ from annot.rewriters.analysis.scopes import ModuleScopes
 from annot.rewriters.source.diagnostics import Locator, parse_source
 from annot.rewriters.source.hint_literals import format_hint
 from annot.rewriters.tp.edits import Target
-from annot.rewriters.tp.local_sizes import LocalSizePlanner
-from annot.rewriters.tp.loss import LossPlanner
+from annot.rewriters.tp.local_sizes import LocalSizeEdits
+from annot.rewriters.tp.loss import LossEdits
 from annot.rewriters.tp.sharded import Sharded
 from annot.rewriters.tp.syntax import first_param, methods_of
 
@@ -295,7 +295,7 @@ def _targets(
     return targets
 
 
-class TensorParallelTransformer(LossPlanner, LocalSizePlanner):
+class TensorParallelTransformer(LossEdits, LocalSizeEdits):
     """Applies tensor-parallel hints to the classes in ``targets``.
 
     Everything is planned when the module is visited (all checks happen then,

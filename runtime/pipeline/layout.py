@@ -49,7 +49,7 @@ class Tie:
 
 @dataclass
 class PipelineLayout:
-    """What every rank knows about the pipeline; built by :func:`build_plan`."""
+    """What every rank knows about the pipeline; built by :func:`build_layout`."""
 
     runner: StageRunner  # how the stages run: the source split or the replay
     pp: int
@@ -59,7 +59,7 @@ class PipelineLayout:
     ties: list[Tie] = field(default_factory=list)
     local_keys: tuple[str, ...] = ()
     stage_modules: dict[int, set[str]] = field(default_factory=dict)
-    checkpoint: bool = False  # @stage(checkpoint=True): recompute each stage in backward
+    recompute: bool = False  # @stage(recompute=True): recompute each stage in backward
     # replayed stages: the module paths whose outputs are logged, with their keys
     logged: dict[str, str] = field(default_factory=dict)
 
@@ -85,12 +85,12 @@ class PipelineLayout:
 
     def local_stages(self, module: nn.Module) -> list:
         """The executor's view of this rank's stages, as the runner runs them;
-        with ``@stage(checkpoint=True)`` each stage's activations are
+        with ``@stage(recompute=True)`` each stage's activations are
         recomputed in backward."""
         from annot.runtime.pipeline.executor import LocalStage
-        from annot.runtime.recompute import checkpoint_stage
+        from annot.runtime.recompute import recompute_stage
 
-        wrap = checkpoint_stage if self.checkpoint else (lambda f: f)
+        wrap = recompute_stage if self.recompute else (lambda f: f)
         fns = self.runner.stage_functions(module, self, wrap)
         return [
             LocalStage(index=s, fn=fns[s], module=module, runner=self.runner)
@@ -98,7 +98,7 @@ class PipelineLayout:
         ]
 
 
-def build_plan(
+def build_layout(
     model: nn.Module,
     runner: Any,
     ctx,
@@ -106,15 +106,15 @@ def build_plan(
     chunks: int,
     boundaries: tuple[str, ...],
     calls: Optional[dict[int, set[str]]] = None,
-    checkpoint: bool = False,
+    recompute: bool = False,
 ) -> PipelineLayout:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
     ``runner``: how the stages run (:mod:`annot.runtime.runners.stage_runner`); a
     stage-split rewriter's result stands for its :class:`SourceRunner`, None
     for a :class:`ReplayRunner` cutting at module-path ``boundaries`` at run
-    time (``calls``: see :func:`call_order_stage_modules`). ``checkpoint``:
-    recompute each stage's activations in backward (``@stage(checkpoint=True)``,
+    time (``calls``: see :func:`call_order_stage_modules`). ``recompute``:
+    recompute each stage's activations in backward (``@stage(recompute=True)``,
     read by the build).
 
     Every rank must call this (tied-weight process groups are created
@@ -185,6 +185,6 @@ def build_plan(
         ties=ties,
         local_keys=local_keys,
         stage_modules=stage_modules,
-        checkpoint=checkpoint,
+        recompute=recompute,
         logged=logged,
     )

@@ -76,7 +76,7 @@ class StageRunner(ABC):
         self, module: nn.Module, layout: Any, wrap: Callable
     ) -> dict[int, Callable]:
         """This rank's stage functions by stage index (``wrap``: the
-        ``@stage(checkpoint=True)`` recompute, identity otherwise)."""
+        ``@stage(recompute=True)``, identity otherwise)."""
 
     @abstractmethod
     def run_stage(self, stage: LocalStage, inputs: Any, model_args: Optional[ModelArgs]) -> Any:
@@ -311,11 +311,11 @@ class ReplayRunner(StageRunner):
     def stage_functions(self, module, layout, wrap):
         from annot.runtime.runners.replay import ReplayStage, install_boundaries, install_output_log
 
-        if layout.checkpoint:
+        if layout.recompute:
             raise PipelineError(
-                f"@stage(checkpoint=True) on {type(module).__name__}: its stages are cut "
+                f"@stage(recompute=True) on {type(module).__name__}: its stages are cut "
                 "inside nested forwards, so there is no stage function to recompute; put "
-                "@checkpoint on the block classes instead (annot.checkpoint)"
+                "@recompute on the block classes instead (annot.recompute)"
             )
         if not getattr(module, "_annot_boundaries_installed", False):
             install_boundaries(module, layout.boundaries)

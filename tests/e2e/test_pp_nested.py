@@ -136,13 +136,13 @@ def _hf_labels(model, b):
 
 
 def _llama_checkpointed():
-    """Llama with every decoder layer checkpointed (``annot.checkpoint`` applied
+    """Llama with every decoder layer checkpointed (``annot.recompute`` applied
     to the installed class, as a user who cannot edit it would)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import annot
 
-    annot.checkpoint(LlamaDecoderLayer)
+    annot.recompute(LlamaDecoderLayer)
     return _llama()
 
 
@@ -719,7 +719,7 @@ def test_fsdp_on_nested_stages_mid_block_tied_head(tmp_path):
 
 @pytest.mark.slow
 def test_checkpointed_blocks_with_boundaries_between_and_inside_them(tmp_path):
-    # @checkpoint on the installed decoder-layer class; a boundary inside a
+    # @recompute on the installed decoder-layer class; a boundary inside a
     # checkpointed block: stage 0's recomputation stops where its part ended
     _run(tmp_path, "llama_ckpt", [["model.layers.2"], ["model.layers.1.mlp"]])
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``annot.checkpoint``) on real gloo ranks.
+"""Sharded checkpoints (``annot.save`` / ``annot.load``) on real gloo ranks.
 
 One run saves a tiny GPT at tp=2 after 2 AdamW steps and trains 2 more (the
 uninterrupted reference); the other tests load that checkpoint into tp=2
@@ -66,7 +66,7 @@ def _train(model, opt, batches):
 
 def _full_optim(model, opt):
     """Optimizer state by parameter name, gathered over tp (independently of
-    annot.checkpoint: annot.runtime.tp.comm with the layers' layouts)."""
+    annot.io.dcp: annot.runtime.tp.comm with the layers' layouts)."""
     from annot.runtime.tp.comm import gather_full
     from annot.runtime.tp.state_dict import shard_layouts
 

@@ -95,8 +95,8 @@ def _kept_by_address(model: nn.Module, sample, checkpoint: bool) -> int:
     """A real CPU forward: the bytes autograd keeps for backward, each storage
     once by its address (only real tensors have one), parameters left out."""
     from annot.runtime.recompute import (
-        apply_activation_checkpointing,
-        remove_activation_checkpointing,
+        apply_recompute,
+        remove_recompute,
     )
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -110,26 +110,26 @@ def _kept_by_address(model: nn.Module, sample, checkpoint: bool) -> int:
 
     if checkpoint:
         names = dict(model.named_modules())
-        apply_activation_checkpointing(model, {type(names[b]) for b in block_paths(model)})
+        apply_recompute(model, {type(names[b]) for b in block_paths(model)})
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(**sample) if isinstance(sample, dict) else model(*sample)
         del out
     finally:
-        remove_activation_checkpointing(model)
+        remove_recompute(model)
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
 @pytest.mark.parametrize("batch, seq", [(1, 16), (2, 32), (4, 8)])
-def test_activations_from_meta_equal_what_a_real_run_keeps(batch, seq, checkpoint):
-    setup = Training(checkpoint=checkpoint)
+def test_activations_from_meta_equal_what_a_real_run_keeps(batch, seq, recompute):
+    setup = Training(recompute=recompute)
     meta = measure_units(
         _llama("meta"), sample=_hf_sample(batch, seq, "meta"), cost="flops", setup=setup
     )
-    predicted = sum(f.activations(1, checkpoint) for f in meta.figures)
-    assert predicted == _kept_by_address(_llama(), _hf_sample(batch, seq), checkpoint)
-    if checkpoint:  # a block's inputs, far less than what it saves inside
+    predicted = sum(f.activations(1, recompute) for f in meta.figures)
+    assert predicted == _kept_by_address(_llama(), _hf_sample(batch, seq), recompute)
+    if recompute:  # a block's inputs, far less than what it saves inside
         plain = sum(f.saved for f in meta.figures)
         assert predicted < plain / 2
         assert max(f.recompute for f in meta.figures) > 0

@@ -1,4 +1,4 @@
-"""annot.runtime.recompute and the ``@checkpoint`` hint: checkpointed models give
+"""annot.runtime.recompute and the ``@recompute`` hint: checkpointed models give
 the plain model's loss and gradients (dropout included: the recomputation
 replays the same masks) and keep fewer activations for backward.
 
@@ -13,10 +13,17 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from annot.core.errors import HintError
-from annot.core.hints import checkpoint, checkpointed_classes, get_checkpoint
+from annot.core.hints import (
+    checkpoint,
+    get_recompute,
+    recompute,
+    recomputed_classes,
+    stage,
+    stage_recompute,
+)
 from annot.runtime.recompute import (
-    apply_activation_checkpointing,
-    checkpoint_stage,
+    apply_recompute,
+    recompute_stage,
 )
 from examples.gpt.model import GPT, Block, GPTConfig
 
@@ -59,7 +66,7 @@ def _assert_same(a, b, what):
 def test_checkpointed_gpt_equals_plain(dropout):
     plain, ckpt = _pair(dropout)
     keys = list(ckpt.state_dict())
-    assert apply_activation_checkpointing(ckpt, {Block}) == CFG["n_layer"]
+    assert apply_recompute(ckpt, {Block}) == CFG["n_layer"]
     assert list(ckpt.state_dict()) == keys  # no wrapper level in the keys
     assert [n for n, _ in ckpt.named_modules()] == [n for n, _ in plain.named_modules()]
     x, y = _batch()
@@ -75,7 +82,7 @@ def test_checkpointed_gpt_equals_plain(dropout):
 def test_checkpointed_gpt_equals_plain_on_cuda_with_dropout():
     plain, ckpt = _pair(0.2)
     plain, ckpt = plain.cuda(), ckpt.cuda()
-    apply_activation_checkpointing(ckpt, {Block})
+    apply_recompute(ckpt, {Block})
     x, y = (t.cuda() for t in _batch())
     _assert_same(_loss_and_grads(plain, x, y, 1), _loss_and_grads(ckpt, x, y, 1), "cuda dropout")
 
@@ -98,7 +105,7 @@ def test_dropout_test_would_see_different_masks():
 
 def test_eval_and_no_grad_run_the_plain_forward():
     plain, ckpt = _pair(0.2)
-    apply_activation_checkpointing(ckpt, {Block})
+    apply_recompute(ckpt, {Block})
     x, y = _batch()
     plain.eval(), ckpt.eval()
     with torch.no_grad():
@@ -107,19 +114,19 @@ def test_eval_and_no_grad_run_the_plain_forward():
 
 def test_wrapping_twice_and_nested_classes_count_once():
     plain, ckpt = _pair(0.0)
-    assert apply_activation_checkpointing(ckpt, {Block}) == 3
-    assert apply_activation_checkpointing(ckpt, {Block}) == 0
+    assert apply_recompute(ckpt, {Block}) == 3
+    assert apply_recompute(ckpt, {Block}) == 0
     _, fresh = _pair(0.0)
     # the MLPs are inside the checkpointed blocks: the outer recomputation covers them
     from examples.gpt.model import MLP
 
-    assert apply_activation_checkpointing(fresh, {Block, MLP}) == 3
-    assert apply_activation_checkpointing(_pair(0.0)[1], {MLP}) == 3
+    assert apply_recompute(fresh, {Block, MLP}) == 3
+    assert apply_recompute(_pair(0.0)[1], {MLP}) == 3
 
 
 def test_deepcopy_keeps_checkpointing_on_the_copy():
     plain, ckpt = _pair(0.0)
-    apply_activation_checkpointing(ckpt, {Block})
+    apply_recompute(ckpt, {Block})
     twin = copy.deepcopy(ckpt)
     assert twin.h[0].forward.__wrapped__.__self__ is twin.h[0]
     x, y = _batch()
@@ -141,7 +148,7 @@ def test_keyword_arguments_and_dict_outputs():
     torch.manual_seed(0)
     plain = Scaled()
     ckpt = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(ckpt, [Scaled]) == 1
+    assert apply_recompute(ckpt, [Scaled]) == 1
     results = []
     for m in (plain, ckpt):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -157,7 +164,7 @@ def test_keyword_arguments_and_dict_outputs():
 
 def test_bad_classes_are_refused():
     with pytest.raises(HintError, match=r"nn.Module subclasses, got \[<class 'int'>\]"):
-        apply_activation_checkpointing(nn.Linear(2, 2), {int})
+        apply_recompute(nn.Linear(2, 2), {int})
 
 
 # --------------------------------------------------------------------------- #
@@ -212,7 +219,7 @@ def test_checkpointing_keeps_fewer_activations():
     torch.manual_seed(0)
     plain = Deep()
     ckpt = copy.deepcopy(plain)
-    apply_activation_checkpointing(ckpt, {nn.Sequential})
+    apply_recompute(ckpt, {nn.Sequential})
     x = torch.randn(16, 32, 64)
     full = _saved_bytes(plain, x, watch=plain.blocks)
     kept = _saved_bytes(ckpt, x, watch=ckpt.blocks)
@@ -230,7 +237,7 @@ def test_checkpoint_stage_equals_plain_and_keeps_less():
             x = x + b(x)
         return {"x": x if skip is None else x + skip, "meta": None}
 
-    wrapped = checkpoint_stage(stage)
+    wrapped = recompute_stage(stage)
     assert wrapped.__name__ == "stage"
     x = torch.randn(4, 8, 64)
     skip = torch.randn(4, 8, 64, requires_grad=True)
@@ -261,27 +268,27 @@ def test_checkpoint_stage_equals_plain_and_keeps_less():
 
 
 # --------------------------------------------------------------------------- #
-# The @checkpoint hint
+# The @recompute hint
 # --------------------------------------------------------------------------- #
 
 
 def test_checkpoint_hint_records_and_returns_the_class():
-    @checkpoint
+    @recompute
     class A(nn.Module):
         pass
 
-    @checkpoint()
+    @recompute()
     class B(nn.Module):
         pass
 
     class C(A):
         pass
 
-    assert A.__annot_checkpoint__ is True
-    assert get_checkpoint(A)
-    assert get_checkpoint(B)
-    assert not get_checkpoint(C)  # declared on A, not inherited
-    assert not get_checkpoint(nn.Linear)
+    assert A.__annot_recompute__ is True
+    assert get_recompute(A)
+    assert get_recompute(B)
+    assert not get_recompute(C)  # declared on A, not inherited
+    assert not get_recompute(nn.Linear)
     assert isinstance(A(), nn.Module)
 
     class Model(nn.Module):
@@ -289,20 +296,44 @@ def test_checkpoint_hint_records_and_returns_the_class():
             super().__init__()
             self.a, self.b, self.lin = A(), B(), nn.Linear(2, 2)
 
-    assert checkpointed_classes(Model()) == {A, B}
+    assert recomputed_classes(Model()) == {A, B}
 
 
 def test_checkpoint_hint_refuses_a_non_module():
     with pytest.raises(
-        HintError, match=r"@checkpoint on NotAModule: expected an nn.Module subclass"
+        HintError, match=r"@recompute on NotAModule: expected an nn.Module subclass"
     ):
 
-        @checkpoint
+        @recompute
         class NotAModule:
             pass
 
     def f():
         pass
 
-    with pytest.raises(HintError, match="@checkpoint on f:"):
+    with pytest.raises(HintError, match="@recompute on f:"):
         checkpoint(f)
+
+
+def test_the_old_names_of_recompute_warn_and_still_apply():
+    """``annot.checkpoint`` and ``@stage(checkpoint=True)`` were the names of
+    activation recompute; "checkpoint" now names saved checkpoints only."""
+    from annot.rewriters.analysis.hint_reader import read_stage_hints
+
+    with pytest.warns(DeprecationWarning, match="annot.recompute"):
+
+        @checkpoint
+        class A(nn.Module):
+            pass
+
+    with pytest.warns(DeprecationWarning, match=r"@stage\(recompute=\.\.\.\)"):
+
+        @stage(split=["h.1"], checkpoint=True)
+        class B(nn.Module):
+            pass
+
+    assert get_recompute(A)
+    assert stage_recompute(B)
+    assert recompute(A) is A
+    source = "from annot import stage\n\n@stage(split=['h.1'], checkpoint=True)\nclass B: pass\n"
+    assert read_stage_hints(source)["B"].recompute

@@ -48,7 +48,7 @@ def test_read_stage_hints():
             from annot import stage
             from annot.core.hints import stage as st
 
-            @stage(split=["h.4", "h.8"], checkpoint=True)
+            @stage(split=["h.4", "h.8"], recompute=True)
             class A: pass
 
             @annot.stage(auto=True, cost="flops", memory="1KiB")
@@ -60,7 +60,7 @@ def test_read_stage_hints():
         )
     )
     assert hints == {
-        "A": StageSpec(split=("h.4", "h.8"), checkpoint=True),
+        "A": StageSpec(split=("h.4", "h.8"), recompute=True),
         "B": StageSpec(auto=True, cost="flops", memory=1024),
         "C": StageSpec(),
     }

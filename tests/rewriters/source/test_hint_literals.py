@@ -123,7 +123,7 @@ def test_format_hint_round_trips():
     ]:
         source = f"from annot import shard, Col, Row, Vocab, Replicate, P\n{format_hint(spec)}\nclass M: pass\n"
         assert read_shard_hints(source) == {"M": spec}
-    stage = StageSpec(split=("h.2",), cost="time", memory=100, checkpoint=True)
+    stage = StageSpec(split=("h.2",), cost="time", memory=100, recompute=True)
     assert read_stage_hints(f"import annot\n@annot.{format_hint(stage)[1:]}\nclass M: pass\n") == {
         "M": stage
     }

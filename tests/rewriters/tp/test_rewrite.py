@@ -592,7 +592,7 @@ def _rewritten_fixture_step(tmpdir: str) -> float:
     import torch
 
     from annot import Mesh
-    from annot.runtime import process_groups as rmesh
+    from annot.runtime import process_groups
     from annot.runtime.tp.state_dict import full_grads, load_full_state_dict
     from tests.fixtures import gpt_model as ref_module
     from tests.parity import assert_close, gather_last_dim
@@ -603,11 +603,11 @@ def _rewritten_fixture_step(tmpdir: str) -> float:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
-    ctx = rmesh.init(Mesh(tp=2))
+    ctx = process_groups.init(Mesh(tp=2))
     cfg = dict(block_size=8, vocab_size=32, n_layer=1, n_head=4, n_embd=16, dropout=0.0)
     torch.manual_seed(3)
     ref = ref_module.GPT(ref_module.GPTConfig(**cfg))
-    with rmesh.use(ctx):
+    with process_groups.use(ctx):
         local = module.GPT(module.GPTConfig(**cfg))
         load_full_state_dict(local, ref.state_dict())
         g = torch.Generator().manual_seed(0)

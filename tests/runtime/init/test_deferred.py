@@ -311,18 +311,18 @@ def _deferred_equals_parallelize(cache: str) -> int:
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import annot
-    from annot.runtime import process_groups as rmesh
-    from annot.runtime.pipeline.layout import build_plan
+    from annot.runtime import process_groups
+    from annot.runtime.pipeline.layout import build_layout
 
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=2, n_head=4, n_embd=16)
     pm = annot.parallelize(GPT, cfg, mesh=annot.Mesh(pp=2, tp=2), seed=4)  # the eager path
     ctx, plan = pm.ctx, pm.pipeline
 
     # What parallelize would do instead: this rank's stage and shard only.
-    with rmesh.use(ctx), torch.device("meta"):
+    with process_groups.use(ctx), torch.device("meta"):
         local = type(pm.module)(cfg)
-    build_plan(local, plan.split, ctx, chunks=1, boundaries=plan.boundaries)
-    with rmesh.use(ctx):
+    build_layout(local, plan.split, ctx, chunks=1, boundaries=plan.boundaries)
+    with process_groups.use(ctx):
         wanted = shard_slicers(local)
     torch.manual_seed(4)
     _, values = deferred_reference(lambda: GPT(cfg), wanted)

@@ -92,7 +92,7 @@ def _dropout_parity(cache: str, checkpoint: bool, when: str):
     from tests.parity import train_against_reference
 
     if checkpoint:  # the recomputation in backward must draw the same masks
-        annot.checkpoint(Block)
+        annot.recompute(Block)
     torch.manual_seed(0)
     sample = _batch(0)[:2] if when == "build" else None  # else: on the first call
     model = annot.parallelize(Net(), mesh=annot.Mesh(tp=2), hints=HINTS, verify=True, sample=sample)
