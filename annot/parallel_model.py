@@ -189,13 +189,13 @@ class ParallelModel(nn.Module):
         from annot.hf.models import nested_blocks
         from annot.runtime.compile import compile_blocks
 
-        plan = self.pipeline
-        staged = plan is not None and plan.num_stages > 1
+        layout = self.pipeline
+        staged = layout is not None and layout.num_stages > 1
         self.compiled_blocks += compile_blocks(
             self.module,
             options,
             container=nested_blocks(self.module),
-            boundaries=plan.boundaries if staged else (),
+            boundaries=layout.boundaries if staged else (),
             whole=not staged and self.fsdp is None,
         )
 

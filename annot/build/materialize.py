@@ -63,7 +63,7 @@ def materialize_from(local: nn.Module, instance: nn.Module, ctx) -> None:
     materialize_(local, values, ctx.device)
 
 
-def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
+def materialize(local, model, args, kwargs, seed, ctx, layout) -> None:
     """Give ``local`` (built on meta) this rank's part of the reference weights:
     the values of ``torch.manual_seed(seed); model(*args)``, computed tensor by
     tensor without ever holding the full model (annot.runtime.init.deferred). A model
@@ -111,7 +111,7 @@ def materialize(local, model, args, kwargs, seed, ctx, plan) -> None:
     if seed is not None:
         torch.random.set_rng_state(after)
     local.to_empty(device=ctx.device)
-    if plan is not None:
-        full = {k: v for k, v in full.items() if k in set(plan.local_keys)}
+    if layout is not None:
+        full = {k: v for k, v in full.items() if k in set(layout.local_keys)}
     with process_groups.use(ctx):
-        load_full_state_dict(local, full, strict=plan is None)
+        load_full_state_dict(local, full, strict=layout is None)

@@ -214,20 +214,20 @@ def parallelize(
     if opts.sequence_parallel is not False and mesh.tp > 1:
         report.sequence_blocks = _sequence_blocks(local, opts.sequence_parallel, report.boundaries)
     check = _preflight_check(opts, ref, local, split_plan, ctx, report, paths, n_stages)
-    plan = None
+    layout = None
     if n_stages > 1:
-        plan = _pipeline_plan(local, split_plan, points, ctx, chunks, report)
-        log.debug("annot: pipeline stages %s on this rank", plan.local_stage_ids)
-    _materialize(local, opts, args, ref, seed, ctx, plan)
+        layout = _pipeline_layout(local, split_plan, points, ctx, chunks, report)
+        log.debug("annot: pipeline stages %s on this rank", layout.local_stage_ids)
+    _materialize(local, opts, args, ref, seed, ctx, layout)
     del ref, points
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
-    built = _assemble(local, opts, ctx, plan, report, paths)
+    built = _assemble(local, opts, ctx, layout, report, paths)
     if check is not None:
         _run_preflight(built, check, sample)
         log.debug("annot: step 6: pre-flight %s", report.preflight)
-    _shard_over_dp(built, opts, plan)
-    _guard(built, plan)
+    _shard_over_dp(built, opts, layout)
+    _guard(built, layout)
     if opts.weights is not None:
         opts.weights.fill(built)
         log.debug("annot: step 7b: read this rank's part of the weights")
@@ -288,7 +288,7 @@ def _preflight_check(opts: Options, ref, local, split_plan, ctx, report, paths, 
     )
 
 
-def _materialize(local, opts: Options, args, ref, seed, ctx, plan) -> None:
+def _materialize(local, opts: Options, args, ref, seed, ctx, layout) -> None:
     """Step 5: this rank's part of the weights: storage for a weight source to
     fill later, the given model's values, or the seed's, tensor by tensor."""
     if opts.weights is not None:
@@ -296,25 +296,25 @@ def _materialize(local, opts: Options, args, ref, seed, ctx, plan) -> None:
     elif opts.instance is not None:
         materialize_from(local, opts.instance, ctx)
     else:
-        materialize(local, opts.cls, args, opts.kwargs, seed, ctx, plan)
+        materialize(local, opts.cls, args, opts.kwargs, seed, ctx, layout)
 
 
-def _assemble(local, opts: Options, ctx, plan, report, paths) -> ParallelModel:
+def _assemble(local, opts: Options, ctx, layout, report, paths) -> ParallelModel:
     """The :class:`ParallelModel`: activation recompute, ``sum_grad``
     marks and sequence parallelism applied to this rank's modules."""
     apply_recompute(local, recomputed_classes(local))
     _mark_grad_sums(local, paths)
     runs = (
         [report.sequence_blocks]
-        if plan is None
-        else stage_runs(plan, local, report.sequence_blocks)
+        if layout is None
+        else stage_runs(layout, local, report.sequence_blocks)
     )
     for run in runs:
         apply_sequence_parallel(local, run, opts.sequence_dim, opts.mesh.tp)
     return ParallelModel(
         local,
         ctx,
-        pipeline=plan,
+        pipeline=layout,
         report=report,
         autocast=opts.autocast,
         verify=opts.verify,
@@ -323,20 +323,20 @@ def _assemble(local, opts: Options, ctx, plan, report, paths) -> ParallelModel:
     )
 
 
-def _guard(built: ParallelModel, plan) -> None:
+def _guard(built: ParallelModel, layout) -> None:
     """Refuse from now on what would be wrong around a model whose ranks hold
     different parts: torch's clip_grad_norm_ on one part's norm, DDP or
     fully_shard over the parts."""
     ctx = built.ctx
     if ctx.distributed and (
-        (plan is not None and plan.num_stages > 1) or ctx.mesh.tp > 1 or built.fsdp is not None
+        (layout is not None and layout.num_stages > 1) or ctx.mesh.tp > 1 or built.fsdp is not None
     ):
         guard_clip(built)
     if ctx.distributed:
         guard_wrappers(built)
 
 
-def _shard_over_dp(built: ParallelModel, opts: Options, plan) -> None:
+def _shard_over_dp(built: ParallelModel, opts: Options, layout) -> None:
     """Step 7 (``fsdp=True``): FSDP2 over dp, a unit per block of the
     model's block list (:func:`annot.hf.nested_blocks`) and the root."""
     if not opts.fsdp:
@@ -357,7 +357,7 @@ def _shard_over_dp(built: ParallelModel, opts: Options, plan) -> None:
         local,
         built.ctx.device_mesh["dp"],
         blocks,
-        pipelined=plan is not None and plan.num_stages > 1,
+        pipelined=layout is not None and layout.num_stages > 1,
     )
     forget_real_weights(local)  # a shadow's tied weight: FSDP2 holds the live one now
     log.debug("annot: step 7: FSDP2 over dp on %d units", len(built.fsdp.units))
@@ -381,7 +381,7 @@ def _reference(opts: Options, args: tuple, seed, ctx) -> nn.Module:
 
 def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
     """Step 3: ``(specs by class, hints by path)``, verified against the
-    reference; a transformers model's own tp plan when nothing is hinted."""
+    reference; a transformers model's own tp layout when nothing is hinted."""
     if hints is None and tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
         from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
 
@@ -390,7 +390,7 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
     if tp > 1 and not specs and not paths:
         raise HintError(
             f"tp={tp}, but nothing in {type(ref).__name__} says how to split it: no @shard on "
-            "its classes, no hints= given, and no transformers tp plan; every rank would run "
+            "its classes, no hints= given, and no transformers tp layout; every rank would run "
             "the whole model. Give the layers' layout from outside, e.g. "
             "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
             "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
@@ -437,11 +437,11 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
         convert_hinted(local, paths, tp, tied_names(ref))
     split = splits.get("split")
     if split is None and split_root:
-        split = resplit(cls, boundaries)  # a cache hit: the plan of the source
+        split = resplit(cls, boundaries)  # a cache hit: the layout of the source
     return local, split
 
 
-def _pipeline_plan(local, split, points: StagePoints, ctx, chunks: int, report):
+def _pipeline_layout(local, split, points: StagePoints, ctx, chunks: int, report):
     """This rank's stages, run by the runner the build chose (``report.runner``):
     the root's forward split into stage methods by the rewriter, or cut at run
     time (replay) at the boundaries' module calls."""

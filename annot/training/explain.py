@@ -6,7 +6,7 @@ the schedule as a table, and this rank's code for its stages.
 
 Two runners cut a pipeline (:mod:`annot.runtime.runners.stage_runner`, chosen once
 by the build, :func:`annot.plan.stage_points.choose_runner`, with its reason in
-``model.report``, and recorded on the plan,
+``model.report``, and recorded on the layout,
 :class:`annot.runtime.pipeline.layout.PipelineLayout`): the *source split* (the
 rewriter cut the root's ``forward`` into stage methods; each stage's modules
 and outgoing values are known from the source) and the *replay* (the model's
@@ -68,10 +68,10 @@ def _stage_memory(model, params: list[nn.Parameter], schedule: str, microbatches
     return " + ".join(format_bytes(b) for b in parts)
 
 
-def _held_modules(plan, order: dict[str, int], s: int) -> str:
+def _held_modules(layout, order: dict[str, int], s: int) -> str:
     """The outermost modules stage ``s`` holds that no other stage holds
     anything of, in ``order`` (module paths by registration), blocks in runs."""
-    held = plan.stage_modules
+    held = layout.stage_modules
     others = set().union(*(held[o] for o in held if o != s))
 
     def position(path: str) -> tuple[int, str]:
@@ -88,10 +88,10 @@ class SourceSplitStages:
 
     runner = "source split"
 
-    def __init__(self, plan, root: nn.Module):
-        self.plan = plan
-        self.stages = plan.split.stages
-        self.nested = plan.split.forwards[1:]
+    def __init__(self, layout, root: nn.Module):
+        self.layout = layout
+        self.stages = layout.split.stages
+        self.nested = layout.split.forwards[1:]
         self.order = {p: i for i, p in enumerate(tree_paths(root))}
         self.how = (
             "the root forward cut into stage methods by the rewriter"
@@ -101,7 +101,7 @@ class SourceSplitStages:
 
     def modules(self, s: int) -> str:
         if self.nested:  # what the root's stage reads is its callees' stages: their modules
-            return _held_modules(self.plan, self.order, s)
+            return _held_modules(self.layout, self.order, s)
         return ", ".join(self.stages[s].modules) or "-"
 
     def sends(self, s: int) -> str:
@@ -127,8 +127,8 @@ class ReplayStages:
         "module is called; earlier stages are replayed on the meta device"
     )
 
-    def __init__(self, plan, root: nn.Module, executor: Optional[Any]):
-        self.plan = plan
+    def __init__(self, layout, root: nn.Module, executor: Optional[Any]):
+        self.layout = layout
         self.root = root
         self.executor = (
             executor  # annot.runtime.pipeline.executor.PipelineExecutor, once a step ran
@@ -136,15 +136,15 @@ class ReplayStages:
         self.order = {p: i for i, p in enumerate(tree_paths(root))}
 
     def modules(self, s: int) -> str:
-        return _held_modules(self.plan, self.order, s)
+        return _held_modules(self.layout, self.order, s)
 
     def sends(self, s: int) -> str:
-        if s == self.plan.num_stages - 1:
+        if s == self.layout.num_stages - 1:
             return "(returns)"
-        where = f"tensors live at {self.plan.boundaries[s]}'s call"
+        where = f"tensors live at {self.layout.boundaries[s]}'s call"
         shapes = self.sent_shapes(s)
         if shapes is None:
-            mine = s in self.plan.local_stage_ids
+            mine = s in self.layout.local_stage_ids
             return where + (" (shapes after the first step)" if mine else "")
         more = f", +{len(shapes) - _SENDS_SHOWN} more" if len(shapes) > _SENDS_SHOWN else ""
         return f"{where}: {', '.join(shapes[:_SENDS_SHOWN])}{more}"
@@ -161,7 +161,7 @@ class ReplayStages:
         ]
 
     def code(self, s: int) -> str:
-        b = self.plan.boundaries
+        b = self.layout.boundaries
         start = f"the call of {b[s - 1]}" if s > 0 else "the start"
         stop = f"the call of {b[s]}" if s < len(b) else "the end (the step body's loss too)"
         earlier = "stage 0" if s == 1 else f"stages 0-{s - 1}"
@@ -169,11 +169,11 @@ class ReplayStages:
         return f"{type(self.root).__name__}.forward runs unchanged from {start} to {stop}{replayed}"
 
 
-def stage_view(plan, root: nn.Module, executor: Optional[Any]):
-    """The view of ``plan``'s stages for the runner it recorded."""
-    if plan.runner.name == "replay":
-        return ReplayStages(plan, root, executor)
-    return SourceSplitStages(plan, root)
+def stage_view(layout, root: nn.Module, executor: Optional[Any]):
+    """The view of ``layout``'s stages for the runner it recorded."""
+    if layout.runner.name == "replay":
+        return ReplayStages(layout, root, executor)
+    return SourceSplitStages(layout, root)
 
 
 def tree_paths(root: nn.Module, prefix: str = "") -> list[str]:
@@ -247,7 +247,7 @@ def _header(step, args, kwargs) -> list[str]:
 
 
 def _pipeline(step, view) -> list[str]:
-    model, plan = step.model, step.model.pipeline
+    model, layout = step.model, step.model.pipeline
 
     def memory(held: list[nn.Parameter]) -> str:
         return _stage_memory(model, held, step.schedule, step.microbatches)
@@ -255,20 +255,20 @@ def _pipeline(step, view) -> list[str]:
     rows = [
         [
             str(s),
-            f"pp{plan.owner(s)}",
+            f"pp{layout.owner(s)}",
             view.modules(s),
             view.sends(s),
             *(
                 [f"{sum(p.numel() for p in held):,}", memory(held)]
-                if s in plan.local_stage_ids
+                if s in layout.local_stage_ids
                 else ["-", "-"]
             ),
         ]
-        for s in range(plan.num_stages)
-        for held in [_params_under(model.module, plan.stage_modules.get(s, set()))]
+        for s in range(layout.num_stages)
+        for held in [_params_under(model.module, layout.stage_modules.get(s, set()))]
     ]
     out = [
-        f"pipeline: {plan.num_stages} stages, boundaries {list(plan.boundaries)}, "
+        f"pipeline: {layout.num_stages} stages, boundaries {list(layout.boundaries)}, "
         f"schedule {step.schedule}",
         f"runner: {view.runner} ({view.how})",
         *(
@@ -285,7 +285,7 @@ def _pipeline(step, view) -> list[str]:
     ]
     if model.report is not None and model.report.plan_table:
         out.append("boundaries chosen by the planner:\n" + model.report.plan_table)
-    for tie in plan.ties:
+    for tie in layout.ties:
         out.append(
             f"tied weight {' = '.join(tie.names)} held by stages {list(tie.stages)}: "
             "gradients summed over them"
@@ -294,7 +294,9 @@ def _pipeline(step, view) -> list[str]:
     from annot.runtime.pipeline.schedules import get_schedule
 
     out.append("schedule (rows = pipeline ranks):")
-    out.append(format_table(get_schedule(step.schedule, plan.pp, step.microbatches, plan.chunks)))
+    out.append(
+        format_table(get_schedule(step.schedule, layout.pp, step.microbatches, layout.chunks))
+    )
     return out
 
 
@@ -308,12 +310,12 @@ def _rewritten(report) -> list[str]:
 
 def explain_step(step, args, kwargs) -> str:
     model = step.model
-    plan = model.pipeline
+    layout = model.pipeline
     out = _header(step, args, kwargs)
-    if plan is None or plan.num_stages == 1:
+    if layout is None or layout.num_stages == 1:
         return "\n".join([*out, "pipeline: none (pp=1)", *_rewritten(model.report)])
-    view = stage_view(plan, model.module, step.executor)
+    view = stage_view(layout, model.module, step.executor)
     out += _pipeline(step, view)
     out += _rewritten(model.report)
-    out += [f"--- stage {s} (this rank) ---\n{view.code(s)}" for s in plan.local_stage_ids]
+    out += [f"--- stage {s} (this rank) ---\n{view.code(s)}" for s in layout.local_stage_ids]
     return "\n".join(out)

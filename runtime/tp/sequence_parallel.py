@@ -127,8 +127,8 @@ def apply_sequence_parallel(root: nn.Module, blocks: Sequence[str], dim: int, tp
     modules[blocks[-1]].register_forward_hook(_Leave(dim))
 
 
-def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
-    """The blocks each of this rank's pipeline stages runs (``plan``: an
+def stage_runs(layout, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
+    """The blocks each of this rank's pipeline stages runs (``layout``: an
     :class:`~annot.runtime.pipeline.layout.PipelineLayout`), in order. Each run enters
     sequence shards at its first block and leaves them after its last, so the
     stages hand whole activations on, as without sequence parallelism. A
@@ -136,8 +136,8 @@ def stage_runs(plan, root: nn.Module, blocks: Sequence[str]) -> list[list[str]]:
     weighted = {p for p, m in root.named_modules() if next(m.parameters(), None) is not None}
     runs: list[list[str]] = []
     seen: dict[str, int] = {}
-    for s in plan.local_stage_ids:
-        held = plan.stage_modules.get(s, set()) & weighted
+    for s in layout.local_stage_ids:
+        held = layout.stage_modules.get(s, set()) & weighted
         run = [b for b in blocks if any(p == b or p.startswith(f"{b}.") for p in held)]
         for b in run:
             if seen.setdefault(b, s) != s:
