@@ -151,6 +151,7 @@ def choose_boundaries(
     parallelize's (an automatic split of a nested model without a call order
     is refused where the replay would run it)."""
     from annot.core.hints import StageSpec, get_stage_spec
+    from annot.plan.planner import plans_over_modules
 
     ref, cls, sample = points.ref, points.cls, points.sample
     markers = points.markers()
@@ -166,9 +167,7 @@ def choose_boundaries(
         if isinstance(split, str) or not all(isinstance(b, str) for b in split):
             raise HintError(f"parallelize: split={split!r}; expected a list of module paths")
         spec = StageSpec(split=tuple(split))
-    from annot.hf.models import is_hf_model
-
-    if spec is None or (not spec.split and is_hf_model(ref)):
+    if split is None and plans_over_modules(cls):
         # no @stage of the user's: balance every nested block and block part
         return tuple(_module_boundaries(points, n_stages, report, budget, runner))
     if spec is not None and spec.split:
@@ -180,12 +179,12 @@ def choose_boundaries(
             )
         return tuple(spec.split)
     from annot.core.errors import AnnotError
-    from annot.plan.planner import plan
+    from annot.plan.planner import default_cost, plan
     from annot.plan.segments import SourceSegments
     from annot.rewrite_cache import cache_dir
 
     auto = spec or StageSpec(auto=True)
-    cost = auto.cost or ("flops" if sample is not None else "params")
+    cost = auto.cost or default_cost(sample)
     # profiles are cached next to the rewritten sources
     units = SourceSegments(
         cls, source_path=inspect.getfile(cls), cache_dir=cache_dir() / "profiles"

@@ -13,7 +13,6 @@ edit) over its nested blocks and block parts (:mod:`annot.plan.module_units`).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Optional
 
@@ -236,10 +235,10 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise Refusal(f"{path}: defines no nn.Module class {name!r}")
         import torch
 
-        cost = args.cost or ("time" if args.input else "params")
-        from annot.core.hints import get_stage_spec
+        from annot.plan.planner import default_cost, plans_over_modules
 
-        nested = get_stage_spec(cls) is None and not os.path.isfile(path)
+        cost = args.cost or default_cost(args.input or None)
+        nested = plans_over_modules(cls)  # the units parallelize would plan over
         # from shapes alone: no weight is allocated, except that the @stage
         # planner times its segments on the model built for real; the nested
         # planner times one unit at a time, each materialized alone
@@ -274,7 +273,6 @@ def _run_plan(args: argparse.Namespace) -> int:
             # a model you cannot edit (every nested block and block part), or the what-if table
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
         from annot.plan import planner
-        from annot.plan.planner import TooFewSplitPoints
         from annot.plan.segments import SourceSegments
 
         units = SourceSegments(cls, source_path=module.__file__, progress=True)
@@ -291,11 +289,6 @@ def _run_plan(args: argparse.Namespace) -> int:
                 setup=setup,
                 optimizer=args.optimizer,
             )
-        except TooFewSplitPoints:
-            if get_stage_spec(cls) is not None:
-                raise
-            # forward itself has too few places to cut: its blocks sit deeper
-            return _run_module_plan(args, model, sample, memory, cost, setup, made)
         except AnnotError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's forward: refused, named

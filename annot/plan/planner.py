@@ -101,11 +101,36 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "UnitCost",
     "assumed_sample",
+    "default_cost",
     "measure_split",
     "partition_units",
     "plan",
+    "plans_over_modules",
     "split_points",
 ]
+
+
+def default_cost(sample: Any) -> str:
+    """What the planner balances where no cost is asked, for every caller
+    (``parallelize``, ``annot plan``, :func:`plan`): the FLOPs of one
+    microbatch where a ``sample`` is given (counted on meta: no weights, the
+    same answer on every rank), else the parameters."""
+    return "flops" if sample is not None else "params"
+
+
+def plans_over_modules(cls: type) -> bool:
+    """The one rule for the units an automatic split chooses among, for
+    ``parallelize`` and ``annot plan`` alike: module calls at any depth
+    (:class:`annot.plan.module_units.ModuleUnits`: every block and block part,
+    in call order) for a class without ``@stage``, or a transformers model
+    whose ``@stage`` names no boundaries (its blocks sit in nested forwards);
+    the segments of the class's own forward
+    (:class:`annot.plan.segments.SourceSegments`) under ``@stage(auto=True)``."""
+    from annot.core.hints import get_stage_spec
+    from annot.hf.tp_plan import is_hf_class
+
+    spec = get_stage_spec(cls)
+    return spec is None or (not spec.split and is_hf_class(cls))
 
 
 # tokens per sequence of the microbatch a transformers model's plan assumes
@@ -195,7 +220,7 @@ def _measure(
             "its class: plan(model, n, units=SourceSegments(type(model)))"
         )
     if cost is None:
-        cost = "time" if sample is not None else "params"
+        cost = default_cost(sample)
     label = repr(cost) if isinstance(cost, str) else repr(getattr(cost, "name", cost))
     cost = resolve_cost(cost, PARAM_BYTES, "segments")
     if sample is None and cost.needs != "params":
@@ -480,7 +505,7 @@ def plan(
         measures = measure_units(
             model,
             sample=sample,
-            cost=cost or "params",
+            cost=cost or default_cost(sample),
             repeats=units.repeats,
             order=units.order,
             stranded=units.stranded,

@@ -22,12 +22,15 @@ NET = textwrap.dedent(
     import torch
     import torch.nn as nn
 
+    from annot import stage
+
 
     class Config:
         def __init__(self, width=16, depth=4):
             self.width, self.depth = width, depth
 
 
+    @stage(auto=True)  # the segments of forward: annot.plan.segments
     class Net(nn.Module):
         def __init__(self, cfg=None):
             super().__init__()
@@ -43,6 +46,7 @@ NET = textwrap.dedent(
             return self.out(h) * scale
 
 
+    @stage(auto=True)
     class Tokens(nn.Module):
         def __init__(self, vocab=50, width=8):
             super().__init__()
@@ -69,8 +73,44 @@ def plan(capsys, *argv):
     return rc, out, err
 
 
+def _parallelize_plans(path: str) -> tuple:
+    """What parallelize chose for Plain at pp=2 on two ranks: (boundaries, the
+    units of its plan table)."""
+    import importlib.util
+    import sys
+
+    import annot
+
+    spec = importlib.util.spec_from_file_location("plain_net", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plain_net"] = module  # imported as annot plan imports it: its source is found
+    spec.loader.exec_module(module)
+    model = annot.parallelize(module.Plain, mesh=annot.Mesh(pp=2), seed=0)
+    return model.report.boundaries, model.report.plan_table
+
+
+def test_a_class_without_stage_is_planned_as_parallelize_plans_it(tmp_path, capsys):
+    """One rule for the units (annot.plan.planner.plans_over_modules) and one
+    default cost: for a class without @stage, annot plan and parallelize cut
+    at the same boundaries over the same units (module calls at any depth)."""
+    from annot.testing import run_ranks
+
+    path = tmp_path / "plain.py"
+    path.write_text(NET.replace("@stage(auto=True)", "").replace("class Net(", "class Plain("))
+    rc, out, err = plan(capsys, f"{path}:Plain", "--pp", 2, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["cost"] == "params"
+    boundaries, table = run_ranks(_parallelize_plans, 2, str(path))[0]
+    assert list(boundaries) == doc["boundaries"]
+    assert "over 6 units" in table  # module calls: inp, blocks.0-3, out
+    assert len(doc["units"]) == 6
+
+
 def test_table_with_two_stages_and_the_imbalance(net, capsys):
-    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]")
+    rc, out, err = plan(
+        capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--cost", "time"
+    )
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("assuming: microbatch x=[4, 16]; 8 microbatches, schedule 1f1b")
@@ -180,7 +220,8 @@ def test_config_json(net, capsys, tmp_path):
 
 
 def test_int_inputs_take_a_range(net, capsys):
-    args = [f"{net}:Tokens", "--pp", 2, "--input", "idx=int64[2,5]:vocab=50"]
+    # measured time runs the sample on real weights, where an index past the vocab raises
+    args = [f"{net}:Tokens", "--pp", 2, "--cost", "time", "--input", "idx=int64[2,5]:vocab=50"]
     rc, out, err = plan(capsys, *args)
     assert rc == 0, err
     rc, out, err = plan(capsys, *args[:-1], "idx=int64[2,5]")  # ints in [0, 2)
@@ -341,3 +382,13 @@ def test_world_size_prints_every_pp_tp_dp_fitting_first(capsys):
     assert doc["assuming"] == out[0]
     assert main([*argv, "--pp", "2"]) == 2  # one or the other
     assert "not both" in capsys.readouterr().err
+
+
+def test_the_default_cost_is_flops_with_a_sample_else_parameters(net, capsys):
+    """annot.plan.planner.default_cost, the one default parallelize uses too."""
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["cost"] == "flops"
+    rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["cost"] == "params"
