@@ -381,7 +381,7 @@ def _reference(opts: Options, args: tuple, seed, ctx) -> nn.Module:
 
 def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
     """Step 3: ``(specs by class, hints by path)``, verified against the
-    reference; a transformers model's own tp layout when nothing is hinted."""
+    reference; a transformers model's own tp plan when nothing is hinted."""
     if hints is None and tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
         from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
 
@@ -390,7 +390,7 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
     if tp > 1 and not specs and not paths:
         raise HintError(
             f"tp={tp}, but nothing in {type(ref).__name__} says how to split it: no @shard on "
-            "its classes, no hints= given, and no transformers tp layout; every rank would run "
+            "its classes, no hints= given, and no transformers tp plan; every rank would run "
             "the whole model. Give the layers' layout from outside, e.g. "
             "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
             "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
@@ -437,7 +437,7 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
         convert_hinted(local, paths, tp, tied_names(ref))
     split = splits.get("split")
     if split is None and split_root:
-        split = resplit(cls, boundaries)  # a cache hit: the layout of the source
+        split = resplit(cls, boundaries)  # a cache hit: the split of the source
     return local, split
 
 
