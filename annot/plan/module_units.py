@@ -49,23 +49,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.nn as nn
 
 from annot.core.errors import HintError, PartitionError
 from annot.plan.result import StagePlan
 from annot.plan.stage_points import StagePoints, never_called
+from annot.plan.unit_figures import (
+    UnitFigures,
+    measurable,
+    measure_figures,
+    on_meta,
+    tp_sharded,
+)
 
 __all__ = [
     "ModuleUnits",
     "StageMemoryError",
     "Unit",
-    "UnitFigures",
     "UnitMeasures",
     "block_paths",
     "call_order",
@@ -73,8 +76,6 @@ __all__ = [
     "never_called",
     "measure_units",
     "plan_units",
-    "split_layers",
-    "tp_sharded",
     "units",
 ]
 
@@ -302,305 +303,6 @@ def _work(module: nn.Module, worked: set[int]) -> int:
     return sum(seen.values())
 
 
-def _first_grad_input(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            return a
-    return None
-
-
-def _output_scalar(out: Any) -> Optional[torch.Tensor]:
-    """A scalar to run backward from: the sum of every floating output that
-    requires grad (the loss of a step body is not part of the model)."""
-    from annot.runtime.trees import tensors
-
-    if hasattr(out, "to_tuple"):  # transformers' ModelOutput
-        out = out.to_tuple()
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
-    parts = [t.float().sum() for t in tensors(out) if t.requires_grad and t.is_floating_point()]
-    return torch.stack(parts).sum() if parts else None
-
-
-def _times(model: nn.Module, found: list[Unit], sample: Any, repeats: int) -> list[float]:
-    """Median forward + backward time of each unit over ``repeats`` steps (a
-    unit runs from its call until the next unit's call).
-
-    Forward: a clock that a pre-hook on each unit's module moves on. Backward
-    runs the same spans in reverse: a gradient hook on the first input of each
-    unit that requires grad fires when backward has passed that unit's start,
-    so the time since the previous such hook is that unit's backward. Glue with
-    no backward (masks, position tables) thus costs its forward only; a model
-    that gives no input a gradient path (frozen) counts backward as twice
-    forward. The model's ``.grad``s are cleared afterwards."""
-    from annot.runtime.runners.replay import call_with
-
-    starts = {u.path: i for i, u in enumerate(found)}
-    modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
-    samples: list[list[float]] = [[] for _ in found]
-    clock: dict = {}
-
-    def mark(i: Optional[int]) -> None:
-        now = time.perf_counter()
-        if clock["unit"] is not None:
-            clock["acc"][clock["unit"]] += now - clock["t"]
-        clock["unit"], clock["t"] = i, now
-
-    def back_mark(i: int) -> None:
-        # backward has reached unit i's start: the time since the last mark is
-        # the backward of units i .. (the last marked unit - 1), shared among
-        # them as their forwards are
-        now = time.perf_counter()
-        span = range(i, clock["bw_last"]) if i < clock["bw_last"] else range(i, i + 1)
-        fw = [clock["fw"][j] for j in span]
-        total = sum(fw)
-        for j, f in zip(span, fw):
-            clock["acc"][j] += (now - clock["bw_t"]) * (f / total if total else 1 / len(fw))
-        clock["bw_t"], clock["bw_last"] = now, min(i, clock["bw_last"])
-
-    def pre_hook(i: int, module, args, kwargs) -> None:
-        mark(i)
-        if torch.is_grad_enabled():
-            t = _first_grad_input(args, kwargs)
-            if t is not None and i not in clock["hooked"]:
-                clock["hooked"].add(i)
-                t.register_hook(lambda g, i=i: back_mark(i))
-
-    handles = [
-        modules[path].register_forward_pre_hook(functools.partial(pre_hook, i), with_kwargs=True)
-        for path, i in starts.items()
-    ]
-    try:
-        for r in range(repeats + 1):
-            clock.update(unit=None, t=0.0, acc=[0.0] * len(found), hooked=set())
-            out = call_with(model, sample)
-            mark(None)
-            clock["fw"] = list(clock["acc"])
-            loss = _output_scalar(out)
-            if loss is None:  # no backward to time: twice forward
-                clock["acc"] = [3 * t for t in clock["fw"]]
-            else:
-                clock.update(bw_t=time.perf_counter(), bw_last=len(found))
-                loss.backward()
-                back_mark(0)  # the rest of backward: the units before the first mark
-            model.zero_grad(set_to_none=True)
-            if r:  # the first step warms up
-                for j, t in enumerate(clock["acc"]):
-                    samples[j].append(t)
-    finally:
-        for h in handles:
-            h.remove()
-    return [statistics.median(s) for s in samples]
-
-
-@dataclass(frozen=True)
-class UnitFigures:
-    """What one microbatch's forward and backward show of a unit (on meta as on
-    real weights): its FLOPs and the bytes it keeps for backward
-    (:class:`annot.plan.saved_bytes.SavedBytes`), of which ``*_split`` tp
-    divides; ``kept``: what it keeps with the blocks recomputed;
-    ``recompute``: for a block's first unit, the whole block's saved bytes
-    (what backward recomputes at once); ``backward``: the most bytes backward
-    holds at once in what it makes while it is in this unit (gradients on
-    their way, :class:`annot.plan.saved_bytes.BackwardPeak`)."""
-
-    flops: int = 0
-    saved: int = 0
-    saved_split: int = 0
-    kept: int = 0
-    kept_split: int = 0
-    recompute: int = 0
-    recompute_split: int = 0
-    backward: int = 0
-
-    def transient(self, tp: int) -> int:
-        """:attr:`backward` at ``tp``, split in the unit's own share."""
-        if not self.saved:
-            return self.backward
-        return self.backward * _at_tp(self.saved, self.saved_split, tp) // self.saved
-
-    def activations(self, tp: int, recompute: bool) -> int:
-        """Bytes kept per microbatch at ``tp``."""
-        if recompute:
-            return _at_tp(self.kept, self.kept_split, tp)
-        return _at_tp(self.saved, self.saved_split, tp)
-
-    def recomputed(self, tp: int) -> int:
-        return _at_tp(self.recompute, self.recompute_split, tp)
-
-    def __add__(self, other: UnitFigures) -> UnitFigures:
-        joined = {
-            f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
-        }
-        joined["backward"] = max(self.backward, other.backward)  # one unit at a time
-        return UnitFigures(**joined)
-
-
-def measurable(model: nn.Module) -> nn.Module:
-    """What :func:`_measure` runs: FLOPs and saved bytes are counted on meta,
-    so a model with real weights (an instance, ``from_pretrained``) is
-    measured on a meta copy of itself; and a transformers model's own
-    activation checkpointing (``gradient_checkpointing_enable()``), whose
-    recompute in backward runs outside the modes that measure the forward, is
-    switched off on a copy (the user's model keeps it): it is measured as
-    without it."""
-    from annot.runtime.init.deferred import meta_copy
-
-    copy = model if _on_meta(model) else meta_copy(model)
-    if getattr(copy, "is_gradient_checkpointing", False):
-        copy = meta_copy(model) if copy is model else copy
-        new = hasattr(copy, "activation_checkpointing_disable")  # transformers 5's name
-        disable: Any = getattr(copy, f"{'activation' if new else 'gradient'}_checkpointing_disable")
-        disable()
-    return copy
-
-
-def _on_meta(model: nn.Module) -> bool:
-    p = next(model.parameters(), None)
-    return p is not None and p.is_meta
-
-
-def _at_tp(total: int, split: int, tp: int) -> int:
-    return total - split + -(-split // tp)
-
-
-def split_layers(model: nn.Module) -> dict[nn.Module, str]:
-    """The layers tensor parallelism splits, as ``"col"`` (output split) or
-    ``"row"`` (output reduced whole): ``@shard`` hints, else a transformers
-    tp plan's. A vocab-parallel embedding's output is whole, as a row's."""
-    from annot.core.hints import get_shard_spec, resolve_hints
-    from annot.core.specs import Col, Row, Vocab
-    from annot.hf import hints_from_hf_config
-
-    kinds = {Col: "col", Row: "row", Vocab: "row"}
-    out: dict[nn.Module, str] = {}
-    for m in model.modules():
-        spec = get_shard_spec(type(m))
-        for name, sp in spec.specs.items() if spec is not None else ():
-            target = getattr(m, name, None)
-            if isinstance(target, nn.Module) and type(sp) in kinds:
-                out[target] = kinds[type(sp)]
-    hints: dict[str, object] = dict(hints_from_hf_config(model))
-    if hints:
-        named = dict(model.named_modules())
-        for path, sp in resolve_hints(model, hints)[1].items():
-            if isinstance(named.get(path), nn.Module) and type(sp) in kinds:
-                out[named[path]] = kinds[type(sp)]
-    return out
-
-
-def _measure(
-    model: nn.Module,
-    found: list[Unit],
-    sample: Any,
-    *,
-    float_size: Optional[int] = None,
-    recompute: bool = False,
-) -> list[UnitFigures]:
-    """Per unit, from one forward and backward on ``sample``: its FLOPs
-    (forward + backward: ``FlopCounterMode``'s counts of the ops run while
-    the run is in it, :class:`annot.plan.flops.SpanFlops`)
-    and the bytes its forward saves for backward (each storage once, by
-    identity, parameters left out; on a meta model as on a real one), split
-    as tp would split them; with ``recompute`` also what a second forward,
-    its blocks recomputed, keeps. ``float_size``: see :class:`SavedBytes`."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from annot.plan.flops import SpanFlops
-    from annot.plan.saved_bytes import BackwardPeak, SavedBytes, real_paths_on_meta
-    from annot.runtime.recompute import (
-        apply_recompute,
-        remove_recompute,
-    )
-    from annot.runtime.runners.replay import call_with, meta_values
-
-    modules = dict(model.named_modules(remove_duplicate=False))
-    params = list(model.parameters())
-    layers = split_layers(model)
-    saved = SavedBytes(params, layers, float_size)
-    saved.key = 0  # glue before the first unit's call is the first unit's
-    active = [saved]
-    peak = BackwardPeak(float_size)
-    hooked: set[int] = set()
-    counter = FlopCounterMode(display=False)
-    spans = SpanFlops(counter, len(found))
-
-    def passed(i: int) -> None:  # backward past unit i's start: it is in unit i - 1
-        spans.back(i)
-        peak.key = spans.key
-
-    def enter(i: int, module, args, kwargs) -> None:
-        active[0].key = i
-        if active[0] is not saved:
-            return
-        spans.enter(i)
-        t = _first_grad_input(args, kwargs) if torch.is_grad_enabled() else None
-        if t is not None and i not in hooked:
-            hooked.add(i)
-            t.register_hook(lambda g, i=i: passed(i))
-
-    handles = [
-        modules[u.path].register_forward_pre_hook(functools.partial(enter, i), with_kwargs=True)
-        for i, u in enumerate(found)
-    ]
-    kept = None
-    try:
-        with counter, meta_values(), real_paths_on_meta():
-            with saved.counting():
-                out = call_with(model, sample)
-            loss = _output_scalar(out)
-            if loss is not None:
-                for p in params:  # gradients accumulate in place, as after a first step
-                    if p.requires_grad and p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                spans.charge()  # forward's end: backward begins in the unit called last
-                peak.key = spans.key
-                with peak:
-                    loss.backward()
-            spans.charge()
-            spans.on = False
-        del out, loss
-        if recompute:
-            blocks = block_paths(model)
-            apply_recompute(model, {type(modules[b]) for b in blocks})
-            kept = active[0] = SavedBytes(params, layers, float_size)
-            kept.key = 0
-            try:
-                with kept.counting(), meta_values(), real_paths_on_meta():
-                    call_with(model, sample)  # forward only: what it keeps
-            finally:
-                remove_recompute(model)
-    finally:
-        for h in handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    flops = spans.flops
-    recompute_bytes = [0] * len(found)
-    recompute_split = [0] * len(found)
-    if recompute:
-        first = {u.path: i for i, u in enumerate(found)}
-        for b in block_paths(model):
-            if b in first:
-                inside = [
-                    i for i, u in enumerate(found) if u.path == b or u.path.startswith(b + ".")
-                ]
-                recompute_bytes[first[b]] = sum(saved.of(i) for i in inside)
-                recompute_split[first[b]] = sum(saved.split_bytes(i) for i in inside)
-    return [
-        UnitFigures(
-            flops=flops[i],
-            saved=saved.of(i),
-            saved_split=saved.split_bytes(i),
-            kept=kept.of(i) if kept is not None else 0,
-            kept_split=kept.split_bytes(i) if kept is not None else 0,
-            recompute=recompute_bytes[i],
-            recompute_split=recompute_split[i],
-            backward=peak.of(i),
-        )
-        for i in range(len(found))
-    ]
-
-
 def _measured(flops: int, activations: int) -> Any:
     """A unit's measurements as :class:`annot.plan.cost_segments.SegmentCost`'s
     measured fields."""
@@ -609,16 +311,6 @@ def _measured(flops: int, activations: int) -> Any:
     return SimpleNamespace(
         flops=flops, forward_flops=0, activations=activations, time=0.0, output_bytes=0
     )
-
-
-def tp_sharded(model: nn.Module, tp: int) -> set[int]:
-    """The parameters tp splits: ``@shard`` hints, else a transformers tp plan's."""
-    from annot.core.hints import resolve_hints
-    from annot.hf import hints_from_hf_config
-    from annot.plan.costs import sharded_ids
-
-    hints: dict[str, object] = dict(hints_from_hf_config(model, tp=tp)) if tp > 1 else {}
-    return sharded_ids(model, resolve_hints(model, hints)[1] if hints else None)
 
 
 @dataclass(frozen=True)
@@ -698,20 +390,23 @@ def measure_units(
         )
     figures = None
     if sample is not None:
-        figures = _measure(
+        figures = measure_figures(
             measurable(model),
             fine,
             sample,
+            blocks=block_paths(model),
             float_size=setup.activation_dtype_bytes if setup.precision != "fp32" else None,
             recompute=setup.recompute,
         )
     timed = None
-    if cost.needs == "time" and _on_meta(model):  # one unit materialized at a time
+    if cost.needs == "time" and on_meta(model):  # one unit materialized at a time
         from annot.plan.unit_timing import time_units_alone
 
         timed = time_units_alone(model, fine, sample, repeats, progress)
     elif cost.needs == "time":
-        timed = _times(model, fine, sample, repeats)
+        from annot.plan.unit_timing import time_units_in_steps
+
+        timed = time_units_in_steps(model, fine, sample, repeats)
     return UnitMeasures(model, fine, figures, timed, cost, setup)
 
 

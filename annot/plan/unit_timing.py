@@ -21,12 +21,12 @@ import functools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
-__all__ = ["time_units_alone"]
+__all__ = ["time_units_alone", "time_units_in_steps"]
 
 
 def _record(model: nn.Module, paths: list[str], sample: Any) -> dict[str, list]:
@@ -143,3 +143,75 @@ def time_units_alone(
             for m in mods:
                 m.to_empty(device="meta", recurse=True)
     return out
+
+
+def time_units_in_steps(model: nn.Module, found: list, sample: Any, repeats: int) -> list[float]:
+    """Median forward + backward time of each unit over ``repeats`` steps (a
+    unit runs from its call until the next unit's call).
+
+    Forward: a clock that a pre-hook on each unit's module moves on. Backward
+    runs the same spans in reverse: a gradient hook on the first input of each
+    unit that requires grad fires when backward has passed that unit's start,
+    so the time since the previous such hook is that unit's backward. Glue with
+    no backward (masks, position tables) thus costs its forward only; a model
+    that gives no input a gradient path (frozen) counts backward as twice
+    forward. The model's ``.grad``s are cleared afterwards."""
+    from annot.plan.unit_figures import first_grad_input, output_scalar
+    from annot.runtime.runners.replay import call_with
+
+    starts = {u.path: i for i, u in enumerate(found)}
+    modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}
+    samples: list[list[float]] = [[] for _ in found]
+    clock: dict = {}
+
+    def mark(i: Optional[int]) -> None:
+        now = time.perf_counter()
+        if clock["unit"] is not None:
+            clock["acc"][clock["unit"]] += now - clock["t"]
+        clock["unit"], clock["t"] = i, now
+
+    def back_mark(i: int) -> None:
+        # backward has reached unit i's start: the time since the last mark is
+        # the backward of units i .. (the last marked unit - 1), shared among
+        # them as their forwards are
+        now = time.perf_counter()
+        span = range(i, clock["bw_last"]) if i < clock["bw_last"] else range(i, i + 1)
+        fw = [clock["fw"][j] for j in span]
+        total = sum(fw)
+        for j, f in zip(span, fw):
+            clock["acc"][j] += (now - clock["bw_t"]) * (f / total if total else 1 / len(fw))
+        clock["bw_t"], clock["bw_last"] = now, min(i, clock["bw_last"])
+
+    def pre_hook(i: int, module, args, kwargs) -> None:
+        mark(i)
+        if torch.is_grad_enabled():
+            t = first_grad_input(args, kwargs)
+            if t is not None and i not in clock["hooked"]:
+                clock["hooked"].add(i)
+                t.register_hook(lambda g, i=i: back_mark(i))
+
+    handles = [
+        modules[path].register_forward_pre_hook(functools.partial(pre_hook, i), with_kwargs=True)
+        for path, i in starts.items()
+    ]
+    try:
+        for r in range(repeats + 1):
+            clock.update(unit=None, t=0.0, acc=[0.0] * len(found), hooked=set())
+            out = call_with(model, sample)
+            mark(None)
+            clock["fw"] = list(clock["acc"])
+            loss = output_scalar(out)
+            if loss is None:  # no backward to time: twice forward
+                clock["acc"] = [3 * t for t in clock["fw"]]
+            else:
+                clock.update(bw_t=time.perf_counter(), bw_last=len(found))
+                loss.backward()
+                back_mark(0)  # the rest of backward: the units before the first mark
+            model.zero_grad(set_to_none=True)
+            if r:  # the first step warms up
+                for j, t in enumerate(clock["acc"]):
+                    samples[j].append(t)
+    finally:
+        for h in handles:
+            h.remove()
+    return [statistics.median(s) for s in samples]

@@ -102,7 +102,8 @@ def what_if(
     (:class:`annot.plan.module_units.UnitMeasures`), under ``memory`` bytes per
     device; fitting choices first, each group by :attr:`Choice.score`."""
     from annot.plan import planner
-    from annot.plan.module_units import ModuleUnits, StageMemoryError, tp_sharded
+    from annot.plan.module_units import ModuleUnits, StageMemoryError
+    from annot.plan.unit_figures import tp_sharded
 
     setup = measures.setup
     m = setup.microbatches
