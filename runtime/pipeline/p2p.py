@@ -17,33 +17,8 @@ calls ``torch.autograd.backward(tensors_requiring_grad(outputs), grads)``
 (skipping pairs whose gradient is None). The pytree codec (:func:`flatten`,
 :func:`unflatten`, :func:`tensors_requiring_grad`) is :mod:`annot.runtime.pipeline.p2p_codec`.
 
-Wire format: one message is one to three sends on the pair, in this order:
-
-1. preamble, ``uint8[size]``: ``int64[8] = [MAGIC, VERSION, header bytes,
-   payload bytes, tagged, tag0, tag1, tag2]`` followed by the header itself when
-   it fits in the rest (the usual case), and by the payload too when that also
-   fits. It is the only message the receiver posts blind. Its size is 4 KiB for
-   a channel's first transfer, then whatever the previous transfer on that
-   channel needed (rounded up to 4 KiB, at most 8 MiB): both ends compute it
-   from the sizes of the previous transfer, so with steady shapes a transfer is
-   one message. ``header bytes`` is 0 when the header is byte for byte the
-   channel's previous one (steady shapes: the receiver reuses the header it
-   parsed and checked then, and when the payload is inline, the views it
-   made from it; the sender, finding the channel's previous simple signature
-   (:func:`~annot.runtime.pipeline.p2p_codec.simple_signature`) again by
-   :func:`~annot.runtime.pipeline.p2p_codec.matcher`, skips encoding altogether and
-   copies the tensors into their places in one of the channel's first
-   messages, given back when the send completed; a payload too large for a
-   first message is never sent this way). The tag is three ints the caller
-   may attach (``send_pytree(..., tag=)``; the pipeline's ``(direction,
-   stage, microbatch)``), so a message's key does not make its header differ;
-2. header, ``uint8[header bytes]``, only when it did not fit in the preamble:
-   UTF-8 JSON, never pickle (nothing received is ever executed or imported):
-   the tree with its plain leaves, and each tensor's dtype, shape and
-   requires_grad;
-3. payload, ``uint8[payload bytes]``: the bytes of every non-empty tensor, each
-   starting at a multiple of 16 bytes, all dtypes in one buffer (so one send
-   per message, not one per tensor or per dtype); absent when there are none.
+The wire format (preamble, header, payload; steady transfers in one message)
+and the checks of what arrives are :mod:`annot.runtime.pipeline.p2p_wire`.
 
 Lanes: a channel (one direction, one peer, one group) keeps the sizes and the
 header both ends agreed from its previous transfer, so a message of another
@@ -65,13 +40,6 @@ then writes at once instead of waiting for the receiver to ask. Not under
 NCCL, which runs a pair's sends and receives in order on one stream: a
 receive posted before this rank's own send to the peer can deadlock.
 
-The receiver checks the preamble (magic, version, size bounds) and the header
-(dtypes, shapes, that they add up to the payload size) before it posts the next
-receive: gloo aborts the process on a message larger than the posted buffer and
-silently corrupts on a smaller one, so only sizes that were validated are ever
-posted. A bad message raises :class:`annot.core.errors.PipelineError` naming the
-label, the source rank and the expected vs received values.
-
 Received tensors are views of the payload buffer with their own version
 counters (in-place ops on one do not disturb autograd on another), contiguous,
 on the receiver's device, with ``requires_grad`` as sent. Sends and receives
@@ -83,14 +51,9 @@ copied to it.
 
 from __future__ import annotations
 
-import collections
 import functools
-import json
-import struct
-from collections.abc import Sequence
 from typing import Any, Optional, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,24 +63,31 @@ from annot.runtime.faults.comm_wait import wait_work
 from annot.runtime.faults.store import connect_store, report_failure
 from annot.runtime.pipeline.p2p_codec import (
     DTYPES,
-    Malformed,
-    flatten,
     matcher,
     rebuilder,
     simple_signature,
     unflatten,
 )
+from annot.runtime.pipeline.p2p_wire import (
+    FIRST_BYTES,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_PAYLOAD_BYTES,
+    PREAMBLE,
+    VERSION,
+    contiguous_strides,
+    encode_header,
+    first_message,
+    host_bytes,
+    inline_payload_at,
+    next_first,
+    numel,
+    pack_payload,
+    parse_header,
+    steady_views,
+)
 
 __all__ = ["Handle", "PostedRecv", "post_recv", "recv_pytree", "send_pytree"]
-
-MAGIC = int.from_bytes(b"annotP2P", "big")
-VERSION = 5  # 5: a lane is its messages' tag; 4: lanes, a steady layout agreed from the last
-PREAMBLE = struct.Struct("<8q")  # MAGIC, VERSION, header bytes, payload bytes, tagged, tag[3]
-# Size of the first message of a transfer (preamble + header when it fits).
-FIRST_BYTES = 4096
-# The first message grows to fit what the channel carried last (both sides
-# compute the same size from the previous transfer), up to this bound.
-MAX_FIRST_BYTES = 8 << 20
 
 
 class _Channel:
@@ -178,17 +148,6 @@ def _channel(direction: str, peer: int, group: Any, lane: int) -> _Channel:
     return ch
 
 
-def _next_first(hlen: int, plen: int) -> int:
-    """The first-message size both ends use for the channel's next transfer:
-    enough for this one's header and payload (steady shapes: one message), or
-    for its header alone where the payload could not fit (it goes apart: a
-    first message padded to the bound would move megabytes of zeros)."""
-    need = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN
-    if need + plen <= MAX_FIRST_BYTES:
-        need += plen
-    return min(MAX_FIRST_BYTES, max(FIRST_BYTES, -(-need // FIRST_BYTES) * FIRST_BYTES))
-
-
 def reset_channels() -> None:
     """Forget the channel sizes and headers (both ends must do it at the same
     point), and each channel's comm device and backend (after a new process
@@ -196,34 +155,7 @@ def reset_channels() -> None:
     _CHANNELS.clear()
 
 
-ALIGN = 16
-MAX_HEADER_BYTES = 16 << 20
-MAX_PAYLOAD_BYTES = 1 << 40
-
 # -- layout -----------------------------------------------------------------
-
-
-def _layout(metas: list) -> tuple[list[Optional[int]], int]:
-    """Byte offset of each tensor in the payload (None for empty ones) and the
-    payload size; the same rule on both sides."""
-    offsets: list[Optional[int]] = []
-    cursor = 0
-    for dtype_name, shape, _ in metas:
-        nbytes = DTYPES[dtype_name].itemsize * _numel(shape)
-        if nbytes == 0:
-            offsets.append(None)
-            continue
-        cursor = -(-cursor // ALIGN) * ALIGN
-        offsets.append(cursor)
-        cursor += nbytes
-    return offsets, cursor
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _comm(group: Any) -> tuple[torch.device, str]:
@@ -233,69 +165,11 @@ def _comm(group: Any) -> tuple[torch.device, str]:
     return torch.device("cpu"), backend
 
 
-def _pack(tensors: list, offsets: list, total: int, comm: torch.device) -> Optional[torch.Tensor]:
-    if total == 0:
-        return None
-    live = [(t, o) for t, o in zip(tensors, offsets) if o is not None]
-    if len(live) == 1 and live[0][0].device == comm:  # no copy
-        return _bytes(live[0][0].detach().contiguous())
-    buf = torch.empty(total, dtype=torch.uint8, device=comm)
-    for t, off in live:
-        _copy_into(buf, off, t.detach())
-    return buf
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
-
-
 # -- send -------------------------------------------------------------------
 
 
 def _op(verb: str, what: str) -> str:
     return f"{verb} {what}" if what else verb
-
-
-# Encoded headers of the simple messages (p2p_codec.simple_signature): steady
-# shapes skip flatten, json and the layout.
-_ENCODED: collections.OrderedDict[tuple, tuple[bytes, list, int]] = collections.OrderedDict()
-_MAX_ENCODED = 64
-
-
-def _encode(
-    obj: Any, what: str, dst: int, simple: Optional[tuple]
-) -> tuple[bytes, list, list, int]:
-    """``obj``'s header bytes, its tensors, their payload offsets and the
-    payload size (errors name the message and ``dst``); ``simple`` is its
-    simple signature or None."""
-    if simple is not None:
-        hit = _ENCODED.get(simple[0])
-        if hit is not None:
-            _ENCODED.move_to_end(simple[0])  # least recently used first out
-        if hit is not None:
-            return hit[0], simple[1], hit[1], hit[2]
-    where = f" ({_op('send', what)} to rank {dst})"
-    try:
-        tree, tensors = flatten(obj)
-    except PipelineError as err:
-        raise PipelineError(f"{err}{where}") from None
-    metas = [
-        [str(t.dtype).removeprefix("torch."), list(t.shape), bool(t.requires_grad)] for t in tensors
-    ]
-    # No label in the header: F and B on one channel may then reuse each other's.
-    header = {"v": VERSION, "tree": tree, "tensors": metas}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    if len(raw) > MAX_HEADER_BYTES:
-        raise PipelineError(
-            f"the header of {what or 'this message'} is {len(raw)} bytes, over the"
-            f" {MAX_HEADER_BYTES}-byte limit{where}: send fewer, larger tensors or plain values"
-        )
-    offsets, total = _layout(metas)
-    if simple is not None:
-        if len(_ENCODED) >= _MAX_ENCODED:  # (a plain value changing every message)
-            _ENCODED.popitem(last=False)
-        _ENCODED[simple[0]] = raw, offsets, total
-    return raw, tensors, offsets, total
 
 
 # A message's labels for fault messages: (what, stage, microbatch, peer,
@@ -420,10 +294,10 @@ def send_pytree(
                     place.copy_(t.detach())
             return _post([buf], dst, group, ch, labels, (steady, entry))
     simple = simple_signature(obj)  # (a simple message is always sendable)
-    encoded = _encode(obj, what, dst, None) if simple is None else None  # refused here
+    encoded = encode_header(obj, what, dst, None) if simple is None else None  # refused here
     ch = _channel("send", dst, group, lane)
     comm, size = ch.comm, ch.first
-    raw, tensors, offsets, total = encoded or _encode(obj, what, dst, simple)
+    raw, tensors, offsets, total = encoded or encode_header(obj, what, dst, simple)
     # The first message: the preamble, the header when it is new and fits, and
     # the payload too when that also fits (steady shapes: one message a
     # transfer, the tensors copied straight into it). Its size is what both
@@ -431,16 +305,16 @@ def send_pytree(
     wire = b"" if raw == ch.header else raw  # empty: "the previous header"
     inline = len(wire) <= size - PREAMBLE.size
     prefix = PREAMBLE.pack(MAGIC, VERSION, len(wire), total, *tagged) + (wire if inline else b"")
-    at = _inline_payload_at(len(wire), total, size) if inline else None
-    pre = _first_message(prefix, size, comm, at, tensors, offsets)
+    at = inline_payload_at(len(wire), total, size) if inline else None
+    pre = first_message(prefix, size, comm, at, tensors, offsets)
     bufs = [pre]
     if at is None:
         if not inline:
             bufs.append(torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(comm))
-        payload = _pack(tensors, offsets, total, comm)
+        payload = pack_payload(tensors, offsets, total, comm)
         if payload is not None:
             bufs.append(payload)
-    ch.first, ch.header = _next_first(len(raw), total), raw
+    ch.first, ch.header = next_first(len(raw), total), raw
     # Steady from now on if it is simple (its header then fits the next first
     # message) and the next first message holds its payload too.
     fits = PREAMBLE.size + total <= ch.first and comm.type == "cpu"
@@ -487,89 +361,12 @@ class _Steady:
         places = [
             None
             if place is None
-            else buf[place[0] : place[0] + place[1].itemsize * _numel(place[2])]
+            else buf[place[0] : place[0] + place[1].itemsize * numel(place[2])]
             .view(place[1])
             .view(place[2])
             for place in self.places
         ]
         return buf, buf.numpy(), places
-
-
-def _first_message(
-    prefix: bytes, size: int, comm: torch.device, at: Optional[int], tensors: list, offsets: list
-) -> torch.Tensor:
-    """The ``size``-byte first message on ``comm``: ``prefix``, then (``at``
-    not None) each non-empty tensor at ``at`` + its offset (16-byte aligned, so
-    a typed view of the bytes is valid), zeros elsewhere. On the CPU written
-    through numpy (a few microseconds less than a torch op per piece)."""
-    if comm.type != "cpu":
-        buf = torch.zeros(size, dtype=torch.uint8, device=comm)
-        buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-        if at is not None:
-            for t, off in zip(tensors, offsets):
-                if off is not None:
-                    _copy_into(buf, at + off, t.detach())
-        return buf
-    buf = torch.empty(size, dtype=torch.uint8)
-    arr = buf.numpy()
-    arr[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-    if at is None:
-        arr[len(prefix) :] = 0
-    else:
-        _write_tensors(arr, buf, len(prefix), at, tensors, offsets)
-    return buf
-
-
-def _write_tensors(
-    arr: np.ndarray, buf: torch.Tensor, cursor: int, at: int, tensors: list, offsets: list
-) -> None:
-    """Copy each non-empty tensor to ``buf`` (``arr``: its numpy view) at
-    ``at`` + its offset, and zero the bytes from ``cursor`` that no tensor
-    covers: numpy where it can view the tensor's bytes, torch for the rest."""
-    for t, off in zip(tensors, offsets):
-        if off is None:
-            continue
-        start = at + off
-        arr[cursor:start] = 0
-        src = t.detach()
-        if (
-            src.dtype in _NUMPY_DTYPES
-            and src.device.type == "cpu"
-            and src.is_contiguous()
-            and not (src.is_conj() or src.is_neg() or src._is_zerotensor())
-        ):
-            raw = src.numpy().reshape(-1).view(np.uint8)
-            arr[start : start + raw.size] = raw
-            cursor = start + raw.size
-        else:
-            cursor = _copy_into(buf, start, src)
-    arr[cursor:] = 0
-
-
-# dtypes numpy can view (the others, bfloat16 and float8, are copied by torch)
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.complex128,
-        torch.complex64,
-        torch.bool,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-    }
-)
-
-
-def _copy_into(buf: torch.Tensor, start: int, t: torch.Tensor) -> int:
-    """Copy ``t`` into ``buf``'s bytes from ``start`` (resolving conj/neg bits
-    and strides); returns where it ends."""
-    end = start + t.numel() * t.element_size()
-    buf[start:end].view(t.dtype).view(t.shape).copy_(t)
-    return end
 
 
 # -- receive ----------------------------------------------------------------
@@ -655,36 +452,45 @@ def recv_pytree(
     comm = ch.comm
     target = comm if device is None else torch.device(device)
     labels = (what, stage, microbatch, src, peer_stage, timeout_s)
-
-    def reject(reason: str) -> PipelineError:
-        return _rejected(reason, labels)
-
-    size = ch.first
-    if posted is None:
-        first = _receive(size, src, group, ch, labels)
-    else:
-        if posted.src != src or posted.group is not group or posted.lane != lane:
-            raise PipelineError(
-                f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
-                + (" in another group" if posted.group is not group else "")
-                + (f" on lane {posted.lane}, not {lane}" if posted.lane != lane else "")
-            )
-        if posted.buf.numel() != size or posted.work is None:
-            raise PipelineError(
-                f"recv_pytree from rank {src} was given a receive posted for another message"
-                " of the channel (post_recv once per message, after the previous one)"
-            )
-        first, work = posted.buf, posted.work
-        posted.work = None  # consumed
-        _wait(work, ch.backend, "recv", labels)
+    first = _first_part(src, group, lane, ch, labels, posted)
     words = PREAMBLE.unpack_from(
-        cast(Any, first.numpy() if comm.type == "cpu" else _host(first[: PREAMBLE.size]))
+        cast(Any, first.numpy() if comm.type == "cpu" else host_bytes(first[: PREAMBLE.size]))
     )
     if words[:4] == ch.expect and (device is None or device == comm):
         # steady: the header checked when it came, the payload inline
-        obj = ch.rebuild(_views(first, ch.inline))
-        return ((words[5:] if words[4] else None), obj) if tagged else obj
-    magic, version, hlen, plen, has_tag = words[:5]
+        obj = ch.rebuild(steady_views(first, ch.inline))
+    else:
+        obj = _unpack(first, words, src, group, ch, labels, target)
+    if not tagged:
+        return obj
+    return (tuple(words[5:]) if words[4] else None), obj
+
+
+def _first_part(
+    src: int, group: Any, lane: int, ch: _Channel, labels: Labels, posted: Optional[PostedRecv]
+) -> torch.Tensor:
+    """The message's first part: received now, or by the receive posted ahead."""
+    if posted is None:
+        return _receive(ch.first, src, group, ch, labels)
+    if posted.src != src or posted.group is not group or posted.lane != lane:
+        raise PipelineError(
+            f"recv_pytree from rank {src} was given a receive posted for rank {posted.src}"
+            + (" in another group" if posted.group is not group else "")
+            + (f" on lane {posted.lane}, not {lane}" if posted.lane != lane else "")
+        )
+    if posted.buf.numel() != ch.first or posted.work is None:
+        raise PipelineError(
+            f"recv_pytree from rank {src} was given a receive posted for another message"
+            " of the channel (post_recv once per message, after the previous one)"
+        )
+    first, work = posted.buf, posted.work
+    posted.work = None  # consumed
+    _wait(work, ch.backend, "recv", labels)
+    return first
+
+
+def _check_preamble(words: tuple, reject) -> None:
+    magic, version, hlen, plen = words[:4]
     if magic != MAGIC:
         raise reject(
             f"bad preamble: expected magic {MAGIC:#x}, received {magic & (2**64 - 1):#x}"
@@ -697,45 +503,47 @@ def recv_pytree(
     if not 0 <= plen <= MAX_PAYLOAD_BYTES:
         raise reject(f"payload length {plen} is outside 0..{MAX_PAYLOAD_BYTES} bytes")
 
+
+def _unpack(
+    first: torch.Tensor, words: tuple, src: int, group: Any, ch: _Channel, labels: Labels, target
+) -> Any:
+    """A message that is not the channel's steady one: preamble and header
+    checked, the payload taken from the first part or received next, the
+    tensors made on ``target``; the channel remembers what the next may reuse."""
+
+    def reject(reason: str) -> PipelineError:
+        return _rejected(reason, labels)
+
+    _check_preamble(words, reject)
+    hlen, plen = words[2], words[3]
+    size = ch.first
     if hlen == 0:  # the channel's previous header, parsed and checked then
         if ch.parsed is None:
             raise reject("the sender repeats a previous header but none came on this channel")
         tree, metas, offsets, total = ch.parsed
     else:
         receive = functools.partial(_receive, src=src, group=group, ch=ch, labels=labels)
-        tree, metas, offsets, total = _parse_header(first, hlen, size, receive, reject)
+        tree, metas, offsets, total = parse_header(first, hlen, size, receive, reject)
     if total != plen:
         raise reject(
             f"the header's tensors take {total} payload bytes but the preamble says {plen}"
         )
-
-    at = _inline_payload_at(hlen, plen, size) if hlen <= size - PREAMBLE.size else None
+    at = inline_payload_at(hlen, plen, size) if hlen <= size - PREAMBLE.size else None
     # the payload's bytes: in the first message from ``at`` (no copy), or received next
     payload = first
     if plen and at is None:
         payload, at = _receive(plen, src, group, ch, labels), 0
-    base = payload.storage_offset() + (at or 0)
     if hlen:  # checked: the channel's header from now on
         ch.parsed, ch.hlen = (tree, metas, offsets, total), hlen
         ch.views = [
-            (DTYPES[dtype_name], tuple(shape), _contiguous_strides(shape), requires_grad, off)
+            (DTYPES[dtype_name], tuple(shape), contiguous_strides(shape), requires_grad, off)
             for (dtype_name, shape, requires_grad), off in zip(metas, offsets)
         ]
         ch.rebuild = None  # until unflatten accepted the tree once
-    ch.first = _next_first(ch.hlen, plen)
+    ch.first = next_first(ch.hlen, plen)
     ch.expect = None
-    tensors = []
-    storage = payload.untyped_storage()  # (read only where a tensor has bytes: plen > 0)
-    for dtype, shape, strides, requires_grad, off in ch.views:
-        if off is None:
-            t = torch.empty(shape, dtype=dtype, device=target)
-        else:
-            # A fresh tensor on the buffer's storage: its own version counter.
-            t = torch.empty(0, dtype=dtype, device=comm)
-            t.set_(storage, (base + off) // dtype.itemsize, shape, strides)
-            if target != comm:
-                t = t.to(target)
-        tensors.append(t.requires_grad_() if requires_grad else t)
+    base = int(payload.storage_offset()) + (at or 0)
+    tensors = _payload_tensors(ch.views, payload, base, target)
     if ch.rebuild is not None:
         obj = ch.rebuild(tensors)
     else:
@@ -753,33 +561,26 @@ def recv_pytree(
             (dtype, shape, strides, requires_grad, None if off is None else PREAMBLE.size + off)
             for dtype, shape, strides, requires_grad, off in ch.views
         ]
-    if not tagged:
-        return obj
-    return (tuple(words[5:]) if has_tag else None), obj
+    return obj
 
 
-def _views(buf: torch.Tensor, views: list) -> list[torch.Tensor]:
-    """The tensors of a steady message in ``buf`` (a fresh first message):
-    each a fresh tensor on its storage (its own version counter), or new and
+def _payload_tensors(views: list, payload: torch.Tensor, base: int, target) -> list:
+    """Each tensor of the message: a fresh tensor on the payload's storage (its
+    own version counter) at ``base`` + its offset, moved to ``target``; new and
     empty where it has no bytes."""
-    storage = buf.untyped_storage()
+    comm = payload.device
+    storage = payload.untyped_storage()  # (read only where a tensor has bytes)
     tensors = []
     for dtype, shape, strides, requires_grad, off in views:
         if off is None:
-            t = torch.empty(shape, dtype=dtype, device=buf.device)
+            t = torch.empty(shape, dtype=dtype, device=target)
         else:
-            t = torch.empty(0, dtype=dtype, device=buf.device)
-            t.set_(storage, off // dtype.itemsize, shape, strides)
+            t = torch.empty(0, dtype=dtype, device=comm)
+            t.set_(storage, (base + off) // dtype.itemsize, shape, strides)
+            if target != comm:
+                t = t.to(target)
         tensors.append(t.requires_grad_() if requires_grad else t)
     return tensors
-
-
-def _contiguous_strides(shape: list) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def _rejected(reason: str, labels: Labels) -> PipelineError:
@@ -796,64 +597,3 @@ def _rejected(reason: str, labels: Labels) -> PipelineError:
         message + "\n  Both ranks must run the same annot version and post their sends and"
         " receives between them in the same order (from one thread)."
     )
-
-
-def _host(buf: torch.Tensor) -> Any:
-    """A buffer-protocol view (CPU) or copy (other devices) of ``buf``'s bytes."""
-    return buf.numpy() if buf.device.type == "cpu" else buf.cpu().numpy()
-
-
-def _parse_header(first, hlen: int, size: int, receive, reject) -> tuple:
-    """The header of ``hlen`` bytes (inline in ``first`` or received next),
-    checked: ``(tree, metas, offsets, payload bytes)``."""
-    if hlen <= size - PREAMBLE.size:
-        raw = _host(first[PREAMBLE.size : PREAMBLE.size + hlen]).tobytes()
-    else:
-        raw = _host(receive(hlen)).tobytes()
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise reject(f"the {hlen}-byte header is not valid UTF-8 JSON ({err})") from None
-    try:
-        metas = _check_header(header)
-    except Malformed as bad:
-        raise reject(f"malformed header: {bad}") from None
-    offsets, total = _layout(metas)
-    return header["tree"], metas, offsets, total
-
-
-def _inline_payload_at(hlen: int, plen: int, size: int) -> Optional[int]:
-    """Where a payload of ``plen`` bytes sits inside a first message of ``size``
-    bytes after a ``hlen``-byte header (16-byte aligned), or None when it does
-    not fit."""
-    at = -(-(PREAMBLE.size + hlen) // ALIGN) * ALIGN
-    return at if plen and at + plen <= size else None
-
-
-def _check_header(header: Any) -> list:
-    if not isinstance(header, dict) or header.get("v") != VERSION or "tree" not in header:
-        raise Malformed(f"expected an object with v={VERSION} and a tree")
-    metas = header.get("tensors")
-    if not isinstance(metas, list):
-        raise Malformed("no tensor list")
-    for i, meta in enumerate(metas):
-        if not (isinstance(meta, list) and len(meta) == 3):
-            raise Malformed(
-                f"tensor {i}: expected [dtype, shape, requires_grad], received {meta!r:.80}"
-            )
-        dtype_name, shape, requires_grad = meta
-        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
-            raise Malformed(f"tensor {i}: unknown dtype {dtype_name!r:.40}")
-        if not (
-            isinstance(shape, list)
-            and all(type(d) is int and 0 <= d <= MAX_PAYLOAD_BYTES for d in shape)
-        ):
-            raise Malformed(f"tensor {i}: bad shape {shape!r:.80}")
-        if type(requires_grad) is not bool or (
-            requires_grad and not (dtype.is_floating_point or dtype.is_complex)
-        ):
-            raise Malformed(f"tensor {i}: requires_grad={requires_grad!r} for {dtype_name}")
-        if _numel(shape) * dtype.itemsize > MAX_PAYLOAD_BYTES:
-            raise Malformed(f"tensor {i}: shape {shape} is larger than the payload limit")
-    return metas

@@ -18,16 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from annot.core.errors import PipelineError
-from annot.runtime.pipeline.p2p import (
-    FIRST_BYTES,
-    MAGIC,
-    PREAMBLE,
-    VERSION,
-    post_recv,
-    recv_pytree,
-    reset_channels,
-    send_pytree,
-)
+from annot.runtime.pipeline.p2p import post_recv, recv_pytree, reset_channels, send_pytree
 from annot.runtime.pipeline.p2p_codec import (
     flatten,
     matcher,
@@ -35,6 +26,7 @@ from annot.runtime.pipeline.p2p_codec import (
     tensors_requiring_grad,
     unflatten,
 )
+from annot.runtime.pipeline.p2p_wire import FIRST_BYTES, MAGIC, PREAMBLE, VERSION
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0

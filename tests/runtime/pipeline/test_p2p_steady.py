@@ -12,14 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from annot.runtime.pipeline.p2p import (
-    FIRST_BYTES,
-    MAX_FIRST_BYTES,
-    post_recv,
-    recv_pytree,
-    send_pytree,
-)
+from annot.runtime.pipeline.p2p import post_recv, recv_pytree, send_pytree
 from annot.runtime.pipeline.p2p_codec import flatten, rebuilder, unflatten
+from annot.runtime.pipeline.p2p_wire import FIRST_BYTES, MAX_FIRST_BYTES
 from annot.testing import run_ranks
 
 TIMEOUT_S = 60.0
