@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from annot.core.errors import HintError
-from annot.runtime.runners.stage_prune import Absent
+from annot.runtime.runners.placeholder import Absent
 
 __all__ = ["CompiledForward", "check_no_dropout", "compile_options", "compile_blocks"]
 

@@ -138,7 +138,7 @@ def _walk(start, stop_code, skip: set[int], *, named: bool):
 def state_ids(root: nn.Module) -> set[int]:
     """The ids of ``root``'s parameters and buffers, and of those of the meta
     shadows its placeholders hold outside the module tree (a
-    :class:`~annot.runtime.runners.stage_prune.Absent` keeps its ``shadow`` in
+    :class:`~annot.runtime.runners.placeholder.Absent` keeps its ``shadow`` in
     ``__dict__``: an attribute ``nn.Module`` never puts a submodule there)."""
     shadows = [m.__dict__.get("shadow") for m in root.modules()]
     ids: set[int] = set()

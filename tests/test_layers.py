@@ -232,14 +232,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# The one cycle left between two modules: the replay answers calls of the
-# placeholders stage_prune puts in, whose forward asks the replay. (To go.)
-KNOWN_CYCLES = [["annot.runtime.runners.replay", "annot.runtime.runners.stage_prune"]]
-
-
 def test_no_import_cycles_between_modules():
     graph = {m: _runtime_imports(m) for m in MODULES}
-    assert _cycles(graph) == KNOWN_CYCLES
+    assert _cycles(graph) == [], "import cycles between modules"
 
 
 def test_no_import_cycles_between_folders():

@@ -61,7 +61,7 @@ from annot.runtime import process_groups
 from annot.runtime.init.deferred import meta_copy
 from annot.runtime.pipeline.layout import build_layout
 from annot.runtime.recompute import apply_recompute
-from annot.runtime.runners.replay import call_with
+from annot.runtime.runners.shape_run import call_with
 from annot.runtime.runners.stage_modules import stage_calls
 from annot.runtime.runners.stage_runner import ReplayRunner, SourceRunner
 from annot.runtime.tp.sequence_parallel import apply_sequence_parallel, stage_runs

@@ -43,7 +43,7 @@ def _failure(
     mode that forward runs under (the dropout recorder). ``shapes``: filled
     with each module's input and output shapes at its first call, by path."""
     from annot.runtime import process_groups
-    from annot.runtime.runners.replay import shape_run
+    from annot.runtime.runners.shape_run import shape_run
 
     names = {id(m): path for path, m in root.named_modules()}
     stack: list[str] = []

@@ -38,7 +38,7 @@ from annot.hf.tp_plan import (
     is_hf_class,
     is_hf_model,
 )
-from annot.runtime.runners.replay import register_collectors
+from annot.runtime.runners.placeholder import register_collectors
 
 __all__ = [
     "ANNOT_PLANS",

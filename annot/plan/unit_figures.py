@@ -167,7 +167,7 @@ def measure_figures(
         apply_recompute,
         remove_recompute,
     )
-    from annot.runtime.runners.replay import call_with, meta_values
+    from annot.runtime.runners.shape_run import call_with, meta_values
 
     modules = dict(model.named_modules(remove_duplicate=False))
     params = list(model.parameters())

@@ -32,7 +32,7 @@ __all__ = ["time_units_alone", "time_units_in_steps"]
 def _record(model: nn.Module, paths: list[str], sample: Any) -> dict[str, list]:
     """path -> the (args, kwargs) of each call of that module on one meta run."""
     from annot.plan.saved_bytes import real_paths_on_meta
-    from annot.runtime.runners.replay import call_with, meta_values
+    from annot.runtime.runners.shape_run import call_with, meta_values
 
     modules = dict(model.named_modules(remove_duplicate=False))
     calls: dict[str, list] = {p: [] for p in paths}
@@ -157,7 +157,7 @@ def time_units_in_steps(model: nn.Module, found: list, sample: Any, repeats: int
     that gives no input a gradient path (frozen) counts backward as twice
     forward. The model's ``.grad``s are cleared afterwards."""
     from annot.plan.unit_figures import first_grad_input, output_scalar
-    from annot.runtime.runners.replay import call_with
+    from annot.runtime.runners.shape_run import call_with
 
     starts = {u.path: i for i, u in enumerate(found)}
     modules = {p: m for p, m in model.named_modules(remove_duplicate=False)}

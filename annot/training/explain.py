@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from annot.runtime.runners.stage_prune import Absent
+from annot.runtime.runners.placeholder import Absent
 
 __all__ = []
 

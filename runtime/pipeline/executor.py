@@ -78,7 +78,7 @@ from annot.runtime.pipeline.schedules import forward_only as _strip_backward
 from annot.runtime.pipeline.split_backward import backward_input, backward_weight, release
 from annot.runtime.pipeline.stage_values import grad_pairs, handoff, input_grads, keep_grads
 from annot.runtime.pipeline.trace import Tracer
-from annot.runtime.runners.replay import StageDone
+from annot.runtime.runners.replay_state import StageDone
 from annot.runtime.runners.stage_runner import ModelArgs, SourceRunner, StageRunner
 
 __all__ = ["LocalStage", "PipelineExecutor"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from annot.core.errors import PipelineError
-from annot.runtime.runners.replay import StageDone
+from annot.runtime.runners.replay_state import StageDone
 
 if TYPE_CHECKING:
     from annot.runtime.pipeline.executor import PipelineExecutor

@@ -92,12 +92,12 @@ def call_order_stage_modules(
 def record_calls(root: nn.Module, sample: Any) -> list[tuple[str, ...]]:
     """Every module call of one forward of ``root`` on ``sample``, in order,
     each as the paths of the module called (a shared module has several): one
-    meta forward (:func:`annot.runtime.runners.replay.shape_run`, no FLOPs). A module
+    meta forward (:func:`annot.runtime.runners.shape_run.shape_run`, no FLOPs). A module
     whose parameter another module's forward reads directly
     (``self.rel_embeddings.weight``, never called) counts as called there; a
     container's own parameter read directly (``self.logit_scale``) is listed
     by its own paths where it is read."""
-    from annot.runtime.runners.replay import shape_run
+    from annot.runtime.runners.shape_run import shape_run
 
     paths: dict[int, tuple[str, ...]] = {}
     for path, m in root.named_modules(remove_duplicate=False):

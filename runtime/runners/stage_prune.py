@@ -10,134 +10,11 @@ own part of forward reads it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
-from annot.core.errors import PipelineError
-from annot.runtime.runners.replay import replaying, running_live, shadow_call
+from annot.runtime.runners.placeholder import Absent, NotHeld, shadow_modules
 
-__all__ = [
-    "Absent",
-    "NotHeld",
-    "absent_paths",
-    "covered",
-    "forget_real_weights",
-    "prune",
-    "resolve_module",
-    "shadow_modules",
-]
-
-
-class Absent(nn.Module):
-    """Placeholder for a submodule held by another pipeline stage.
-
-    With a ``shadow`` (the module itself, its weights left on the meta device
-    and not registered: no parameters, no state-dict keys here), a stage that
-    replays the earlier stages' part of forward (:mod:`annot.runtime.runners.replay`) runs
-    the shadow for shapes, and attribute reads fall through to it."""
-
-    shadow: Optional[nn.Module]  # set in __dict__: not a submodule
-    shapes: dict[Any, Any]
-
-    def __init__(self, path: str, shadow: Optional[nn.Module] = None):
-        super().__init__()
-        self.path = path
-        self.__dict__["shadow"] = shadow  # not a submodule: its weights are not this rank's
-        self.__dict__["shapes"] = {}  # annot.runtime.runners.replay.shadow_call's cache
-
-    def forward(self, *args, **kwargs):
-        if self.shadow is not None and replaying():
-            # another stage's work: shapes only (meta), even where its weights are real here
-            return shadow_call(self, args, kwargs)
-        raise PipelineError(
-            f"module {self.path!r} belongs to another pipeline stage but was called here; "
-            + (
-                "its weights were placed by the order the model registers its modules, which "
-                "differs from the order forward calls them: pass sample=<one microbatch of the "
-                "model's arguments> to annot.parallelize so annot follows the calls"
-                if self.shadow is not None
-                else "the stage split missed a use of it (please report this with your model)"
-            )
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            shadow = self.__dict__.get("shadow")
-            if shadow is None:
-                raise
-            value = getattr(shadow, name)
-            if running_live() is not None and isinstance(value, torch.Tensor) and value.is_meta:
-                return NotHeld.of(value, f"{self.path}.{name}")  # its shape, never its use
-            return value
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.__dict__["shadow"][index]
-
-    def __len__(self) -> int:
-        return len(self.__dict__["shadow"])
-
-    def __iter__(self):
-        return iter(self.__dict__["shadow"])
-
-    def extra_repr(self) -> str:
-        return f"held by another stage: {self.path}"
-
-
-def _not_held(name: str, stage: int) -> str:
-    return (
-        f"pipeline stage {stage} reads {name!r} directly, but this stage does not hold it: "
-        "annot placed it by the order the model registers its modules, which differs from "
-        "where forward reads it, and its gradient would be lost. To fix: pass sample=<one "
-        "microbatch of the model's arguments> to annot.parallelize, so annot follows the "
-        "calls and reads (a parameter read by several stages is then held by each, its "
-        "gradient summed over them)"
-    )
-
-
-class NotHeld(torch.Tensor):
-    """A raw parameter of a module this rank keeps, held by another stage (or
-    a tensor read through an :class:`Absent` while a stage runs): a meta tensor, for shapes while the rank replays the earlier
-    stages' part of forward. Read by the part this rank runs for real, it
-    refuses, naming the parameter, instead of letting an op mix the meta
-    tensor into real ones (``x @ meta`` answers a CPU tensor of garbage)."""
-
-    param_path: str  # the name it has in the model
-
-    @staticmethod
-    def of(t: torch.Tensor, name: str) -> NotHeld:
-        with torch._C.DisableTorchFunctionSubclass():
-            out = torch.Tensor._make_subclass(NotHeld, t.detach().to("meta"), False)
-        out.param_path = name
-        return out
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        stage = running_live()
-        if stage is not None and getattr(func, "__name__", "") != "__get__":
-            held = [t for t in tree_leaves((args, kwargs)) if isinstance(t, NotHeld)]
-            raise PipelineError(_not_held(held[0].param_path if held else "?", stage))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-
-def resolve_module(root: nn.Module, path: str) -> nn.Module:
-    """The module at ``path``, looking through :class:`Absent` into its shadow."""
-    obj: Any = root
-    for part in path.split(".") if path else ():
-        if isinstance(obj, Absent) and obj.shadow is not None:
-            obj = obj.shadow
-        obj = obj._modules[part] if part in obj._modules else getattr(obj, part)
-    return obj
-
-
-def shadow_modules(root: nn.Module) -> list[nn.Module]:
-    """The meta shadows under ``root`` (to tell their tensors from activations)."""
-    return [m.shadow for m in root.modules() if isinstance(m, Absent) and m.shadow is not None]
+__all__ = ["absent_paths", "covered", "forget_real_weights", "prune"]
 
 
 def forget_real_weights(root: nn.Module) -> None:
@@ -181,7 +58,7 @@ def absent_paths(
 
 def logged_modules(root: nn.Module, absent: set[str]) -> dict[str, str]:
     """The module paths whose outputs the pipeline replay logs
-    (:func:`annot.runtime.runners.replay.install_output_log`), each with its key, the
+    (:func:`annot.runtime.runners.placeholder.install_output_log`), each with its key, the
     module's first path (a module reached by several paths is one module):
     every path some rank holds as a placeholder (``absent``) and, inside one
     that holds block lists (``nn.ModuleList``, ``nn.ModuleDict``), the modules

@@ -83,7 +83,7 @@ class StageRunner(ABC):
         """The outputs of ``stage``'s forward, from ``inputs`` (the previous
         stage's outputs; None for stage 0) and ``model_args`` (the step body's
         model call, where the body runs this stage; else None). Raises
-        :class:`annot.runtime.runners.replay.StageDone` where the forward stops at the
+        :class:`annot.runtime.runners.replay_state.StageDone` where the forward stops at the
         stage's end inside the model call (:meth:`outputs_at_cut`)."""
 
     def outputs_at_cut(self, stage: LocalStage) -> Any:
@@ -309,7 +309,8 @@ class ReplayRunner(StageRunner):
         return call_order_stage_modules(model, tuple(boundaries), self.calls)
 
     def stage_functions(self, module, layout, wrap):
-        from annot.runtime.runners.replay import ReplayStage, install_boundaries, install_output_log
+        from annot.runtime.runners.placeholder import install_output_log
+        from annot.runtime.runners.replay import ReplayStage, install_boundaries
 
         if layout.recompute:
             raise PipelineError(

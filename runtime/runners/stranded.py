@@ -99,10 +99,10 @@ class _Lifetimes(TorchFunctionMode):
 
 def stranded(root: nn.Module, sample: Any) -> dict[str, str]:
     """For each module path whose first call in a forward on ``sample`` (one
-    meta forward, :func:`annot.runtime.runners.replay.shape_run`) would strand a tensor
+    meta forward, :func:`annot.runtime.runners.shape_run.shape_run`) would strand a tensor
     if a stage began there: what the tensor is, where it is made and used.
     Paths not in it are safe (or never called)."""
-    from annot.runtime.runners.replay import shape_run
+    from annot.runtime.runners.shape_run import shape_run
 
     first: dict[int, str] = {}
     for path, m in root.named_modules():

@@ -444,7 +444,7 @@ def _parity(
             runner=runner,
         )
         if fsdp:  # no shadow keeps a whole (stale) copy of a weight FSDP2 sharded
-            from annot.runtime.runners.stage_prune import shadow_modules
+            from annot.runtime.runners.placeholder import shadow_modules
 
             real = [
                 t for m in shadow_modules(model.module) for t in m.parameters() if not t.is_meta

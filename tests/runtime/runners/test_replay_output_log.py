@@ -20,13 +20,10 @@ import torch.nn as nn
 from annot.core.errors import PipelineError
 from annot.runtime.pipeline.p2p_codec import flatten, unflatten
 from annot.runtime.runners.meta_ops import pack, recipe, unpack
-from annot.runtime.runners.replay import (
-    ReplayStage,
-    StageDone,
-    install_boundaries,
-    install_output_log,
-    shape_run,
-)
+from annot.runtime.runners.placeholder import install_output_log
+from annot.runtime.runners.replay import ReplayStage, install_boundaries
+from annot.runtime.runners.replay_state import StageDone
+from annot.runtime.runners.shape_run import shape_run
 from annot.runtime.runners.stage_prune import (
     absent_paths,
     forget_real_weights,
