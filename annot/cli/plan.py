@@ -66,17 +66,15 @@ def add_plan(sub) -> None:
         epilog=_PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _model_arguments(p)
+    _plan_arguments(p)
+    _training_arguments(p)
+    p.set_defaults(run=_run_plan)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and the sample it is measured on."""
     p.add_argument("target", metavar="FILE:CLASS", help="the model file and its @stage class")
-    p.add_argument("--pp", type=degree, metavar="N", help="pipeline stages")
-    p.add_argument(
-        "--world-size",
-        type=degree,
-        metavar="N",
-        help="instead of --pp: a what-if table of every pp x tp x dp of N devices (with --memory)",
-    )
-    p.add_argument(
-        "--tp", type=degree, default=1, metavar="T", help="tensor-parallel degree (default 1)"
-    )
     p.add_argument(
         "--input",
         action="append",
@@ -91,6 +89,36 @@ def add_plan(sub) -> None:
         metavar="JSON",
         help="keyword arguments as a JSON object, inline or a file path (see below)",
     )
+    p.add_argument(
+        "--seq-len",
+        type=degree,
+        metavar="L",
+        help="tokens per sequence of the sample a transformers model is measured on "
+        f"(default {DEFAULT_SEQ_LEN}; --input gives the shape itself)",
+    )
+    p.add_argument(
+        "--microbatch-size",
+        type=degree,
+        metavar="B",
+        help="sequences per microbatch of that sample (default 1)",
+    )
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The mesh, the budget, what is balanced, the output."""
+    p.add_argument("--pp", type=degree, metavar="N", help="pipeline stages")
+    p.add_argument(
+        "--world-size",
+        type=degree,
+        metavar="N",
+        help="instead of --pp: a what-if table of every pp x tp x dp of N devices (with --memory)",
+    )
+    p.add_argument(
+        "--tp", type=degree, default=1, metavar="T", help="tensor-parallel degree (default 1)"
+    )
+    p.add_argument(
+        "--dp", type=degree, default=1, metavar="D", help="data-parallel degree (default 1)"
+    )
     p.add_argument("--memory", metavar="SIZE", help="memory budget per device, e.g. 16GiB")
     p.add_argument(
         "--fit",
@@ -100,8 +128,13 @@ def add_plan(sub) -> None:
     p.add_argument(
         "--cost",
         choices=("time", "flops", "params"),
-        help="what to balance (default: time with --input, else params)",
+        help="what to balance (default: flops with --input, else params)",
     )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _training_arguments(p: argparse.ArgumentParser) -> None:
+    """How the model trains: what memory each stage holds."""
     p.add_argument(
         "--optimizer",
         choices=("adamw", "adam", "sgd", "none"),
@@ -115,19 +148,6 @@ def add_plan(sub) -> None:
         help="fp32; bf16-autocast (annot's precision='bf16': float32 weights, bf16 "
         "activations); bf16 (bf16 weights and gradients with float32 master copies) "
         "(default fp32)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=degree,
-        metavar="L",
-        help="tokens per sequence of the sample a transformers model is measured on "
-        f"(default {DEFAULT_SEQ_LEN}; --input gives the shape itself)",
-    )
-    p.add_argument(
-        "--microbatch-size",
-        type=degree,
-        metavar="B",
-        help="sequences per microbatch of that sample (default 1)",
     )
     p.add_argument(
         "--microbatches",
@@ -155,11 +175,6 @@ def add_plan(sub) -> None:
         help="optimizer state (and without a pipeline weights and gradients) sharded over "
         "dp (default off)",
     )
-    p.add_argument(
-        "--dp", type=degree, default=1, metavar="D", help="data-parallel degree (default 1)"
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=_run_plan)
 
 
 def _training(args: argparse.Namespace):
@@ -203,22 +218,7 @@ def _to(device: str, sample):
 
 def _run_plan(args: argparse.Namespace) -> int:
     try:
-        path, sep, name = args.target.rpartition(":")
-        if not sep or not path or not name:
-            raise Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
-        if (args.pp is None) == (args.world_size is None):
-            raise Refusal(
-                "give --pp N (a plan for N pipeline stages) or --world-size N with --memory "
-                "(the table of every pp x tp x dp of N devices), not both"
-            )
-        if args.world_size is not None and args.memory is None:
-            raise Refusal("--world-size needs --memory (the bytes of each device)")
-        if args.fit and args.memory is None:
-            raise Refusal("--fit needs --memory (the budget the stages must fit)")
-        if args.input and (args.seq_len or args.microbatch_size):
-            raise Refusal(
-                "--input gives the sample's shape; leave out --seq-len / --microbatch-size"
-            )
+        path, name = _check_arguments(args)
         setup = _training(args)
         memory = None
         if args.memory is not None:
@@ -226,16 +226,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
             memory = parse_bytes(args.memory, "--memory")
         module = import_target(path)
-        cls = module
-        for part in name.split("."):
-            cls = getattr(cls, part, None)
-        import torch.nn as nn
-
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise Refusal(f"{path}: defines no nn.Module class {name!r}")
-        import torch
-
-        from annot.plan.planner import default_cost, plans_over_modules
+        cls = _model_class(module, path, name)
+        from annot.plan.planner import assumed_sample, default_cost, plans_over_modules
 
         cost = args.cost or default_cost(args.input or None)
         nested = plans_over_modules(cls)  # the units parallelize would plan over
@@ -243,24 +235,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         # planner times its segments on the model built for real; the nested
         # planner times one unit at a time, each materialized alone
         device = "cpu" if cost == "time" and not nested and args.world_size is None else "meta"
-        torch.manual_seed(0)
-        try:
-            with torch.device(device):
-                model = build_model(module, cls, args.init, args.config_json)
-        except (Refusal, AnnotError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's constructor: refused, named
-            how = (
-                "; say how to build it with --init, e.g. --init 'Config(n_layer=8)' (an "
-                "argument for the class) or --init NAME --config-json cfg.json"
-                if args.init is None
-                else ""
-            )
-            raise Refusal(f"building {name} raised {describe(exc)}{how}") from None
-        if not isinstance(model, cls):
-            raise Refusal(f"--init built a {type(model).__name__}, not a {name}")
-        from annot.plan.planner import assumed_sample
-
+        model = _build(args, module, cls, name, device)
         sample, made = assumed_sample(
             model,
             parse_inputs(args.input, cls),
@@ -272,27 +247,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if nested or args.world_size is not None:
             # a model you cannot edit (every nested block and block part), or the what-if table
             return _run_module_plan(args, model, sample, memory, cost, setup, made)
-        from annot.plan import planner
-        from annot.plan.segments import SourceSegments
-
-        units = SourceSegments(cls, source_path=module.__file__, progress=True)
-        try:
-            plan = planner.plan(
-                model,
-                args.pp,
-                units=units,
-                sample=None if made else sample,
-                cost=cost,
-                memory=memory,
-                fit=args.fit,
-                tp=args.tp,
-                setup=setup,
-                optimizer=args.optimizer,
-            )
-        except AnnotError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's forward: refused, named
-            raise Refusal(f"running {name} on the sample raised {describe(exc)}") from None
+        plan = _plan_segments(args, model, module, cls, name, sample, made, cost, memory, setup)
     except (Refusal, AnnotError, OSError) as exc:
         print(f"annot plan: {exc}", file=sys.stderr)
         return 2
@@ -308,6 +263,85 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(plan.table())
         print(f"runner: {runner.name} ({runner.reason})")
     return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[str, str]:
+    """``(FILE, CLASS)`` of the target, once the options agree with each other."""
+    path, sep, name = args.target.rpartition(":")
+    if not sep or not path or not name:
+        raise Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
+    if (args.pp is None) == (args.world_size is None):
+        raise Refusal(
+            "give --pp N (a plan for N pipeline stages) or --world-size N with --memory "
+            "(the table of every pp x tp x dp of N devices), not both"
+        )
+    if args.world_size is not None and args.memory is None:
+        raise Refusal("--world-size needs --memory (the bytes of each device)")
+    if args.fit and args.memory is None:
+        raise Refusal("--fit needs --memory (the budget the stages must fit)")
+    if args.input and (args.seq_len or args.microbatch_size):
+        raise Refusal("--input gives the sample's shape; leave out --seq-len / --microbatch-size")
+    return path, name
+
+
+def _model_class(module, path: str, name: str) -> type:
+    import torch.nn as nn
+
+    cls = module
+    for part in name.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise Refusal(f"{path}: defines no nn.Module class {name!r}")
+    return cls
+
+
+def _build(args: argparse.Namespace, module, cls: type, name: str, device: str):
+    """The model, built on ``device`` as ``--init`` / ``--config-json`` say;
+    the user's constructor raising is refused, naming it."""
+    import torch
+
+    torch.manual_seed(0)
+    try:
+        with torch.device(device):
+            model = build_model(module, cls, args.init, args.config_json)
+    except (Refusal, AnnotError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: refused, named
+        how = (
+            "; say how to build it with --init, e.g. --init 'Config(n_layer=8)' (an "
+            "argument for the class) or --init NAME --config-json cfg.json"
+            if args.init is None
+            else ""
+        )
+        raise Refusal(f"building {name} raised {describe(exc)}{how}") from None
+    if not isinstance(model, cls):
+        raise Refusal(f"--init built a {type(model).__name__}, not a {name}")
+    return model
+
+
+def _plan_segments(args, model, module, cls, name, sample, made, cost, memory, setup):
+    """The plan over the segments of an ``@stage(auto=True)`` class's forward."""
+    from annot.plan import planner
+    from annot.plan.segments import SourceSegments
+
+    units = SourceSegments(cls, source_path=module.__file__, progress=True)
+    try:
+        return planner.plan(
+            model,
+            args.pp,
+            units=units,
+            sample=None if made else sample,
+            cost=cost,
+            memory=memory,
+            fit=args.fit,
+            tp=args.tp,
+            setup=setup,
+            optimizer=args.optimizer,
+        )
+    except AnnotError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's forward: refused, named
+        raise Refusal(f"running {name} on the sample raised {describe(exc)}") from None
 
 
 def _runner(model, cls: type, sample, boundaries):

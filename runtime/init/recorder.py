@@ -114,34 +114,7 @@ class Recorder(TorchDispatchMode):
         if name in METADATA_INPLACE:
             return func(*args, **kwargs)  # views are re-read from each tensor at every op
 
-        refs: dict[int, Ref] = {}
-        writes: dict[int, int] = {}
-        read: set[int] = set()
-        pure: set[int] = set()
-        for arg, value in bind(func, args, kwargs):
-            is_write = arg.alias_info is not None and arg.alias_info.is_write
-            for t in tensors(value):
-                rec = self.record(t)
-                if rec is None:
-                    if is_write and not t.is_meta:
-                        raise self.fail(
-                            f"{func} writes values computed inside build() into a tensor made "
-                            "outside it"
-                        )
-                    continue
-                if t.dtype != rec.dtype:
-                    raise self.fail(f"{func} views a {rec.dtype} storage as {t.dtype}")
-                refs[id(t)] = Ref(rec.sid, len(rec.versions) - 1, geometry(t))
-                whole = t.numel() == rec.numel and t.storage_offset() == 0 and t.is_contiguous()
-                overwrite = whole and (
-                    (name in OVERWRITE and arg.name == "self") or (arg.kwarg_only and is_write)
-                )
-                if is_write:
-                    writes[rec.sid] = len(rec.versions) - 1
-                    if overwrite:
-                        pure.add(rec.sid)
-                if not overwrite:
-                    read.add(rec.sid)
+        refs, writes, read, pure = self.operands(func, args, kwargs)
 
         def template(x):
             if isinstance(x, torch.Tensor):
@@ -183,6 +156,55 @@ class Recorder(TorchDispatchMode):
             if self.by_sid[sid].meta.nbytes() != sizes[sid]:
                 raise self.fail(f"{func} resizes a storage, which cannot be replayed")
 
+        creates = self.new_storages(op, out)
+        if not writes and not creates:
+            return real_out if ran else out  # a view, metadata, or a value (.item())
+        op.creates = tuple(creates)
+        for sid in writes:
+            self.by_sid[sid].versions.append(op)
+        if op.random and not ran:
+            self.execute(op, {}, first=True)  # advance the generator as eager does
+        return out
+
+    def operands(self, func, args: tuple, kwargs: dict) -> tuple[dict, dict, set, set]:
+        """What ``func`` does with the recorded storages it is given: ``(refs``
+        to each tensor's version, ``writes`` (storage -> the version it
+        writes over), the storages it ``read``s, and those it overwrites
+        whole without reading (``pure``)``)``."""
+        name = func.overloadpacket.__name__
+        refs: dict[int, Ref] = {}
+        writes: dict[int, int] = {}
+        read: set[int] = set()
+        pure: set[int] = set()
+        for arg, value in bind(func, args, kwargs):
+            is_write = arg.alias_info is not None and arg.alias_info.is_write
+            for t in tensors(value):
+                rec = self.record(t)
+                if rec is None:
+                    if is_write and not t.is_meta:
+                        raise self.fail(
+                            f"{func} writes values computed inside build() into a tensor made "
+                            "outside it"
+                        )
+                    continue
+                if t.dtype != rec.dtype:
+                    raise self.fail(f"{func} views a {rec.dtype} storage as {t.dtype}")
+                refs[id(t)] = Ref(rec.sid, len(rec.versions) - 1, geometry(t))
+                whole = t.numel() == rec.numel and t.storage_offset() == 0 and t.is_contiguous()
+                overwrite = whole and (
+                    (name in OVERWRITE and arg.name == "self") or (arg.kwarg_only and is_write)
+                )
+                if is_write:
+                    writes[rec.sid] = len(rec.versions) - 1
+                    if overwrite:
+                        pure.add(rec.sid)
+                if not overwrite:
+                    read.add(rec.sid)
+        return refs, writes, read, pure
+
+    def new_storages(self, op: Op, out: Any) -> list:
+        """Record the storages ``op``'s outputs made: ``(sid, output index,
+        geometry, numel)`` each."""
         creates = []
         for i, t in enumerate(tensors(out)):
             if t.is_meta and self.record(t) is None:
@@ -192,14 +214,7 @@ class Recorder(TorchDispatchMode):
                 self.storages[st._cdata] = rec
                 self.by_sid.append(rec)
                 creates.append((rec.sid, i, geometry(t), numel))
-        if not writes and not creates:
-            return real_out if ran else out  # a view, metadata, or a value (.item())
-        op.creates = tuple(creates)
-        for sid in writes:
-            self.by_sid[sid].versions.append(op)
-        if op.random and not ran:
-            self.execute(op, {}, first=True)  # advance the generator as eager does
-        return out
+        return creates
 
     # ------------------------------------------------------------------ #
     # Replay
