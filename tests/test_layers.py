@@ -253,3 +253,30 @@ def test_no_import_cycles_between_folders():
 
 def test_a_cycle_between_folders_is_found():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _code_lines(node: ast.AST) -> int:
+    """A function's lines without its docstring."""
+    body = node.body  # type: ignore[attr-defined]
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+
+
+def test_modules_and_functions_stay_short():
+    """A module is one idea (at most 600 lines); a function reads on a screen or
+    two (at most 100 lines of code); ``parallelize`` is its named steps (60)."""
+    long = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        if len(source.splitlines()) > 600:
+            long.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = (
+                    60 if (module, node.name) == ("annot.build.parallelize", "parallelize") else 100
+                )
+                if _code_lines(node) > limit:
+                    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                    long.append(f"{where} {node.name}: {_code_lines(node)} lines (limit {limit})")
+    assert not long, "\n".join(long)
