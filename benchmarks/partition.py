@@ -263,7 +263,7 @@ def _rank_steps(cfg: UnevenConfig, splits: dict[str, list[str]], pp: int, batch:
 def main() -> None:
     from annot.plan.partition import evaluate, partition
     from annot.plan.planner import plan as plan_stages
-    from annot.plan.segments import SourceSegments
+    from annot.plan.segment_plan import SourceSegments
     from annot.testing import run_ranks
     from benchmarks.partition_speed import median_time
 

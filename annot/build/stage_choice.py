@@ -151,7 +151,7 @@ def choose_boundaries(
     parallelize's (an automatic split of a nested model without a call order
     is refused where the replay would run it)."""
     from annot.core.hints import StageSpec, get_stage_spec
-    from annot.plan.planner import plans_over_modules
+    from annot.plan.unit_source import plans_over_modules
 
     ref, cls, sample = points.ref, points.cls, points.sample
     markers = points.markers()
@@ -179,8 +179,9 @@ def choose_boundaries(
             )
         return tuple(spec.split)
     from annot.core.errors import AnnotError
-    from annot.plan.planner import default_cost, plan
-    from annot.plan.segments import SourceSegments
+    from annot.plan.planner import plan
+    from annot.plan.segment_plan import SourceSegments
+    from annot.plan.unit_source import default_cost
     from annot.rewrite_cache import cache_dir
 
     auto = spec or StageSpec(auto=True)

@@ -227,7 +227,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             memory = parse_bytes(args.memory, "--memory")
         module = import_target(path)
         cls = _model_class(module, path, name)
-        from annot.plan.planner import assumed_sample, default_cost, plans_over_modules
+        from annot.plan.planner import assumed_sample
+        from annot.plan.unit_source import default_cost, plans_over_modules
 
         cost = args.cost or default_cost(args.input or None)
         nested = plans_over_modules(cls)  # the units parallelize would plan over
@@ -322,7 +323,7 @@ def _build(args: argparse.Namespace, module, cls: type, name: str, device: str):
 def _plan_segments(args, model, module, cls, name, sample, made, cost, memory, setup):
     """The plan over the segments of an ``@stage(auto=True)`` class's forward."""
     from annot.plan import planner
-    from annot.plan.segments import SourceSegments
+    from annot.plan.segment_plan import SourceSegments
 
     units = SourceSegments(cls, source_path=module.__file__, progress=True)
     try:
@@ -358,8 +359,9 @@ def _run_module_plan(args: argparse.Namespace, model, sample, memory, cost, setu
     parts, in call order; with ``--world-size`` the what-if table
     (:mod:`annot.plan.what_if`)."""
     from annot.plan import planner
-    from annot.plan.module_units import ModuleUnits, call_order, measure_units
+    from annot.plan.module_units import ModuleUnits, measure_units
     from annot.plan.stage_points import StagePoints
+    from annot.plan.units import call_order
     from annot.plan.what_if import Progress, format_what_if, what_if
     from annot.runtime.runners.stage_modules import record_calls
 

@@ -71,7 +71,7 @@ class UnitFacts:
     ``flops`` (forward + backward of the sample microbatch; 0 unmeasured),
     ``time`` (seconds, the median of its measured runs; 0.0 unmeasured),
     ``work`` (the parameters its forward multiplies by,
-    :attr:`annot.plan.module_units.Unit.work`; ``n_params`` for a source segment),
+    :attr:`annot.plan.units.Unit.work`; ``n_params`` for a source segment),
     ``share`` (this rank's part of it at tp, what ``time`` and ``work`` are
     scaled by; 1.0 for a source segment, whose time is not scaled) and
     ``modules`` (the modules it owns)."""

@@ -20,7 +20,7 @@ _COST_WORDS = {
     "flops": "FLOPs (forward + backward of one sample microbatch)",
     "params": "parameter bytes",
 }
-# module units balance by the parameters each multiplies by (annot.plan.module_units.Unit.work)
+# module units balance by the parameters each multiplies by (annot.plan.units.Unit.work)
 _MODULE_COST_WORDS = {
     **_COST_WORDS,
     "params": "parameters each unit multiplies by (an embedding's table counts zero)",
@@ -37,7 +37,7 @@ class StagePlan:
     the ``segments`` (the units' names: the split point or module call each
     begins at) and their ``costs`` (:class:`annot.plan.cost_segments.SegmentCost`,
     ``.cost`` the scalar balanced). ``units``: with module units, the
-    :class:`annot.plan.module_units.Unit` of each segment (empty for the segments
+    :class:`annot.plan.units.Unit` of each segment (empty for the segments
     of a source split)."""
 
     class_name: str
@@ -53,7 +53,7 @@ class StagePlan:
     # each stage's annot.plan.memory_model.StageMemory (activations in flight)
     stage_detail: tuple[Any, ...] = field(default=())
     timed: bool = True  # False on a meta model: its clock says nothing
-    units: tuple[Any, ...] = field(default=())  # annot.plan.module_units.Unit, per segment
+    units: tuple[Any, ...] = field(default=())  # annot.plan.units.Unit, per segment
 
     @property
     def unit_kind(self) -> str:

@@ -15,7 +15,6 @@ import functools
 import hashlib
 import linecache
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -24,26 +23,7 @@ import torch.nn as nn
 from annot.core.errors import PartitionError
 from annot.plan.points import module_at
 
-__all__ = ["SourceSegments", "exec_class", "stage_fn", "stage_modules"]
-
-
-@dataclass(frozen=True)
-class SourceSegments:
-    """A unit source of :func:`annot.plan.planner.plan`: the segments between the
-    split points of ``cls.forward`` (:func:`annot.plan.points.split_points`),
-    for the source runner, which cuts the root's forward. ``source_path``: the
-    file to read (default: ``cls``'s); ``cache_dir``: where profiles are kept;
-    ``bandwidth``: bytes per unit of cost, charging what crosses each cut;
-    ``repeats`` / ``rounds``: timing, each segment's median of ``rounds``
-    rounds (:func:`annot.plan.costs.median_round`)."""
-
-    cls: type
-    source_path: Optional[str] = None
-    cache_dir: Any = None
-    progress: bool = False
-    bandwidth: Optional[float] = None
-    repeats: int = 1
-    rounds: int = 5
+__all__ = ["exec_class", "stage_fn", "stage_modules"]
 
 
 class _Holder(nn.Module):

@@ -113,7 +113,7 @@ def time_units_alone(
     model: nn.Module, found: list, sample: Any, repeats: int = 7, progress: Any = None
 ) -> list[float]:
     """Median seconds of forward + backward of each unit of ``found``
-    (:class:`annot.plan.module_units.Unit`) of ``model`` on the meta device, one
+    (:class:`annot.plan.units.Unit`) of ``model`` on the meta device, one
     unit materialized at a time (see the module docstring). ``model`` is
     left on meta, its ``.grad``s unset."""
     owned = sorted({p for u in found for p in u.owns})

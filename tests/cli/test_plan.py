@@ -90,7 +90,7 @@ def _parallelize_plans(path: str) -> tuple:
 
 
 def test_a_class_without_stage_is_planned_as_parallelize_plans_it(tmp_path, capsys):
-    """One rule for the units (annot.plan.planner.plans_over_modules) and one
+    """One rule for the units (annot.plan.unit_source.plans_over_modules) and one
     default cost: for a class without @stage, annot plan and parallelize cut
     at the same boundaries over the same units (module calls at any depth)."""
     from annot.testing import run_ranks
@@ -385,7 +385,7 @@ def test_world_size_prints_every_pp_tp_dp_fitting_first(capsys):
 
 
 def test_the_default_cost_is_flops_with_a_sample_else_parameters(net, capsys):
-    """annot.plan.planner.default_cost, the one default parallelize uses too."""
+    """annot.plan.unit_source.default_cost, the one default parallelize uses too."""
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--json")
     assert rc == 0, err
     assert json.loads(out)["cost"] == "flops"

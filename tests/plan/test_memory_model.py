@@ -13,15 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from annot import Col, Row, shard
 from annot.plan.memory_model import Training, in_flight
-from annot.plan.module_units import (
-    ModuleUnits,
-    StageMemoryError,
-    block_paths,
-    measure_units,
-    plan_units,
-)
+from annot.plan.module_units import ModuleUnits, StageMemoryError, measure_units, plan_units
 from annot.plan.planner import plan as plan_any
-from annot.plan.segments import SourceSegments
+from annot.plan.segment_plan import SourceSegments
+from annot.plan.units import block_paths
 from annot.plan.what_if import factorisations, format_what_if, what_if
 
 LLAMA = dict(
@@ -245,8 +240,8 @@ def test_parallelize_refuses_a_budget_no_split_fits_before_any_rank_allocates():
     # so the activations of the microbatch annot plan assumes too (1 x 2048 tokens, on meta)
     results = run_ranks(_parallelize_under, 2, "16MiB", "32MiB", timeout=240)
     from annot.hf.models import sample_inputs
-    from annot.plan.module_units import call_order
     from annot.plan.planner import assumed_sample
+    from annot.plan.units import call_order
     from annot.runtime.runners.stage_modules import record_calls
 
     ref = _llama("meta")
@@ -327,8 +322,8 @@ def test_the_stage_planner_counts_the_microbatches_in_flight_per_stage():
 
 
 def test_time_on_a_meta_model_materializes_one_unit_at_a_time():
-    from annot.plan.module_units import units
     from annot.plan.unit_timing import time_units_alone
+    from annot.plan.units import units
 
     with torch.device("meta"):
         model = nn.Sequential(

@@ -143,7 +143,7 @@ def test_a_block_whose_part_is_a_sequential_counts_its_weights():
     """HF ResNet: each encoder stage holds one nn.Sequential of layers. Its weights
     are a unit; before, they were skipped and stage 0 got the stem alone."""
     transformers = pytest.importorskip("transformers")
-    from annot.plan.module_units import units
+    from annot.plan.units import units
 
     cfg = transformers.ResNetConfig(
         num_channels=3, embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1]
@@ -300,7 +300,7 @@ class _Net(nn.Module):
 
 
 def test_units_inside_a_part_are_its_parts_in_call_order_never_through_a_list():
-    from annot.plan.module_units import call_order, coarser, units
+    from annot.plan.units import call_order, coarser, units
     from annot.runtime.runners.stage_modules import record_calls
 
     net, x = _Net(2, experts=True), torch.randn(4, 16)
@@ -403,7 +403,7 @@ def test_flops_of_a_part_include_what_it_computes_itself():
 def test_a_part_forward_never_calls_is_no_unit_its_called_parts_are():
     # the block calls self.p.a and self.p.b directly: a stage can begin at
     # either call, never at p (no call of p happens)
-    from annot.plan.module_units import call_order, units
+    from annot.plan.units import call_order, units
     from annot.runtime.runners.stage_modules import record_calls
 
     class Part(nn.Module):

@@ -20,7 +20,7 @@ from annot import Col, Row, shard
 from annot.core.errors import PartitionError
 from annot.plan.partition import partition
 from annot.plan.planner import measure_split, plan, split_points
-from annot.plan.segments import SourceSegments
+from annot.plan.segment_plan import SourceSegments
 from annot.rewriters.split.stage_split import split_stages
 
 VOCAB, WIDTH = 256, 16
@@ -439,5 +439,21 @@ def test_plan_over_module_units_is_one_stage_plan_with_one_table():
 
 
 def test_plan_refuses_what_is_not_a_unit_source():
-    with pytest.raises(PartitionError, match=r"expected annot\.plan\.segments\.SourceSegments"):
+    with pytest.raises(PartitionError, match=r"expected annot\.plan\.segment_plan\.SourceSegments"):
         plan(model(), 2, units="modules")
+
+
+def test_plan_asks_the_unit_source():
+    """plan() dispatches on the UnitSource protocol (an object with plan(...)),
+    not on the two classes annot ships."""
+
+    class Halves:
+        def plan(self, model, n_stages, **options):
+            return ("halves", n_stages, sorted(options))
+
+    got = plan(model(), 2, units=Halves())
+    assert got == (
+        "halves",
+        2,
+        ["cost", "dp", "fit", "memory", "optimizer", "sample", "setup", "tp"],
+    )
