@@ -4,7 +4,7 @@ This rank's model is compiled after sharding (``parallelize(compile=True)``,
 ``parallelize(compile={"backend": ...})`` or ``model.compile(...)`` on the
 :class:`~annot.ParallelModel`): whole where it runs in one stage without
 FSDP2, else each block of the model's block list (a transformers model's pp
-plan, else its largest ``nn.ModuleList``: :func:`annot.hf.nested_blocks`). Only a block's ``forward`` is compiled (an
+plan, else its largest ``nn.ModuleList``: :func:`annot.hf.models.nested_blocks`). Only a block's ``forward`` is compiled (an
 instance attribute, like activation checkpointing's wrapper), so the module
 tree and every state-dict key stay as they are, and module hooks (FSDP2's,
 the pipeline replay's, sequence parallelism's) run eagerly around it.

@@ -338,7 +338,7 @@ def _guard(built: ParallelModel, layout) -> None:
 
 def _shard_over_dp(built: ParallelModel, opts: Options, layout) -> None:
     """Step 7 (``fsdp=True``): FSDP2 over dp, a unit per block of the
-    model's block list (:func:`annot.hf.nested_blocks`) and the root."""
+    model's block list (:func:`annot.hf.models.nested_blocks`) and the root."""
     if not opts.fsdp:
         return
     if not (built.ctx.distributed and opts.mesh.dp > 1):

@@ -109,7 +109,7 @@ def assumed_sample(
     ``microbatch_size`` (default 1) sequences of ``seq_len`` (default
     :data:`DEFAULT_SEQ_LEN`) tokens (``labels`` too where forward takes
     them: the loss's saved tensors count), made from
-    :func:`annot.hf.sample_inputs`'s tiny one (a model that takes no token ids
+    :func:`annot.hf.models.sample_inputs`'s tiny one (a model that takes no token ids
     keeps that one's shape); else None: no activations. The one rule of
     ``annot plan`` and ``parallelize(memory=...)``, so both fit a budget alike."""
     if sample is not None:

@@ -12,7 +12,7 @@ Both runners run the same plan (the same boundaries, the same stages):
 * :class:`ReplayRunner`: the model's own ``forward`` runs on every rank and
   the stages are cut at run time where a boundary module is called
   (:mod:`annot.runtime.runners.replay`); each stage holds the modules of its range of
-  calls (:func:`annot.runtime.pipeline.layout.call_order_stage_modules`).
+  calls (:func:`annot.runtime.runners.stage_modules.call_order_stage_modules`).
 
 The rest of the runtime asks the runner, not how the layout was made: the
 build prunes by :attr:`StageRunner.cuts_at_run_time`, and the executor
@@ -294,7 +294,7 @@ class SourceRunner(StageRunner):
 class ReplayRunner(StageRunner):
     """Stages cut at run time at module calls (:mod:`annot.runtime.runners.replay`).
     ``calls``: the module paths each stage calls, from one meta forward
-    (:func:`annot.runtime.pipeline.layout.stage_calls`), or None (registration order)."""
+    (:func:`annot.runtime.runners.stage_modules.stage_calls`), or None (registration order)."""
 
     name = "replay"
     cuts_at_run_time = True
