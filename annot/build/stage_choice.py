@@ -185,7 +185,7 @@ def choose_boundaries(
     from annot.rewrite_cache import cache_dir
 
     auto = spec or StageSpec(auto=True)
-    cost = auto.cost or default_cost(sample)
+    cost = auto.cost or default_cost(sample, over_modules=False)
     # profiles are cached next to the rewritten sources
     units = SourceSegments(
         cls, source_path=inspect.getfile(cls), cache_dir=cache_dir() / "profiles"

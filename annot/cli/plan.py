@@ -230,8 +230,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         from annot.plan.planner import assumed_sample
         from annot.plan.unit_source import default_cost, plans_over_modules
 
-        cost = args.cost or default_cost(args.input or None)
         nested = plans_over_modules(cls)  # the units parallelize would plan over
+        cost = args.cost or default_cost(args.input or None, nested)
         # from shapes alone: no weight is allocated, except that the @stage
         # planner times its segments on the model built for real; the nested
         # planner times one unit at a time, each materialized alone

@@ -182,7 +182,7 @@ class ModuleUnits:
         measures = measure_units(
             model,
             sample=sample,
-            cost=cost or default_cost(sample),
+            cost=cost or default_cost(sample, over_modules=True),
             repeats=self.repeats,
             order=self.order,
             stranded=self.stranded,

@@ -121,7 +121,7 @@ def _measure(
             "its class: plan(model, n, units=SourceSegments(type(model)))"
         )
     if cost is None:
-        cost = default_cost(sample)
+        cost = default_cost(sample, over_modules=False)
     label = repr(cost) if isinstance(cost, str) else repr(getattr(cost, "name", cost))
     cost = resolve_cost(cost, PARAM_BYTES, "segments")
     if sample is None and cost.needs != "params":

@@ -38,12 +38,16 @@ class UnitSource(Protocol):
         ...
 
 
-def default_cost(sample: Any) -> str:
+def default_cost(sample: Any, over_modules: bool) -> str:
     """What the planner balances where no cost is asked, for every caller
-    (``parallelize``, ``annot plan``, :func:`plan`): the FLOPs of one
-    microbatch where a ``sample`` is given (counted on meta: no weights, the
-    same answer on every rank), else the parameters."""
-    return "flops" if sample is not None else "params"
+    (``parallelize``, ``annot plan``, :func:`annot.plan.planner.plan`): over
+    module calls (``over_modules``, :func:`plans_over_modules`) the parameters
+    each unit multiplies by (a measured cost may cut inside block parts, where
+    a boundary carries more tensors: asked for, never the default); over the
+    segments of a forward the FLOPs of one microbatch where a ``sample`` is
+    given (counted on meta: no weights, the same answer on every rank), else
+    the parameters."""
+    return "flops" if sample is not None and not over_modules else "params"
 
 
 def plans_over_modules(cls: type) -> bool:

@@ -384,11 +384,18 @@ def test_world_size_prints_every_pp_tp_dp_fitting_first(capsys):
     assert "not both" in capsys.readouterr().err
 
 
-def test_the_default_cost_is_flops_with_a_sample_else_parameters(net, capsys):
-    """annot.plan.unit_source.default_cost, the one default parallelize uses too."""
+def test_the_default_cost_is_flops_with_a_sample_else_parameters(net, capsys, tmp_path):
+    """annot.plan.unit_source.default_cost, the one default parallelize uses
+    too: over a forward's segments FLOPs with a sample, else parameters; over
+    module calls parameters (a class without @stage)."""
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--input", "x=float32[4,16]", "--json")
     assert rc == 0, err
     assert json.loads(out)["cost"] == "flops"
     rc, out, err = plan(capsys, f"{net}:Net", "--pp", 2, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["cost"] == "params"
+    path = tmp_path / "plain.py"
+    path.write_text(NET.replace("@stage(auto=True)", "").replace("class Net(", "class Plain("))
+    rc, out, err = plan(capsys, f"{path}:Plain", "--pp", 2, "--input", "x=float32[4,16]", "--json")
     assert rc == 0, err
     assert json.loads(out)["cost"] == "params"
