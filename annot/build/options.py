@@ -61,13 +61,14 @@ def resolve_options(
     """The options ``given`` (every option by name, as the caller passed it),
     checked: refused here, before any rank works. ``kwargs`` are the model
     constructor's, ``model_kwargs`` merged in."""
-    g = given
-    mesh = _check_options(g["mesh"], g["chunks"], g["overlap_grad_reduce"], g["bucket_cap_mb"])
-    autocast = parse_precision(g["precision"])
-    compile_kw = compile_options(g["compile"])
+    mesh = _check_options(
+        given["mesh"], given["chunks"], given["overlap_grad_reduce"], given["bucket_cap_mb"]
+    )
+    autocast = parse_precision(given["precision"])
+    compile_kw = compile_options(given["compile"])
     _check_option_names(model, given, defaults, model_kwargs)
     instance, cls = _model_and_class(model, args, kwargs)
-    verify = g["verify"]
+    verify = given["verify"]
     if verify is None:
         verify = os.environ.get("ANNOT_VERIFY") == "1"
     return Options(
@@ -75,18 +76,18 @@ def resolve_options(
         instance=instance,
         cls=cls,
         kwargs=kwargs,
-        chunks=g["chunks"],
+        chunks=given["chunks"],
         autocast=autocast,
-        precision=g["precision"],
+        precision=given["precision"],
         compile_kw=compile_kw,
         verify=verify,
-        sequence_parallel=g["sequence_parallel"],
-        sequence_dim=g["sequence_dim"],
-        overlap_grad_reduce=g["overlap_grad_reduce"],
-        bucket_cap_mb=g["bucket_cap_mb"],
-        fsdp=g["fsdp"],
-        memory=g["memory"],
-        weights=g["weights"],
+        sequence_parallel=given["sequence_parallel"],
+        sequence_dim=given["sequence_dim"],
+        overlap_grad_reduce=given["overlap_grad_reduce"],
+        bucket_cap_mb=given["bucket_cap_mb"],
+        fsdp=given["fsdp"],
+        memory=given["memory"],
+        weights=given["weights"],
     )
 
 
