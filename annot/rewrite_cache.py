@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -84,11 +84,17 @@ def read_source(path: Union[str, Path]) -> str:
         return f.read()
 
 
-def _model_modules(classes: list[type]) -> list[types.ModuleType]:
+def _model_modules(classes: list[type], needed: frozenset[type]) -> list[types.ModuleType]:
+    """The modules whose source is rewritten: every module defining one of
+    ``classes``, but torch's own only where it defines a class of ``needed``
+    (a hinted class, the class split into stages: torch's test Transformer),
+    never a rewritten copy's."""
     mods: dict[str, types.ModuleType] = {}
     for cls in classes:
         modname = cls.__module__
-        if modname.split(".")[0] in ("torch", "builtins") or modname.startswith("annot_jit."):
+        if modname == "builtins" or modname.startswith("annot_jit."):
+            continue
+        if modname.split(".")[0] == "torch" and cls not in needed:
             continue
         mod = sys.modules.get(modname)
         if mod is None or getattr(mod, "__file__", None) is None:
@@ -214,8 +220,11 @@ def rewrite_classes(
     key: str,
     transform: Callable[[str, str, types.ModuleType], str],
     directory: Optional[Path] = None,
+    needed: Iterable[type] = (),
 ) -> dict[type, type]:
-    """Rewrite and load every module defining one of ``classes``.
+    """Rewrite and load every module defining one of ``classes`` (torch's own
+    modules only where they define a class of ``needed``: the classes whose
+    rewrite a hint or the stage split asks for).
 
     ``transform(source, path, module) -> rewritten source`` does the rewriting;
     ``key`` captures everything else the output depends on (mesh, hints, plan).
@@ -227,7 +236,7 @@ def rewrite_classes(
     """
     directory = directory or cache_dir()
     rewrites = []  # (module, source, rewritten source, source path, cache path, its name, hit, s)
-    for mod in _model_modules(classes):
+    for mod in _model_modules(classes, frozenset(needed)):
         t0 = time.perf_counter()
         src_path = Path(inspect.getfile(mod)).resolve()
         source = read_source(src_path)

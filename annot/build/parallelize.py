@@ -425,7 +425,9 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
         f"{report.runner or 'one stage'};"
         f"hints={sorted((f'{c.__module__}.{c.__qualname__}', repr(s)) for c, s in specs.items())}"
     )
-    mapping = rewrite_classes(list({type(m) for m in ref.modules()}), key=key, transform=transform)
+    needed = {*specs, cls} if split_root else set(specs)
+    classes = list({type(m) for m in ref.modules()})
+    mapping = rewrite_classes(classes, key=key, transform=transform, needed=needed)
     report.rewritten = last_rewritten()
     if instance is not None:
         local = adopt(instance, mapping)

@@ -371,11 +371,11 @@ def resolve_hints(model, hints: dict[str, object]) -> tuple[dict[type, ShardSpec
         per_parent.setdefault(parent, {})[attr] = value
     out: dict[type, ShardSpec] = {}
     for cls, where in instances.items():
-        if cls.__module__.split(".")[0] == "torch":
-            continue  # a container: its entries are converted by path
+        names = [tuple(dict.fromkeys(local.get(w, ()))) for w in where]
+        if cls.__module__.split(".")[0] == "torch" and not any(names):
+            continue  # torch's own (a container): its entries are converted by path
         at = [per_parent.get(w, {}) for w in where]  # each instance's entries
         specs = {k: v for k, v in at[0].items() if all(a.get(k) == v for a in at[1:])}
-        names = [tuple(dict.fromkeys(local.get(w, ()))) for w in where]
         if any(n != names[0] for n in names[1:]):
             odd = next(w for w, n in zip(where, names) if n != names[0])
             raise HintError(

@@ -1,0 +1,83 @@
+"""Models torch itself defines, as a user finds them: torch's DTensor test
+Transformer (``torch.testing._internal``), hinted with its own tp plan as
+annot hints. A class of a ``torch.*`` module is rewritten like any other when
+a hint or the stage split asks for it; its ``Local("n_heads")`` is applied,
+never dropped. Every gradient against the single-device model at tp2, pp2
+(hand and automatic) and tp2 x pp2."""
+
+import pytest
+
+from annot.testing import run_ranks
+
+pytest.importorskip("expecttest")  # torch's test modules import it
+
+
+def _run(pp: int, tp: int, split, cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from torch.nn import functional as F
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    import annot
+    from annot import Col, Local, Row
+    from tests.parity import assert_close, compare_grads, compare_state
+
+    args = ModelArgs(n_layers=4, vocab_size=32, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)
+    hints = {  # Transformer.parallelize's plan (no sequence parallel), as annot hints
+        "layers.*.attention.wq": Col(),
+        "layers.*.attention.wk": Col(),
+        "layers.*.attention.wv": Col(),
+        "layers.*.attention.wo": Row(),
+        "layers.*.attention": Local("n_heads"),
+        "layers.*.feed_forward.w1": Col(),
+        "layers.*.feed_forward.w2": Row(),
+    }
+    mesh = annot.Mesh(pp=pp, tp=tp)
+    model = annot.parallelize(
+        Transformer, args, mesh=mesh, hints=hints if tp > 1 else None, split=split, seed=0
+    )
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def loss_of(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    @annot.jit(model, microbatches=2)
+    def step(tokens, labels):
+        loss = loss_of(model(tokens), labels)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(2)
+    for i in range(2):
+        x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
+        loss = step(x, y).reduce_mean()
+        ref_loss = loss_of(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, ref_loss, f"step {i} loss")
+        compare_grads(model, ref, f"step {i}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, "after 2 AdamW steps")
+    return True
+
+
+def test_torch_test_transformer_tp2(tmp_path):
+    assert run_ranks(_run, 2, 1, 2, None, str(tmp_path)) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [["layers.2"], None], ids=["hand", "auto"])
+def test_torch_test_transformer_pp2(split, tmp_path):
+    assert run_ranks(_run, 2, 2, 1, split, str(tmp_path)) == [True, True]
+
+
+@pytest.mark.slow
+def test_torch_test_transformer_pp2_tp2(tmp_path):
+    assert run_ranks(_run, 4, 2, 2, None, str(tmp_path), timeout=300) == [True] * 4
