@@ -40,7 +40,7 @@ from annot.build.materialize import (
 from annot.build.options import Options, option_defaults, resolve_options
 from annot.build.preflight import preflight
 from annot.build.report import BuildReport
-from annot.build.stage_choice import choose_boundaries, resplit
+from annot.build.stage_choice import calls_to_cut, choose_boundaries, resplit
 from annot.core.errors import HintError, PipelineError
 from annot.core.hints import (
     ShardSpec,
@@ -254,6 +254,8 @@ def _choose_stages(points: StagePoints, opts: Options, args, split, runner, seed
         runner=runner,
     )
     choice = choose_runner(points, boundaries, runner)
+    if choice.name == "replay":
+        boundaries = calls_to_cut(points, boundaries, report)
     points.check(boundaries, choice.name)
     differing = ctx.ranks_differing((boundaries, choice.name))
     if differing:  # each rank plans alone: a difference would hang or mix stages

@@ -25,6 +25,8 @@ class BuildReport:
     runner: Optional[str] = None
     runner_reason: str = ""
     plan_table: Optional[str] = None  # the planner's table, when it chose the boundaries
+    # how hand boundaries were read (a module list given: its stage begins at its first call)
+    boundary_notes: list[str] = field(default_factory=list)
     # step 4, rewrite: annot.rewrite_cache's record of each rewritten source
     rewritten: list = field(default_factory=list)
     # sequence parallelism: the blocks run on sequence shards

@@ -129,6 +129,21 @@ def resplit(cls: type, boundaries: tuple[str, ...]):
     return split_stages(source, cls.__qualname__, list(boundaries), path=path, nested=True)
 
 
+def calls_to_cut(points: StagePoints, split: tuple[str, ...], report) -> tuple[str, ...]:
+    """The module calls where the replay begins stages given at ``split``: a
+    module list or dict (the source split cuts a loop over it; the replay cuts
+    calls) begins its stage at the first call inside it
+    (:meth:`StagePoints.first_call`), said in the log and ``explain``."""
+    out = tuple(points.first_call(b) for b in split)
+    moved = [f"{b!r} at {a!r}" for b, a in zip(split, out) if a != b]
+    if moved:
+        note = "stages given at a module container begin at its first call: " + ", ".join(moved)
+        log.info("annot: %s", note)
+        if report is not None:
+            report.boundary_notes.append(note)
+    return out
+
+
 def choose_boundaries(
     points: StagePoints,
     n_stages: int,

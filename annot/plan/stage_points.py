@@ -5,7 +5,8 @@ code between them. :class:`StagePoints` is the one place that answers, for a
 model (and one meta forward on a sample), where a stage may begin:
 
 * at a module call (:meth:`StagePoints.replay_refusal` says why not): not at
-  a module list or dict (never called, :func:`never_called`), not at a call
+  a module list or dict (never called, :func:`never_called`: a boundary given
+  there begins at the first call inside it, :meth:`StagePoints.first_call`), not at a call
   that would strand a tensor (:func:`annot.runtime.runners.stranded.stranded`), not
   at a path that names no submodule;
 * and whether the source runner can cut there too
@@ -129,6 +130,22 @@ class StagePoints:
         order = self.order or list(self.names)
         return [p for p in order if p and self.replay_refusal(p) is None]
 
+    def first_call(self, path: str) -> str:
+        """Where a stage given as beginning at ``path`` begins: at ``path``'s
+        call, or for a module list or dict (never called) at the first call
+        inside it, as the automatic split's units do: first in forward's call
+        order with a probe, else in registration order (a hand boundary's
+        stage owns its modules in that order too)."""
+        m = self.names.get(path)
+        if m is None or not never_called(m):
+            return path
+        inside = (
+            p
+            for p in (self.order or self.names)
+            if p.startswith(f"{path}.") and p in self.names and not never_called(self.names[p])
+        )
+        return next(inside, path)
+
     def replay_refusal(self, path: str) -> Optional[str]:
         """Why a stage cannot begin at ``path``'s call at run time; None where it can."""
         m = self.names.get(path)
@@ -202,7 +219,7 @@ class StagePoints:
     def check(self, boundaries: tuple[str, ...], runner: str) -> None:
         """Refuse boundaries where no stage may begin, before any rank runs a
         step: a path that names no submodule (listing some that do); and for
-        the replay, a module list (naming its first element) or a call that
+        the replay, an empty module list or a call that
         would strand a tensor (naming an enclosing module where the stage can
         begin instead)."""
         for b in boundaries:
@@ -217,12 +234,11 @@ class StagePoints:
             return
         for b in boundaries:
             m = self.names[b]
-            if never_called(m):
-                first = next(iter(m.named_children()), ("0", None))[0]
+            if never_called(m):  # (one holding modules begins at its first call: first_call)
                 raise HintError(
                     f"pipeline boundary {b!r} names an nn.{type(m).__name__}, which is never "
-                    "called (forward calls its elements), so no stage could begin there; name "
-                    f"the element whose call begins the stage, e.g. {b + '.' + first!r}"
+                    "called and holds no module whose call could begin a stage; name the "
+                    "module whose call begins the stage"
                 )
         check_stranded(self.ref, boundaries, self.stranded)
 

@@ -283,6 +283,8 @@ def _pipeline(step, view) -> list[str]:
         "memory: weights + gradients + AdamW state of the stage's parameters (activations "
         "come on top: annot plan --seq-len ... estimates them)",
     ]
+    if model.report is not None:
+        out.extend(model.report.boundary_notes)
     if model.report is not None and model.report.plan_table:
         out.append("boundaries chosen by the planner:\n" + model.report.plan_table)
     for tie in layout.ties:

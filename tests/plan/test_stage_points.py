@@ -58,6 +58,35 @@ def test_the_places_a_stage_may_begin_and_why_not_elsewhere():
         points.check(("blocks.9",), "source")
 
 
+class Layered(nn.Module):
+    """x-transformers' layout: each layer a ModuleList of (norms, block), the
+    norms a ModuleList too, called norm first."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.ModuleList([nn.LayerNorm(width)]), nn.Linear(width, width)])
+            for _ in range(3)
+        )
+        self.empty = nn.ModuleList()
+
+    def forward(self, x):
+        for (norm,), block in self.layers:
+            x = x + block(norm(x))
+        return x
+
+
+@pytest.mark.parametrize("probed", [True, False], ids=["call order", "registration order"])
+def test_a_stage_given_at_a_container_begins_at_its_first_call(probed):
+    points = StagePoints(Layered(), Layered, (torch.zeros(2, 4),) if probed else None)
+    assert points.first_call("layers.1") == "layers.1.0.0"  # the norm, called first
+    assert points.first_call("layers") == "layers.0.0.0"
+    assert points.first_call("layers.1.1") == "layers.1.1"  # a call: itself
+    assert points.first_call("empty") == "empty"  # nothing inside: refused as before
+    with pytest.raises(HintError, match="'empty' names an nn.ModuleList, which is never called"):
+        points.check(("empty",), "replay")
+
+
 def test_the_source_runner_answers_with_its_reason_not_an_exception():
     branchy = StagePoints(Branchy(), Branchy)
     assert branchy.source_refusal(("blocks.2",)) is None

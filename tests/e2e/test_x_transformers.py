@@ -1,0 +1,75 @@
+"""x-transformers, installed, as its users build it: each layer an
+``nn.ModuleList`` of (norms, block, residual), the norms a ModuleList too. A
+stage given at a layer (a container, never called) begins at the first call
+inside it, for a hand boundary as for the automatic split; every gradient
+against the single-device model at pp2."""
+
+import pytest
+
+from annot.testing import run_ranks
+
+pytest.importorskip("x_transformers")
+
+
+def _make():
+    from x_transformers import Decoder, TransformerWrapper
+
+    return TransformerWrapper(
+        num_tokens=32, max_seq_len=16, attn_layers=Decoder(dim=16, depth=2, heads=4)
+    )
+
+
+def _run(split, sample: bool, cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    from torch.nn import functional as F
+
+    import annot
+    from tests.parity import assert_close, compare_grads, compare_state
+
+    probe = torch.randint(0, 32, (2, 8)) if sample else None
+    torch.manual_seed(0)
+    model = annot.parallelize(_make(), mesh=annot.Mesh(pp=2), split=split, sample=probe)
+    torch.manual_seed(0)
+    ref = _make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def loss_of(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    @annot.jit(model, microbatches=2)
+    def step(x, y):
+        loss = loss_of(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        x, y = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
+        loss = step(x, y).reduce_mean()
+        ref_loss = loss_of(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, ref_loss, f"step {i} loss")
+        compare_grads(model, ref, f"step {i}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, "after 2 AdamW steps")
+    return list(model.pipeline.boundaries), step.explain(x, y)
+
+
+def test_a_stage_given_at_a_layer_begins_at_its_first_call(tmp_path):
+    # the layer 'attn_layers.layers.2' is a ModuleList (never called); its norm is called first
+    boundaries, text = run_ranks(_run, 2, ["attn_layers.layers.2"], False, str(tmp_path))[0]
+    assert boundaries == ["attn_layers.layers.2.0.0"]
+    assert "'attn_layers.layers.2' at 'attn_layers.layers.2.0.0'" in text, text
+
+
+@pytest.mark.slow
+def test_automatic_split_with_a_sample(tmp_path):
+    boundaries, _ = run_ranks(_run, 2, None, True, str(tmp_path))[0]
+    assert boundaries[0].startswith("attn_layers.layers."), boundaries
