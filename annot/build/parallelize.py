@@ -388,6 +388,10 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
         from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
 
         hints = hints_from_hf_config(ref, tp=tp) or None
+    if hints and tp > 1:
+        from annot.hf.lora import lora_hints
+
+        hints = lora_hints(ref, hints)  # a LoRA layer's hint: its base layer's and adapters'
     specs, paths = _class_specs(ref, hints)
     if tp > 1 and not specs and not paths:
         raise HintError(

@@ -123,7 +123,10 @@ def sample_inputs(model: nn.Module) -> Optional[dict]:
     import torch
 
     if not is_hf_model(model):
-        return None
+        from annot.hf.lora import peft_base
+
+        wrapped = peft_base(model)  # a PEFT model passes the inputs on to the one it wraps
+        return sample_inputs(wrapped[1]) if wrapped is not None else None
     config: Any = model.config  # a transformers PretrainedConfig
     name = getattr(model, "main_input_name", "input_ids")
     params = _forward_params(model)

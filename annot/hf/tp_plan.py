@@ -163,7 +163,13 @@ def hints_from_hf_config(
     model = model_or_config if isinstance(model_or_config, nn.Module) else None
     config = getattr(model, "config", None) if model is not None else model_or_config
     if model is not None and not is_hf_model(model):
-        return {}
+        from annot.hf.lora import peft_base
+
+        wrapped = peft_base(model)  # a PEFT model: the plan of the model it wraps
+        if wrapped is None:
+            return {}
+        at, inner = wrapped
+        return {at + k: v for k, v in hints_from_hf_config(inner, tp=tp).items()}
     if config is None or not hasattr(config, "to_dict"):
         if model is None:
             raise HintError(
@@ -218,6 +224,7 @@ def _plan_of(model: Optional[nn.Module], config: Any, base: str) -> dict[str, An
 
 def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
     """Drop entries that match nothing in ``model``; check the rest fit their targets."""
+    from annot.hf.lora import is_lora_layer
     from annot.runtime.tp.convert import layer_kind
 
     modules = dict(model.named_modules())
@@ -250,6 +257,8 @@ def _fit(model: nn.Module, hints: dict[str, Hint]) -> dict[str, Hint]:
             )
         m = modules[hits[0]]
         kind = type(m).__name__
+        if is_lora_layer(m):  # a PEFT LoRA layer: it is sharded as the layer it wraps
+            m = m.base_layer
         if isinstance(spec, (Col, Row)) and isinstance(m, nn.Embedding):
             if isinstance(spec, Row):
                 spec = Vocab()  # HF's rowwise embedding splits the vocabulary rows

@@ -24,6 +24,11 @@ Steps:
    that were beside the weights the model was read from (tokenizer, chat
    template), and renames the directory into place: ``path`` is complete or
    absent. An existing ``path`` is replaced only with ``overwrite=True``.
+
+A PEFT model (LoRA adapters on a transformers model) saves its adapters as
+``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` in PEFT's
+names and ``adapter_config.json``, which ``PeftModel.from_pretrained`` reads
+(:mod:`annot.hf.lora`).
 """
 
 from __future__ import annotations
@@ -181,8 +186,9 @@ def _holdings(model) -> dict:
     }
 
 
-def _plan(model, parts: list[dict], limit: int) -> list[Planned]:
+def _plan(model, parts: list[dict], limit: float) -> list[Planned]:
     """Step 2, the same on every rank: each stored tensor, its writer and file."""
+    from annot.hf.lora import adapter_names, peft_base
     from annot.io.hf_names import save_names
 
     ties = [list(t.names) for t in getattr(model.pipeline, "ties", ())]
@@ -202,7 +208,11 @@ def _plan(model, parts: list[dict], limit: int) -> list[Planned]:
                     where[n] = known
                     merged[known].append(n)
     source = model.report.pretrained if model.report is not None else None
-    names = save_names(model.module, merged, source.loaded_as if source else None)
+    if peft_base(model.module) is not None:  # a PEFT model: its adapters, as PEFT stores them
+        names = adapter_names(model.module, [n for group in merged for n in group])
+        limit = math.inf  # one file a stage, joined into one by rank 0 (_finish)
+    else:
+        names = save_names(model.module, merged, source.loaded_as if source else None)
     planned = [
         Planned(stored, name, info[where[name]][1], info[where[name]][0], info[where[name]][2])
         for name, stored in names.items()
@@ -211,7 +221,7 @@ def _plan(model, parts: list[dict], limit: int) -> list[Planned]:
     return _into_files(planned, limit)
 
 
-def _into_files(planned: list[Planned], limit: int) -> list[Planned]:
+def _into_files(planned: list[Planned], limit: float) -> list[Planned]:
     """Files of at most ``limit`` bytes (a larger tensor alone in its file),
     each written by one pipeline rank."""
     files: list[list[Planned]] = []
@@ -264,10 +274,16 @@ def _write_own_files(model, planned: list[Planned], tmp: str) -> None:
 def _finish(model, planned: list[Planned], tmp: str, final: str) -> None:
     """Step 4 (rank 0): index, configs, the files beside the source's
     weights; then the rename into place."""
+    from annot.hf.lora import peft_base, write_adapter_config
     from annot.io.dcp_publish import replace_dir, write_file
     from annot.io.hf_files import INDEX, beside_weights
 
     files = sorted({p.file for p in planned})
+    if peft_base(model.module) is not None:  # PEFT's layout: one adapter file and its config
+        _join(tmp, files, "adapter_model.safetensors")
+        write_adapter_config(model.module, tmp)
+        replace_dir(tmp, final)
+        return
     if len(files) > 1:
         index = {
             "metadata": {"total_size": sum(p.nbytes for p in planned)},
@@ -281,6 +297,18 @@ def _finish(model, planned: list[Planned], tmp: str, final: str) -> None:
             if not os.path.exists(os.path.join(tmp, name)):
                 shutil.copy2(os.path.join(source.directory, name), os.path.join(tmp, name))
     replace_dir(tmp, final)
+
+
+def _join(tmp: str, files: list[str], into: str) -> None:
+    """The tensors of ``files`` (in ``tmp``) in one file ``into``, the others
+    removed (PEFT reads one adapter file; each pipeline stage wrote its own)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict = {}
+    for f in files:
+        tensors.update(load_file(os.path.join(tmp, f)))
+        os.remove(os.path.join(tmp, f))
+    save_file(tensors, os.path.join(tmp, into), metadata={"format": "pt"})
 
 
 def _write_configs(module, planned: list[Planned], tmp: str) -> None:

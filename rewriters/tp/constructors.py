@@ -101,6 +101,8 @@ class ConstructorEdits(TpEdits):
             if isinstance(s, Heads):  # a forward argument: sliced at runtime, by path
                 continue
             found = sites.get(name, [])
+            if not found and self._hint_arg(decorator, name) is None:
+                continue  # a hint from outside, on what a base's __init__ assigns: by path
             if not found:
                 where = self._hint_arg(decorator, name) or cls.name
                 listing = ", ".join(f"self.{a}" for a in assigned) or "no attributes"
