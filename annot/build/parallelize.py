@@ -418,7 +418,11 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
 
     def transform(source: str, path: str, module) -> str:
         out = rewrite_tensor_parallel(
-            source, tp, path=path, extra_hints=_external_for_module(specs, module)
+            source,
+            tp,
+            path=path,
+            extra_hints=_external_for_module(specs, module),
+            extra_by_path=True,  # convert_hinted converts what __init__ does not assign
         )
         if split_root and module.__name__ == cls.__module__:
             split = split_stages(out, cls.__qualname__, list(boundaries), path=path, nested=True)

@@ -101,7 +101,7 @@ class ConstructorEdits(TpEdits):
             if isinstance(s, Heads):  # a forward argument: sliced at runtime, by path
                 continue
             found = sites.get(name, [])
-            if not found and self._hint_arg(decorator, name) is None:
+            if not found and self.extra_by_path and self._hint_arg(decorator, name) is None:
                 continue  # a hint from outside, on what a base's __init__ assigns: by path
             if not found:
                 where = self._hint_arg(decorator, name) or cls.name

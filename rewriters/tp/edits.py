@@ -67,9 +67,13 @@ class TpEdits(cst.CSTTransformer):
         *,
         scopes: Optional[ModuleScopes] = None,
         text: Optional[str] = None,
+        extra_by_path: bool = False,
     ) -> None:
         super().__init__()
         self.context = context
+        # an extra hint on an attribute the class's own __init__ does not assign
+        # (a base's does): left to the caller's conversion by path, not refused
+        self.extra_by_path = extra_by_path
         self.tp = tp
         self.package = package  # resolves names from relative imports
         self.targets = {id(cls): (cls, spec, dec) for cls, spec, dec in targets}

@@ -142,6 +142,7 @@ def rewrite_tensor_parallel(
     *,
     path: str = "<string>",
     extra_hints: Optional[dict[str, ShardSpec]] = None,
+    extra_by_path: bool = False,
 ) -> str: ...
 
 
@@ -152,6 +153,7 @@ def rewrite_tensor_parallel(
     *,
     path: str = "<string>",
     extra_hints: Optional[dict[str, ShardSpec]] = None,
+    extra_by_path: bool = False,
 ) -> bytes: ...
 
 
@@ -161,6 +163,7 @@ def rewrite_tensor_parallel(
     *,
     path: str = "<string>",
     extra_hints: Optional[dict[str, ShardSpec]] = None,
+    extra_by_path: bool = False,
 ) -> Source:
     """The tensor-parallel (degree ``tp``) version of ``source``.
 
@@ -170,7 +173,12 @@ def rewrite_tensor_parallel(
     a ``@shard`` decorator is rewritten exactly as if decorated, and for a
     decorated class the given spec replaces the decorator's (the caller merges
     the two, as ``annot.parallelize`` does). Names not defined in ``source``
-    are ignored (a model may span several files). Raises :class:`RewriteError` at
+    are ignored (a model may span several files). ``extra_by_path``: an extra
+    hint on an attribute the class's own ``__init__`` does not assign (a
+    base class's does: PEFT's ``base_layer``) is left to the caller, which
+    converts it by path after construction (``annot.parallelize``, whose
+    hints were matched against the built model); else it is refused.
+    Raises :class:`RewriteError` at
     ``path:line:col`` for anything it cannot rewrite safely.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -188,7 +196,14 @@ def rewrite_tensor_parallel(
         return source
     context = CodemodContext(filename=path)
     transformer = TensorParallelTransformer(
-        context, tp, targets, locate, package=_package_of(path), scopes=scopes, text=text
+        context,
+        tp,
+        targets,
+        locate,
+        package=_package_of(path),
+        scopes=scopes,
+        text=text,
+        extra_by_path=extra_by_path,
     )
     module = module.visit(transformer)
     if transformer.needed_imports:

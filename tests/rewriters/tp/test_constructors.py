@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from annot.core.errors import RewriteError
 from annot.core.hints import ShardSpec
 from annot.core.specs import Col
 from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
@@ -274,3 +275,25 @@ def test_refuses_chained_or_unpacked_assignment_of_a_hinted_name():
     )
     assert (err.line, err.col) == (9, 9)
     assert "self.c is assigned in a chained or unpacking assignment" in err.reason
+
+
+def test_extra_hints_on_what_a_base_assigns_are_left_to_conversion_by_path():
+    # PEFT's lora.Linear: LoraLayer.__init__ (a base) assigns base_layer
+    source = """
+import torch.nn as nn
+class Layer(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+class Linear(Layer):
+    def __init__(self, base):
+        super().__init__(base)
+        self.scale = 2.0
+"""
+    hints = {"Linear": ShardSpec({"base_layer": Col()})}
+    out = rewrite_tensor_parallel(source, 2, extra_hints=hints, extra_by_path=True)
+    assert out == source.replace(
+        "class Linear(", "# annot: @shard(base_layer=Col()) applied for tp=2\nclass Linear("
+    )  # the constructor left as it was
+    with pytest.raises(RewriteError, match="Linear.__init__ never assigns self.base_layer"):
+        rewrite_tensor_parallel(source, 2, extra_hints=hints)
