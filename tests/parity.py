@@ -101,6 +101,44 @@ def train_mse_against_reference(model, ref, what: str, width: int = 16, steps: i
     compare_state(model, ref, f"{what}: after {steps} AdamW steps")
 
 
+def train_lm_against_reference(model, ref, what: str, vocab: int, steps: int = 2):
+    """Two AdamW steps of a language model (``model(tokens)`` gives the logits)
+    under cross-entropy, in an ``@annot.jit`` step of two microbatches (a
+    pipeline or not), against its single-device reference on the whole batch:
+    the loss and every gradient at each step, every parameter after the last.
+    Returns the step (for ``step.explain``)."""
+    import torch.nn.functional as F
+
+    import annot
+
+    def loss_of(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    @annot.jit(model, microbatches=2)
+    def step(tokens, labels):
+        loss = loss_of(model(tokens), labels)
+        model.backward(loss)
+        return loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    for i in range(steps):
+        x = torch.randint(0, vocab, (4, 6), generator=g)
+        y = torch.randint(0, vocab, (4, 6), generator=g)
+        loss = step(x, y).reduce_mean()
+        ref_loss = loss_of(ref(x), y)
+        ref_loss.backward()
+        assert_close(loss, ref_loss, f"{what} step {i}: loss")
+        compare_grads(model, ref, f"{what} step {i}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    compare_state(model, ref, f"{what}: after {steps} AdamW steps")
+    return step, (x, y)
+
+
 def gpt_step(model, schedule: str = "1f1b", microbatches: int = 2):
     """The example GPT's ``@annot.jit`` training step: ``model(x, x)``'s loss,
     ``model.backward``."""

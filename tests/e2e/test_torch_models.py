@@ -17,12 +17,11 @@ def _run(pp: int, tp: int, split, cache: str):
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
-    from torch.nn import functional as F
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
     import annot
     from annot import Col, Local, Row
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_lm_against_reference
 
     args = ModelArgs(n_layers=4, vocab_size=32, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)
     hints = {  # Transformer.parallelize's plan (no sequence parallel), as annot hints
@@ -39,32 +38,7 @@ def _run(pp: int, tp: int, split, cache: str):
         Transformer, args, mesh=mesh, hints=hints if tp > 1 else None, split=split, seed=0
     )
     torch.manual_seed(0)
-    ref = Transformer(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-
-    def loss_of(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-    @annot.jit(model, microbatches=2)
-    def step(tokens, labels):
-        loss = loss_of(model(tokens), labels)
-        model.backward(loss)
-        return loss
-
-    g = torch.Generator().manual_seed(2)
-    for i in range(2):
-        x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
-        loss = step(x, y).reduce_mean()
-        ref_loss = loss_of(ref(x), y)
-        ref_loss.backward()
-        assert_close(loss, ref_loss, f"step {i} loss")
-        compare_grads(model, ref, f"step {i}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, "after 2 AdamW steps")
+    train_lm_against_reference(model, Transformer(args), f"pp={pp} tp={tp}", vocab=32)
     return True
 
 

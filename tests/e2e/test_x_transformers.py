@@ -24,42 +24,16 @@ def _run(split, sample: bool, cache: str):
 
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
-    from torch.nn import functional as F
 
     import annot
-    from tests.parity import assert_close, compare_grads, compare_state
+    from tests.parity import train_lm_against_reference
 
     probe = torch.randint(0, 32, (2, 8)) if sample else None
     torch.manual_seed(0)
     model = annot.parallelize(_make(), mesh=annot.Mesh(pp=2), split=split, sample=probe)
     torch.manual_seed(0)
-    ref = _make()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-
-    def loss_of(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-    @annot.jit(model, microbatches=2)
-    def step(x, y):
-        loss = loss_of(model(x), y)
-        model.backward(loss)
-        return loss
-
-    g = torch.Generator().manual_seed(1)
-    for i in range(2):
-        x, y = torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)
-        loss = step(x, y).reduce_mean()
-        ref_loss = loss_of(ref(x), y)
-        ref_loss.backward()
-        assert_close(loss, ref_loss, f"step {i} loss")
-        compare_grads(model, ref, f"step {i}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    compare_state(model, ref, "after 2 AdamW steps")
-    return list(model.pipeline.boundaries), step.explain(x, y)
+    step, batch = train_lm_against_reference(model, _make(), "pp=2", vocab=32)
+    return list(model.pipeline.boundaries), step.explain(*batch)
 
 
 def test_a_stage_given_at_a_layer_begins_at_its_first_call(tmp_path):
