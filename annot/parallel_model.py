@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -49,6 +50,8 @@ class ParallelModel(nn.Module):
         self.verify = verify  # check replicated gradients agree over tp after each step
         self._step: Any = None  # the active jit step (set by annot.jit while it runs)
         self.preflight = None  # annot.build.preflight's check, run on the first call when set
+        # stage_points.verify_call_order, on the first call of stages placed without a call order
+        self.order_check: Optional[Callable[[tuple, dict], None]] = None
         self.dropout = None  # annot.runtime.tp.dropout.ShardedDropout's sites, from the pre-flight
         self._dropout_names = None
         self.overlap_grad_reduce = overlap_grad_reduce  # dp average in buckets during backward
@@ -203,6 +206,9 @@ class ParallelModel(nn.Module):
         if not self._wrap_checked:
             self.check_attachments()
             self._wrap_checked = True
+        if self.order_check is not None:  # once, before any stage runs
+            order_check, self.order_check = self.order_check, None
+            order_check(args, kwargs)
         if self.preflight is not None:  # once, before any collective
             check, self.preflight = self.preflight, None
             with self.forward_context():

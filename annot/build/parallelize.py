@@ -53,7 +53,7 @@ from annot.core.hints import (
 from annot.core.mesh import Mesh
 from annot.core.specs import Spec
 from annot.parallel_model import ParallelModel
-from annot.plan.stage_points import StagePoints, choose_runner
+from annot.plan.stage_points import StagePoints, choose_runner, verify_call_order
 from annot.rewrite_cache import last_rewritten, rewrite_classes
 from annot.rewriters.split.stage_split import split_stages
 from annot.rewriters.tp.rewrite import rewrite_tensor_parallel
@@ -214,15 +214,17 @@ def parallelize(
     if opts.sequence_parallel is not False and mesh.tp > 1:
         report.sequence_blocks = _sequence_blocks(local, opts.sequence_parallel, report.boundaries)
     check = _preflight_check(opts, ref, local, split_plan, ctx, report, paths, n_stages)
-    layout = None
+    layout = order_check = None
     if n_stages > 1:
         layout = _pipeline_layout(local, split_plan, points, ctx, chunks, report)
         log.debug("annot: pipeline stages %s on this rank", layout.local_stage_ids)
+        order_check = _order_check(opts, ref, points, layout, report)
     _materialize(local, opts, args, ref, seed, ctx, layout)
     del ref, points
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
     built = _assemble(local, opts, ctx, layout, report, paths)
+    built.order_check = order_check
     if check is not None:
         _run_preflight(built, check, sample)
         log.debug("annot: step 6: pre-flight %s", report.preflight)
@@ -251,7 +253,6 @@ def _choose_stages(points: StagePoints, opts: Options, args, split, runner, seed
         build=lambda: opts.cls(*args, **opts.kwargs),
         report=report,
         budget=opts.memory_budget(),
-        runner=runner,
     )
     choice = choose_runner(points, boundaries, runner)
     if choice.name == "replay":
@@ -472,6 +473,16 @@ def _pipeline_layout(local, split, points: StagePoints, ctx, chunks: int, report
         boundaries=boundaries,
         recompute=stage_recompute(type(local)),
     )
+
+
+def _order_check(opts: Options, ref, points: StagePoints, layout, report):
+    """Stages cut at run time and placed without a call order (no probe: the
+    modules' registration order): the check of that placement on the first
+    call, before any stage runs (:func:`annot.plan.stage_points.verify_call_order`)."""
+    if report.runner != "replay" or points.calls is not None:
+        return None
+    whole = ref if opts.instance is None else meta_copy(opts.instance)
+    return functools.partial(verify_call_order, whole, layout.boundaries, layout.stage_modules)
 
 
 def _run_preflight(built: ParallelModel, check, sample) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from annot.build.report import BuildReport
 from annot.core.errors import HintError
-from annot.plan.stage_points import StagePoints, check_stranded, choose_runner
+from annot.plan.stage_points import StagePoints, check_stranded
 
 __all__ = ["MemoryBudget", "check_stranded", "choose_boundaries", "resplit"]
 
@@ -48,7 +48,6 @@ def _module_boundaries(
     n_stages: int,
     report: Optional[BuildReport],
     budget: Optional[MemoryBudget] = None,
-    runner: str = "auto",
 ) -> list[str]:
     """The planner's balanced split of a model without ``@stage``
     (:func:`annot.plan.planner.plan` over :class:`annot.plan.module_units.ModuleUnits`):
@@ -58,8 +57,10 @@ def _module_boundaries(
     Stages cut at run time place each module and raw parameter by the order
     forward calls and reads them; without a probe of that order (no
     ``sample=``, no transformers config to make a tiny input from), the order
-    the model registers its modules is all there is, and nothing shows that
-    forward follows it: such a plan is refused, asking for ``sample=``. A
+    the model registers its modules is all there is: the stages are placed
+    in it, and the model's first call checks that placement against the order
+    it shows before any stage runs (:func:`annot.plan.stage_points.verify_call_order`),
+    refusing it, naming the module, where forward does not follow it. A
     plan the source split runs (``runner``, :func:`annot.plan.stage_points.choose_runner`)
     reads what each stage uses from the source, and stands, unless a memory
     ``budget`` rests on the units' order inside nested forwards.
@@ -90,12 +91,11 @@ def _module_boundaries(
     if report is not None:
         report.plan_table = planned.table()
     b = planned.boundaries
-    replayed = runner == "replay" or (
-        runner == "auto" and choose_runner(points, b).name == "replay"
-    )
     # under a budget the stages' figures must be forward's: nested, that order is unknown
+    # (without a budget, stages cut at run time check their placement on the first
+    # call: annot.plan.stage_points.verify_call_order)
     budgeted = budget is not None and points.source_refusal(b) is not None
-    if order is None and (replayed or budgeted):
+    if order is None and budgeted:
         raise HintError(
             f"annot cannot split {type(ref).__name__} into {n_stages} pipeline stages "
             f"automatically without knowing the order its forward calls its modules and reads "
@@ -155,16 +155,13 @@ def choose_boundaries(
     build=None,
     report: Optional[BuildReport] = None,
     budget: Optional[MemoryBudget] = None,
-    runner: str = "auto",
 ) -> tuple[str, ...]:
     """Where stages begin: ``annot.boundary()`` markers (``()``), ``split=`` /
     ``@stage(split=[...])`` as given, a Hugging Face model's pp plan, else the
     planner's optimal balanced partition over every place forward can be cut
     (cost: measured time, FLOPs or parameters; under ``@stage(memory=...)``
     or ``budget``, ``parallelize(memory=...)``). ``build()`` makes the model
-    with real weights (rank 0 times it for ``cost="time"``). ``runner``:
-    parallelize's (an automatic split of a nested model without a call order
-    is refused where the replay would run it)."""
+    with real weights (rank 0 times it for ``cost="time"``)."""
     from annot.core.hints import StageSpec, get_stage_spec
     from annot.plan.unit_source import plans_over_modules
 
@@ -184,7 +181,7 @@ def choose_boundaries(
         spec = StageSpec(split=tuple(split))
     if split is None and plans_over_modules(cls):
         # no @stage of the user's: balance every nested block and block part
-        return tuple(_module_boundaries(points, n_stages, report, budget, runner))
+        return tuple(_module_boundaries(points, n_stages, report, budget))
     if spec is not None and spec.split:
         if len(spec.split) != n_stages - 1:
             raise HintError(

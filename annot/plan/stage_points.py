@@ -41,6 +41,7 @@ __all__ = [
     "check_stranded",
     "choose_runner",
     "never_called",
+    "verify_call_order",
 ]
 
 log = logging.getLogger("annot")
@@ -260,6 +261,39 @@ def check_stranded(ref: nn.Module, boundaries: tuple[str, ...], stranded: dict[s
             f"the next stage could not receive it. To fix: {instead}begin it at another "
             "module call, or assign that value to a local variable before the call"
         )
+
+
+def verify_call_order(
+    whole: nn.Module, boundaries: tuple[str, ...], held: dict[int, set[str]], args, kwargs
+) -> None:
+    """On the model's first call, before any rank runs a stage: stages cut at
+    run time whose modules were placed without a call order (no ``sample=``,
+    no config to make one: in the order the model registers them) are checked
+    against the order this call shows, one meta forward of ``whole`` (the
+    single-device model on meta). Every module and raw parameter a stage
+    calls or reads must be held by that stage (``held``: the layout's
+    ``stage_modules``), and no boundary may strand a tensor; else it is
+    refused here, naming the module, before any gradient."""
+    from annot.runtime.runners.shape_run import Arguments
+    from annot.runtime.runners.stage_modules import record_calls, stage_calls
+    from annot.runtime.runners.stranded import stranded
+
+    sample = Arguments(tuple(args), dict(kwargs))
+    calls = stage_calls(record_calls(whole, sample), boundaries)
+    placed = set().union(*held.values())  # (a container a boundary cuts is on no stage)
+    for s, paths in sorted(calls.items()):
+        for path in sorted(paths & placed - held.get(s, set())):
+            other = [t for t, h in sorted(held.items()) if path in h]
+            raise HintError(
+                f"{type(whole).__name__}'s stages were placed in the order its modules are "
+                f"registered (no sample= to show the order forward calls them), and its first "
+                f"call shows otherwise: stage {s} (from boundary "
+                f"{(('<start>',) + boundaries)[s]!r}) calls or reads {path!r}, which that order "
+                f"placed on stage(s) {other}. To fix: pass sample=<one microbatch of forward's "
+                "arguments, a tuple or a dict> to annot.parallelize, or give other boundaries "
+                "with split=[...]"
+            )
+    check_stranded(whole, boundaries, stranded(whole, sample))
 
 
 @functools.lru_cache(maxsize=32)

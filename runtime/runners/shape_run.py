@@ -6,6 +6,7 @@ sample is passed to forward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from annot.runtime.runners.meta_ops import has_meta, on_meta
 from annot.runtime.runners.value_reads import DECISIONS
 
-__all__ = ["call_with", "meta_values", "shape_run"]
+__all__ = ["Arguments", "call_with", "meta_values", "shape_run"]
 
 
 def meta_values() -> TorchFunctionMode:
@@ -74,9 +75,20 @@ def _on_zeros(func, args: tuple, kwargs: dict, failed: Exception) -> Any:
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, out)
 
 
+@dataclass(frozen=True)
+class Arguments:
+    """The positional and keyword arguments of one call, as a sample (the
+    model's first call, :func:`annot.plan.stage_points.verify_call_order`)."""
+
+    args: tuple
+    kwargs: dict
+
+
 def call_with(fn, sample: Any) -> Any:
     """``fn`` called on one microbatch of forward's arguments: a dict (keyword
-    arguments), a tuple (positional) or a single value."""
+    arguments), a tuple (positional), :class:`Arguments` (both) or a single value."""
+    if isinstance(sample, Arguments):
+        return fn(*sample.args, **sample.kwargs)
     if isinstance(sample, dict):
         return fn(**sample)
     if isinstance(sample, tuple):

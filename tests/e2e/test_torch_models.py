@@ -1,11 +1,13 @@
 """Models torch itself defines, as a user finds them: torch's DTensor test
 Transformer (``torch.testing._internal``), hinted with its own tp plan as
-annot hints. A class of a ``torch.*`` module is rewritten like any other when
+annot hints; ``nn.TransformerEncoder`` split automatically at pp2 without
+``sample=`` (its placement checked on the first call). A class of a ``torch.*`` module is rewritten like any other when
 a hint or the stage split asks for it; its ``Local("n_heads")`` is applied,
 never dropped. Every gradient against the single-device model at tp2, pp2
 (hand and automatic) and tp2 x pp2."""
 
 import pytest
+import torch
 
 from annot.testing import run_ranks
 
@@ -55,3 +57,45 @@ def test_torch_test_transformer_pp2(split, tmp_path):
 @pytest.mark.slow
 def test_torch_test_transformer_pp2_tp2(tmp_path):
     assert run_ranks(_run, 4, 2, 2, None, str(tmp_path), timeout=300) == [True] * 4
+
+
+class Encoder(torch.nn.Module):
+    """Token ids -> ``nn.TransformerEncoder`` (torch's own, its forward and its
+    layers' as torch writes them) -> logits."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(
+            width,
+            4,
+            2 * width,
+            dropout=0.0,
+            batch_first=True,
+            bias=False,  # (a k bias: grad 0)
+        )
+        self.encoder = torch.nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def _encoder(cache: str):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+    from tests.parity import train_lm_against_reference
+
+    model = annot.parallelize(Encoder, mesh=annot.Mesh(pp=2), seed=0)
+    torch.manual_seed(0)
+    train_lm_against_reference(model, Encoder(), "pp=2 automatic", vocab=32)
+    return list(model.pipeline.boundaries), model.report.runner
+
+
+@pytest.mark.slow
+def test_torch_transformer_encoder_pp2_automatic_without_a_sample(tmp_path):
+    boundaries, runner = run_ranks(_encoder, 2, str(tmp_path))[0]
+    assert boundaries == ["encoder.layers.2"]
+    assert runner == "replay"  # cut at run time: nn.TransformerEncoder's loop is torch's

@@ -1,8 +1,9 @@
 """x-transformers, installed, as its users build it: each layer an
 ``nn.ModuleList`` of (norms, block, residual), the norms a ModuleList too. A
 stage given at a layer (a container, never called) begins at the first call
-inside it, for a hand boundary as for the automatic split; every gradient
-against the single-device model at pp2."""
+inside it, for a hand boundary as for the automatic split; the automatic
+split needs no ``sample=`` (its placement is checked on the first call);
+every gradient against the single-device model at pp2."""
 
 import pytest
 
@@ -43,7 +44,10 @@ def test_a_stage_given_at_a_layer_begins_at_its_first_call(tmp_path):
     assert "'attn_layers.layers.2' at 'attn_layers.layers.2.0.0'" in text, text
 
 
-@pytest.mark.slow
-def test_automatic_split_with_a_sample(tmp_path):
-    boundaries, _ = run_ranks(_run, 2, None, True, str(tmp_path))[0]
+@pytest.mark.parametrize(
+    "sample", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["first call", "sample"]
+)
+def test_automatic_split_without_and_with_a_sample(sample, tmp_path):
+    # without sample=: placed in registration order, checked on the first call
+    boundaries, _ = run_ranks(_run, 2, None, sample, str(tmp_path))[0]
     assert boundaries[0].startswith("attn_layers.layers."), boundaries

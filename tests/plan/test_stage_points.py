@@ -233,3 +233,33 @@ def test_annot_plan_prints_the_table_parallelize_reports_and_explain_shows(kind,
     assert table.splitlines()[-1] == "boundaries: " + ", ".join(doc["boundaries"])
     what = "units" if kind == "llama" else "segments"
     assert f"in 2 stages over {len(doc['units'])} {what}" in table
+
+
+class Reordered(nn.Module):
+    """Registers ``late`` before ``early``, calls ``early`` first."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.late = nn.Linear(width, width)
+        self.early = nn.Linear(width, width)
+        self.last = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.last(self.late(self.early(x)))
+
+
+@pytest.mark.parametrize(
+    "boundary, refused", [("last", False), ("early", True)], ids=["agrees", "differs"]
+)
+def test_a_placement_in_registration_order_is_checked_on_the_first_call(boundary, refused):
+    from annot.plan.stage_points import verify_call_order
+    from annot.runtime.runners.stage_modules import call_order_stage_modules
+
+    model = Reordered()
+    held = call_order_stage_modules(model, (boundary,), None)  # no probe: registration order
+    if not refused:
+        verify_call_order(model, (boundary,), held, (torch.zeros(2, 4),), {})
+        return
+    # by registration, 'late' is on stage 0, but forward calls it after 'early' (stage 1)
+    with pytest.raises(HintError, match=r"stage 1 \(from boundary 'early'\) calls or reads 'late'"):
+        verify_call_order(model, (boundary,), held, (torch.zeros(2, 4),), {})
