@@ -58,6 +58,7 @@ class Recipe:
     reshape_minus_one: bool = False  # heads split / merged with -1 for the head size
     hooks: bool = False  # hooks registered in __init__ (a library's): tp layers' and the root's
     instance: bool = False  # annot is handed an instance (as from_pretrained gives), not the class
+    lora: bool = False  # LoRA adapters (PEFT) on its linears, handed over wrapped (with_lora)
     vocab: int = 32
     seq: int = 8
 
@@ -276,11 +277,48 @@ def _block_paths(r: Recipe, tower: str) -> list[str]:
 
 def boundaries(r: Recipe) -> list[str]:
     """Module paths where a second stage may begin, in call order: the blocks
-    after the first (the first may be called twice), the second tower."""
+    after the first (the first may be called twice), the second tower; then
+    containers: the block container (a module list or dict is never called:
+    its stage begins at its first call inside), a nested pair."""
     out = _block_paths(r, "tower")[1:]
     if r.two_towers:
         out += ["text"] + _block_paths(r, "text")[1:]
+    if not r.twice:
+        out.append("tower.blocks")
+    if r.container == "nested" and r.blocks > 2:
+        out.append("tower.blocks.1")
     return out
+
+
+LORA_PREFIX = "base_model.model."  # where a PEFT model holds the model it wraps
+
+
+def with_lora(model: nn.Module) -> nn.Module:
+    """``model`` wrapped by PEFT with LoRA adapters on its attention and MLP
+    linears (``lora_B`` drawn, not zero, so every adapter's gradient shows);
+    only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {path.rpartition(".")[2] for path, _ in model.named_modules()}
+    targets = [t for t in ("q", "v", "out", "up", "down") if t in names]
+    g = torch.Generator().manual_seed(1)
+    wrapped = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+    for path, p in wrapped.named_parameters():
+        if "lora_" in path:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return wrapped
+
+
+def lora_paths(paths: dict | list) -> dict | list:
+    """Hints or boundaries of the model, for it wrapped by :func:`with_lora`."""
+
+    def at(k: str) -> str:
+        return k if k.startswith("**") else LORA_PREFIX + k
+
+    if isinstance(paths, dict):
+        return {at(k): v for k, v in paths.items()}
+    return [at(k) for k in paths]
 
 
 def batch(r: Recipe, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

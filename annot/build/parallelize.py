@@ -41,7 +41,7 @@ from annot.build.options import Options, option_defaults, resolve_options
 from annot.build.preflight import preflight
 from annot.build.report import BuildReport
 from annot.build.stage_choice import calls_to_cut, choose_boundaries, resplit
-from annot.core.errors import HintError, PipelineError
+from annot.core.errors import HintError, IntegrationError, PipelineError
 from annot.core.hints import (
     ShardSpec,
     get_shard_spec,
@@ -446,12 +446,30 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
         with process_groups.use(ctx), torch.random.fork_rng(), torch.device("meta"):
             local = mapping.get(cls, cls)(*args, **kwargs)
         take_rewritten_classes(local, mapping)  # modules built by an unchanged factory
+        _check_hooks_kept(ref, local)
     with process_groups.use(ctx), torch.device("meta"):  # what construction did not shard
         convert_hinted(local, paths, tp, tied_names(ref))
     split = splits.get("split")
     if split is None and split_root:
         split = resplit(cls, boundaries)  # a cache hit: the split of the source
     return local, split
+
+
+def _check_hooks_kept(ref: nn.Module, local: nn.Module) -> None:
+    """Refuse a model whose constructor registered hooks on the single-device
+    model that it did not register on annot's build of it (rewritten classes
+    are copies: ``isinstance(m, MLP)`` outside ``MLP`` is False for them)."""
+    from annot.runtime.tp.user_hooks import lost_hooks
+
+    lost = lost_hooks(ref, local)
+    if lost:
+        raise IntegrationError(
+            f"{type(ref).__name__}(...) registers hooks on {lost[:4]} when built from your "
+            "classes, but not when built from annot's rewritten copies of them (a check such "
+            "as isinstance(m, YourClass) in code outside the class is False for a copy), so "
+            "the parallel model would run without them. To fix: build the model yourself and "
+            "pass the instance, annot.parallelize(model, ...), which keeps its hooks"
+        )
 
 
 def _pipeline_layout(local, split, points: StagePoints, ctx, chunks: int, report):

@@ -281,8 +281,22 @@ def verify_call_order(
     sample = Arguments(tuple(args), dict(kwargs))
     calls = stage_calls(record_calls(whole, sample), boundaries)
     placed = set().union(*held.values())  # (a container a boundary cuts is on no stage)
+    modules = dict(whole.named_modules(remove_duplicate=False))
+    params = dict(whole.named_parameters(remove_duplicate=False))
+
+    def tensors(path: str) -> set[int]:
+        """The parameters ``path`` holds itself: a tied weight is one (held with
+        either of its modules: the layout's ties join them)."""
+        if path in params:
+            return {id(params[path])}
+        m = modules.get(path)
+        return {id(t) for t in m.parameters(recurse=False)} if m is not None else set()
+
     for s, paths in sorted(calls.items()):
+        mine = set().union(set(), *(tensors(p) for p in held.get(s, set())))
         for path in sorted(paths & placed - held.get(s, set())):
+            if tensors(path) and tensors(path) <= mine:
+                continue
             other = [t for t, h in sorted(held.items()) if path in h]
             raise HintError(
                 f"{type(whole).__name__}'s stages were placed in the order its modules are "

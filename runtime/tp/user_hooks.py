@@ -35,7 +35,7 @@ from annot.runtime.tp import embedding as E
 from annot.runtime.tp import layers as L
 from annot.runtime.tp.comm import GatherFromTP, ScatterToTP, tp_env
 
-__all__ = ["WholeView", "carry_hooks", "is_annots", "split_layers", "view_hooks"]
+__all__ = ["WholeView", "carry_hooks", "is_annots", "lost_hooks", "split_layers", "view_hooks"]
 
 # every hook dictionary of an nn.Module (the flags are keyed by hook id)
 HOOK_DICTS = (
@@ -148,6 +148,25 @@ class WholeView:
             new_args, new_kwargs = result
             return tree_map_only(torch.Tensor, mine, new_args), new_kwargs
         return tree_map_only(torch.Tensor, mine, result)
+
+
+def lost_hooks(ref: nn.Module, built: nn.Module) -> list[str]:
+    """The module paths where ``ref`` (built from the user's classes) has
+    more user hooks (forward, pre-forward, backward) than ``built`` (annot's
+    rewritten classes, built from the same arguments): a constructor that
+    registers hooks by ``isinstance(m, TheirClass)`` in code outside the
+    class skips annot's rewritten copy of that class."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    mine = dict(built.named_modules(remove_duplicate=False))
+
+    def count(m: nn.Module) -> int:
+        return sum(not is_annots(h) for k in kinds for h in getattr(m, k).values())
+
+    return [
+        path
+        for path, m in ref.named_modules(remove_duplicate=False)
+        if path in mine and count(m) > count(mine[path])
+    ]
 
 
 def is_annots(hook: Any) -> bool:

@@ -182,3 +182,45 @@ def test_a_hook_on_a_module_inside_a_tp_region_is_refused(tmp_path):
     assert said.startswith("a forward hook on 'blocks.0.act' (GELU): under tp"), said
     assert "(2, 3, 32)" in said, said  # this rank's half of the 64 features
     assert "(2, 3, 64)" in said, said
+
+
+def _hook_blocks(model: nn.Module) -> None:
+    """A library's helper: picks the modules to hook by their class."""
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.fc1.register_forward_hook(_softmax_mix)
+
+
+class ClassHookedNet(Net):
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__(d, n)
+        _hook_blocks(self)
+
+
+def _hooks_by_class(cache: str):
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import annot
+
+    try:
+        annot.parallelize(ClassHookedNet, mesh=annot.Mesh(tp=2), hints=HINTS, seed=0)
+    except annot.IntegrationError as e:
+        refused = str(e)
+    torch.manual_seed(0)
+    model = annot.parallelize(ClassHookedNet(), mesh=annot.Mesh(tp=2), hints=HINTS)
+    torch.manual_seed(0)
+    ref = ClassHookedNet()
+    x = torch.randn(2, 3, 16)
+    out = model(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=4e-5)
+    return refused
+
+
+def test_hooks_picked_by_class_refused_when_built_from_the_class(tmp_path):
+    """``isinstance(m, Block)`` outside ``Block`` is False for annot's rewritten
+    copy of ``Block``: built from the class, the hooks would be lost, so it
+    is refused at build naming the fix; the instance keeps them, exactly."""
+    said = run_ranks(_hooks_by_class, 2, str(tmp_path))[0]
+    assert said.startswith(
+        "ClassHookedNet(...) registers hooks on ['blocks.0.fc1', 'blocks.1.fc1', "
+    ), said
+    assert "annot.parallelize(model, ...)" in said, said
