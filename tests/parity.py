@@ -47,6 +47,13 @@ def compare_grads(model, ref, what: str) -> None:
         assert_close(grads[k], p.grad, f"{what}: grad {k}")
 
 
+def step_both(*opts) -> None:
+    """One optimizer step of the parallel model and of its reference, grads cleared."""
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
 def train_against_reference(model, ref, batches, run, what: str, lr: float) -> None:
     """Step a parallel model and its single-device reference together with
     AdamW. For each batch ``run(m, batch)`` returns ``(loss, {name: output})``
@@ -64,10 +71,7 @@ def train_against_reference(model, ref, batches, run, what: str, lr: float) -> N
         for name, value in outputs.items():
             assert_close(value, ref_outputs[name], f"{what} step {step}: {name}")
         compare_grads(model, ref, f"{what} step {step}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(opt, ref_opt)
     compare_state(model, ref, f"{what} after {step + 1} AdamW steps")
 
 
@@ -94,10 +98,7 @@ def train_mse_against_reference(model, ref, what: str, width: int = 16, steps: i
         ref_loss.backward()
         assert_close(loss, ref_loss, f"{what} step {i}: loss")
         compare_grads(model, ref, f"{what} step {i}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(opt, ref_opt)
     compare_state(model, ref, f"{what}: after {steps} AdamW steps")
 
 
@@ -131,10 +132,7 @@ def train_lm_against_reference(model, ref, what: str, vocab: int, steps: int = 2
         ref_loss.backward()
         assert_close(loss, ref_loss, f"{what} step {i}: loss")
         compare_grads(model, ref, f"{what} step {i}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_both(opt, ref_opt)
     compare_state(model, ref, f"{what}: after {steps} AdamW steps")
     return step, (x, y)
 
