@@ -44,9 +44,8 @@ def test_a_stage_given_at_a_layer_begins_at_its_first_call(tmp_path):
     assert "'attn_layers.layers.2' at 'attn_layers.layers.2.0.0'" in text, text
 
 
-@pytest.mark.parametrize(
-    "sample", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["first call", "sample"]
-)
+@pytest.mark.slow  # (fast-set budget: verify_call_order's unit test is in the fast set)
+@pytest.mark.parametrize("sample", [False, True], ids=["first call", "sample"])
 def test_automatic_split_without_and_with_a_sample(sample, tmp_path):
     # without sample=: placed in registration order, checked on the first call
     boundaries, _ = run_ranks(_run, 2, None, sample, str(tmp_path))[0]
