@@ -155,12 +155,18 @@ def lost_hooks(ref: nn.Module, built: nn.Module) -> list[str]:
     more user hooks (forward, pre-forward, backward) than ``built`` (annot's
     rewritten classes, built from the same arguments): a constructor that
     registers hooks by ``isinstance(m, TheirClass)`` in code outside the
-    class skips annot's rewritten copy of that class."""
+    class skips annot's rewritten copy of that class. transformers' own
+    hooks (its output capture, which annot carries across the stages) are
+    not counted."""
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     mine = dict(built.named_modules(remove_duplicate=False))
 
+    def users(hook: Any) -> bool:
+        module = getattr(getattr(hook, "__func__", hook), "__module__", None) or ""
+        return not is_annots(hook) and not module.startswith("transformers.")
+
     def count(m: nn.Module) -> int:
-        return sum(not is_annots(h) for k in kinds for h in getattr(m, k).values())
+        return sum(users(h) for k in kinds for h in getattr(m, k).values())
 
     return [
         path
