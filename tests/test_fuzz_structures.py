@@ -21,8 +21,8 @@ at build), be refused with an
 ``AnnotError`` by the first step. Wrong numbers, a raw crash, a hang or a
 refused supported case fail.
 
-Profiles: the README's test command runs a bounded one (``FAST``); the slow
-set runs a longer one with the 4-rank mode; ``ANNOT_FUZZ_EXAMPLES=N`` runs N
+Profiles: the README's test command runs a bounded one (``FAST``, without
+LoRA); the slow set runs a longer one (with LoRA) and the 4-rank mode; ``ANNOT_FUZZ_EXAMPLES=N`` runs N
 examples of each (opt-in, e.g. overnight) and ``ANNOT_FUZZ_SEED=S`` draws
 other cases than the derandomized default. Every rank draws the same cases
 (derandomized, no database, no shrinking: a shrink on one rank alone would
@@ -83,7 +83,7 @@ PINNED = [
 ]
 
 
-def recipes():
+def recipes(lora: bool = True):
     def build(container, blocks, **kw):
         if container == "nested" and blocks % 2:
             blocks += 1
@@ -112,13 +112,13 @@ def recipes():
         reshape_minus_one=flag,
         hooks=flag,
         instance=flag,
-        lora=flag,
+        lora=flag if lora else st.just(False),  # (the fast profile leaves PEFT out: budget)
     )
 
 
-def cases(modes: tuple[str, ...]):
+def cases(modes: tuple[str, ...], lora: bool = True):
     return st.tuples(
-        recipes(),
+        recipes(lora),
         st.sampled_from(modes),
         st.booleans(),  # under torch.compile
         st.sampled_from(["", "", "", "swap", "global"]),  # a wrong hint, sometimes
@@ -311,7 +311,13 @@ def _compare(model, ref, loss, ref_loss, compiled: bool, what: str) -> None:
     del torch
 
 
-def _fuzz(examples: int, modes: tuple[str, ...], pinned: list, seed: int | None = None) -> dict:
+def _fuzz(
+    examples: int,
+    modes: tuple[str, ...],
+    pinned: list,
+    seed: int | None = None,
+    lora: bool = True,
+) -> dict:
     """Run the drawn cases on this rank; every rank draws the same ones
     (derandomized, or from ``seed``: ``ANNOT_FUZZ_SEED`` explores others)."""
     from hypothesis import HealthCheck, Phase, example, given, settings
@@ -329,7 +335,7 @@ def _fuzz(examples: int, modes: tuple[str, ...], pinned: list, seed: int | None 
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(case=cases(modes))
+    @given(case=cases(modes, lora))
     def check(case):
         run_case(case, seen)
 
@@ -359,7 +365,7 @@ def _seed() -> int | None:
 
 def test_fuzz_structures_two_ranks():
     seen = run_ranks(
-        _fuzz, 2, _examples(FAST), ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), timeout=540
+        _fuzz, 2, _examples(FAST), ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), False, timeout=540
     )[0]
     _report(seen)
     assert seen.get("exact", 0) >= FAST // 2, "most drawn cases were refused: the fuzzer is blind"
@@ -372,7 +378,7 @@ def test_fuzz_the_source_split_on_models_written_out():
     refused at build naming why; with runner= left out (the source split
     where it cuts, else the replay), equal to the single device."""
     modes = ("pp2_source", "pp2_written")
-    seen = run_ranks(_fuzz, 2, _examples(FAST), modes, PINNED, _seed(), timeout=540)[0]
+    seen = run_ranks(_fuzz, 2, _examples(FAST), modes, PINNED, _seed(), False, timeout=540)[0]
     _report(seen)
     assert seen.get("exact", 0) >= FAST // 3, "most drawn cases were refused: the fuzzer is blind"
     # the written-out cases the replay took over must not hide a source split that cuts nothing
