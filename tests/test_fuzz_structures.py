@@ -52,6 +52,11 @@ PINNED = [
     # stage's code, hid a received tensor from B ("1 gradients arrived for 2
     # outputs"; fixed: the source runner gives a stage containers of its own)
     (Recipe(kinds="m", skip=True), "pp2_source", False, "", 0),
+    # the source split at the block container: stage 0 runs the tower's first part
+    # (``saved = []``) but holds none of its modules, and pruned the tower it calls
+    # into ("'Absent' object has no attribute '_annot_stage_0'"; fixed: a rank keeps
+    # the modules above the boundaries its stages begin or end at, for either runner)
+    (Recipe(kinds="m", skip=True), "pp2_source", False, "", 1),
     # torch.compile at tp2 lost every column layer's gradient (fixed: functional collectives)
     (Recipe(kinds="m"), "tp2", True, "", 0),
     (Recipe(kinds="am"), "tp2", True, "", 0),

@@ -159,10 +159,7 @@ def build_layout(
         ids = [pp_rank + c * mesh.pp for c in range(chunks)]
         keep = set().union(*(stage_modules[s] for s in ids))
         through = frozenset(
-            boundaries[b]
-            for s in ids
-            for b in (s - 1, s)
-            if at_run_time and 0 <= b < len(boundaries)
+            boundaries[b] for s in ids for b in (s - 1, s) if 0 <= b < len(boundaries)
         )
         return keep, through
 
