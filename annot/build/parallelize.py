@@ -199,7 +199,7 @@ def parallelize(
     ref = _reference(opts, args, seed, ctx)
     log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
     report = BuildReport(mesh)
-    report.specs, paths = _hints(ref, hints, mesh.tp)
+    report.specs, paths = _hints(ref, hints, mesh.tp, report)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in report.specs))
 
     points = StagePoints(ref, cls, sample)  # where a stage may begin; shared by planner and stages
@@ -220,11 +220,18 @@ def parallelize(
         log.debug("annot: pipeline stages %s on this rank", layout.local_stage_ids)
         order_check = _order_check(opts, ref, points, layout, report)
     _materialize(local, opts, args, ref, seed, ctx, layout)
+    whole = None  # what the first-call check of inferred hints compares with
+    if report.inferred is not None and report.inferred.hints:
+        whole = ref if opts.instance is None else meta_copy(opts.instance)
     del ref, points
     log.debug("annot: step 5: materialized this rank's shard of the reference weights")
 
     built = _assemble(local, opts, ctx, layout, report, paths)
     built.order_check = order_check
+    if whole is not None:
+        from annot.build.inferred_check import install
+
+        install(built, whole, report)
     if check is not None:
         _run_preflight(built, check, sample)
         log.debug("annot: step 6: pre-flight %s", report.preflight)
@@ -288,6 +295,7 @@ def _preflight_check(opts: Options, ref, local, split_plan, ctx, report, paths, 
         ctx=ctx,
         specs=report.specs,
         paths=paths,
+        inferred=report.inferred is not None,
     )
 
 
@@ -382,13 +390,19 @@ def _reference(opts: Options, args: tuple, seed, ctx) -> nn.Module:
     return ref
 
 
-def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
+def _hints(ref: nn.Module, hints: Optional[dict], tp: int, report) -> tuple[dict, dict]:
     """Step 3: ``(specs by class, hints by path)``, verified against the
-    reference; a transformers model's own tp plan when nothing is hinted."""
+    reference; when nothing is hinted, a transformers model's own tp plan, else
+    the hints its sources show (:mod:`annot.plan.inferred_hints`)."""
     if hints is None and tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
         from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
+        from annot.plan.inferred_hints import infer_hints
 
         hints = hints_from_hf_config(ref, tp=tp) or None
+        if hints is None:
+            report.inferred = infer_hints(ref)
+            hints = report.inferred.hints or None
+            log.info("annot: tp hints inferred from source:\n%s", report.inferred.source())
     if hints and tp > 1:
         from annot.hf.lora import lora_hints
 
@@ -401,6 +415,7 @@ def _hints(ref: nn.Module, hints: Optional[dict], tp: int) -> tuple[dict, dict]:
             "the whole model. Give the layers' layout from outside, e.g. "
             "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
             "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
+            + (report.inferred.why_nothing() if report.inferred is not None else "")
         )
     check_shard_hints(ref, specs, tp, paths)
     return specs, paths

@@ -174,6 +174,7 @@ def preflight(
     paths: dict,
     whole: Optional[nn.Module] = None,
     split_forwards: tuple[str, ...] = (),
+    inferred: bool = False,
 ) -> dict:
     """Refuse ``local`` (this rank's model) when a meta forward on ``args`` and
     ``kwargs`` fails where the single-device ``ref`` runs; see the module
@@ -186,7 +187,8 @@ def preflight(
     out), which runs instead, so every rank checks the whole model and finds
     the same sites. ``split_forwards``: the forwards (``"LlamaModel.forward"``)
     the pipeline runs as stage methods the rewriter made (other lines), so a
-    site in a module of those classes cannot be keyed: refused."""
+    site in a module of those classes cannot be keyed: refused. ``inferred``:
+    the hints were read off the sources (the refusal says so)."""
     from annot.runtime.tp.dropout import sharded_sites
     from annot.runtime.tp.reshape import ReshapeRecorder, check_head_splits, column_chunks
 
@@ -250,4 +252,10 @@ def preflight(
         "read from a config the module holds by its path: Local('config.n_head')), or a "
         "per-head tensor built for all heads outside the sharded module (shard what builds it, "
         "or slice it with Heads(...) where it enters)."
+        + (
+            " annot read these hints off the source (nothing was hinted): print them with "
+            "`annot hints FILE:CLASS`, correct them and pass them as hints=..."
+            if inferred
+            else ""
+        )
     ) from exc

@@ -6,10 +6,13 @@ step named beside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from annot.core.hints import ShardSpec
 from annot.core.mesh import Mesh
+
+if TYPE_CHECKING:
+    from annot.plan.inferred_hints import Inferred
 
 __all__ = ["BuildReport"]
 
@@ -36,6 +39,9 @@ class BuildReport:
     # step 5 with annot.from_pretrained: where the weights were read
     # (annot.io.pretrained.Source: the directory, each model name's stored name)
     pretrained: Optional[object] = None
+    # step 3 with nothing hinted and no transformers plan: the hints read off the
+    # sources (annot.plan.inferred_hints.Inferred), checked on the first call
+    inferred: Optional[Inferred] = None
 
     @property
     def replay(self) -> bool:

@@ -17,7 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-__all__ = ["Refusal", "build_model", "degree", "describe", "import_target", "parse_inputs"]
+__all__ = [
+    "Refusal",
+    "build_model",
+    "degree",
+    "describe",
+    "import_target",
+    "parse_inputs",
+    "target_model",
+]
 
 
 class Refusal(Exception):
@@ -218,6 +226,16 @@ def _config_json(text: str) -> dict:
     if not isinstance(value, dict):
         raise Refusal("--config-json: expected a JSON object of keyword arguments")
     return value
+
+
+def target_model(target: str, init: Optional[str], config: Optional[str]):
+    """``(class, model)`` for ``FILE:CLASS`` built as ``--init`` / ``--config-json`` say."""
+    path, _, name = target.rpartition(":")
+    module = import_target(path)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise Refusal(f"{path} defines no class {name!r}")
+    return cls, build_model(module, cls, init, config)
 
 
 def build_model(module, cls: type, init: Optional[str], config: Optional[str]):

@@ -8,6 +8,7 @@
         --init 'GPTConfig(n_layer=8)'             # balanced stage boundaries, as a table
     annot verify model.py:GPT --tp 2 --input idx=int64[2,16]:64 \
         --hints hints.py:HINTS                    # tp=2 on gloo ranks vs one device
+    annot hints model.py:GPT --init 'GPTConfig()' # the tp hints read off the sources
     annot --version
 
 Exit status: 0 on success (``verify``: 1 on a mismatch), 2 on any error (a refusal prints
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from annot.cli.hints import add_hints
 from annot.cli.plan import add_plan
 from annot.cli.rewrite import add_rewrite, rewrite_source
 from annot.cli.verify import add_verify
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rewrite(sub)
     add_plan(sub)
     add_verify(sub)
+    add_hints(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from annot.cli.inputs import Refusal, build_model, import_target, parse_inputs
+from annot.cli.inputs import Refusal, import_target, parse_inputs, target_model
 
 __all__ = ["add_verify"]
 
@@ -66,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
             raise Refusal(f"{args.target!r}: expected FILE:CLASS, e.g. model.py:GPT")
         if args.tp < 2:
             raise Refusal(f"--tp {args.tp}: verify compares tp >= 2 with one device")
-        _model(args)  # command-line mistakes show here, before any rank starts
+        # command-line mistakes show here, before any rank starts
+        target_model(args.target, args.init, args.config_json)
         if args.hints is not None:
             _hints(args.hints)
     except Refusal as exc:
@@ -95,15 +96,6 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(f"all {len(rows)} checks equal the single-device run (rtol {RTOL}, atol {ATOL})")
     return 0
-
-
-def _model(args: Any):
-    path, _, name = args.target.rpartition(":")
-    module = import_target(path)
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type):
-        raise Refusal(f"{path} defines no class {name!r}")
-    return cls, build_model(module, cls, args.init, args.config_json)
 
 
 def _hints(spec: str) -> dict:
@@ -162,7 +154,7 @@ def _rank(arguments: dict) -> list[tuple[str, Optional[float], bool]]:
 
     args = argparse.Namespace(**arguments)
     torch.manual_seed(args.seed)
-    cls, model = _model(args)
+    cls, model = target_model(args.target, args.init, args.config_json)
     ref = copy.deepcopy(model)
     hints = _hints(args.hints) if args.hints else None
     torch.manual_seed(args.seed + 1)

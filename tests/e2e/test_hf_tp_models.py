@@ -47,6 +47,17 @@ def _build(name: str):
             vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16
         )
         return transformers.GPTJForCausalLM, cfg
+    if name == "opt":  # no plan, no hints: read off the sources
+        cfg = transformers.OPTConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=64,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+        )
+        return transformers.OPTForCausalLM, cfg
     if name == "bloom":  # no plan; ALiBi built for all heads in BloomModel.forward
         cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
         return transformers.BloomForCausalLM, cfg
@@ -125,16 +136,17 @@ def _train(model, ref, what):
     train_against_reference(model, ref, batches, run, what, lr=1e-3)
 
 
-def _parity(cache: str, name: str, hints=None, built: bool = False):
+def _parity(cache: str, name: str, hints=None, built: bool = False, inferred: bool = False):
     """tp=2 against the single-device model; ``built``: hand annot the built
-    model (the instance path) instead of the class and its config."""
+    model (the instance path) instead of the class and its config;
+    ``inferred``: no hints, those read off the sources."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
 
     cls, cfg = _build(name)
-    if hints is None and name in HINTS:
+    if hints is None and name in HINTS and not inferred:
         hints = HINTS[name]()
     mesh = annot.Mesh(tp=2)
     if built:
@@ -142,9 +154,15 @@ def _parity(cache: str, name: str, hints=None, built: bool = False):
         model = annot.parallelize(cls(cfg), mesh=mesh, hints=hints, verify=True)
     else:
         model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, hints=hints, verify=True)
+    assert (model.report.inferred is not None) == inferred
     torch.manual_seed(0)
     ref = cls(cfg)
     _train(model, ref, f"{name} tp=2")
+    if inferred:  # each class the hints split checked against the whole module on the first call
+        assert model.report.inferred.checked == [
+            "model.decoder.layers.0.self_attn",
+            "model.decoder.layers.0",
+        ], model.report.inferred.checked
     return sorted(n for n, p in model.named_parameters() if getattr(p, "annot_grad_sum", None))
 
 
@@ -268,3 +286,13 @@ def _dropout_parity(cache: str, name: str):
 @pytest.mark.parametrize("name", ["t5", "gpt2"])
 def test_tp2_dropout_equals_the_single_device_run(tmp_path, name):
     run_ranks(_dropout_parity, 2, str(tmp_path), name, timeout=300)
+
+
+def _inferred(cache: str, name: str):
+    _parity(cache, name, inferred=True)
+    return True
+
+
+def test_opt_tp2_without_hints(tmp_path):
+    """OPT ships no tp plan: its attention and MLP are read off the sources."""
+    assert run_ranks(_inferred, 2, str(tmp_path), "opt", timeout=300) == [True, True]

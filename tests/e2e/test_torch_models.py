@@ -1,7 +1,8 @@
 """Models torch itself defines, as a user finds them: torch's DTensor test
 Transformer (``torch.testing._internal``), hinted with its own tp plan as
 annot hints; ``nn.TransformerEncoder`` split automatically at pp2 without
-``sample=`` (its placement checked on the first call). A class of a ``torch.*`` module is rewritten like any other when
+``sample=`` (its placement checked on the first call). At tp2 without hints, the hints annot reads off its sources are
+that plan. A class of a ``torch.*`` module is rewritten like any other when
 a hint or the stage split asks for it; its ``Local("n_heads")`` is applied,
 never dropped. Every gradient against the single-device model at tp2, pp2
 (hand and automatic) and tp2 x pp2."""
@@ -23,6 +24,7 @@ def _run(pp: int, tp: int, split, cache: str):
 
     import annot
     from annot import Col, Local, Row
+    from annot.plan.inferred_hints import infer_hints
     from tests.parity import train_lm_against_reference
 
     args = ModelArgs(n_layers=4, vocab_size=32, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)
@@ -36,6 +38,9 @@ def _run(pp: int, tp: int, split, cache: str):
         "layers.*.feed_forward.w2": Row(),
     }
     mesh = annot.Mesh(pp=pp, tp=tp)
+    if tp > 1 and pp == 1:  # no hints: these are what annot reads off the sources
+        assert infer_hints(Transformer(args)).hints == hints
+        hints = None
     model = annot.parallelize(
         Transformer, args, mesh=mesh, hints=hints if tp > 1 else None, split=split, seed=0
     )

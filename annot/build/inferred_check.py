@@ -1,0 +1,129 @@
+"""Hints read off the sources are checked on the model's first call, on its
+own inputs, before anything trains on them.
+
+For each class the inferred hints split (an attention, an MLP), the first
+module of it this rank holds runs twice on the inputs that call gives it, in
+eval mode and without gradients: as this rank's tp shard, and whole, the
+single-device module rebuilt from the shard's gathered weights. Outputs that
+differ mean the reading of the source was wrong in a way shapes do not show
+(heads mixed, a width reduced across the split): the call is refused on every
+tp rank alike with a :class:`HintError` naming the class, the hints and the
+fix, before backward. Nothing ever trains on a wrong split.
+
+    install(built, whole, report)      # at build, before torch.compile
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from annot.core.errors import HintError
+
+__all__ = ["install", "owner_paths"]
+
+log = logging.getLogger("annot")
+
+
+def owner_paths(hints: dict, model: nn.Module) -> dict[str, str]:
+    """``{class name: the first path of a module of it that the hints split}``."""
+    from annot.core.hints import path_matches
+
+    hinted = [
+        p
+        for p, _ in model.named_modules()
+        if any(path_matches(k, p) for k, v in hints.items() if type(v).__name__ in ("Col", "Row"))
+    ]
+    out: dict[str, str] = {}
+    named = dict(model.named_modules())
+    for p in hinted:
+        owner = p.rpartition(".")[0]
+        while owner and isinstance(named[owner], (nn.Sequential, nn.ModuleDict, nn.ModuleList)):
+            owner = owner.rpartition(".")[0]  # a container's: the module whose forward calls it
+        out.setdefault(type(named[owner]).__qualname__, owner)
+    return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape:
+        return False
+    rtol, atol = (1e-3, 1e-4) if want.dtype == torch.float32 else (3e-2, 3e-2)
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return bool(torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol * max(scale, 1.0)))
+
+
+def _whole_copy(mod: nn.Module, twin: nn.Module, device) -> nn.Module:
+    """``twin`` (meta) made real on ``device`` with ``mod``'s gathered weights
+    and its buffers (a causal mask, a rotary table: never sharded by Col/Row)."""
+    from annot.runtime.tp.state_dict import full_state_dict
+
+    full = full_state_dict(mod)  # collective over the tp group
+    twin = twin.to_empty(device=device)
+    twin.load_state_dict({k: v for k, v in full.items() if k in twin.state_dict()}, strict=False)
+    held = dict(mod.named_buffers())
+    for name, b in twin.named_buffers():
+        if name in held and held[name].shape == b.shape:
+            b.copy_(held[name])
+    return twin
+
+
+def _check(mod: nn.Module, twin: nn.Module, args, kwargs, ctx, name: str, path: str, found):
+    from annot.runtime import process_groups
+
+    device = next(mod.parameters()).device
+    with process_groups.use(ctx), torch.no_grad():
+        whole = _whole_copy(mod, twin, device)
+        modes = mod.training
+        mod.eval()
+        whole.eval()
+        try:
+            got = mod(*args, **kwargs)
+            want = whole(*args, **kwargs)
+        finally:
+            mod.train(modes)
+        g, w = _tensors(got)[:1], _tensors(want)[:1]  # the output (an attention's weights: not)
+        ok = torch.tensor([0 if g and w and not _close(g[0], w[0]) else 1], device=device)
+        if ctx.tp_group is not None and dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.tp_group)
+    if not ok.item():
+        mine = "\n  ".join(f"{k!r}: {v!r}," for k, v in found.hints.items())
+        raise HintError(
+            f"the tp hints annot read off the source of {name} do not compute what the "
+            f"module computes: '{path}' at tp={ctx.mesh.tp} gives other outputs than the whole "
+            f"module on this call's inputs. Nothing trained. Give hints= yourself (these "
+            f"were inferred; review and fix them):\n  {mine}\nor tp=1"
+        )
+    found.checked.append(path)
+    log.info("annot: inferred hints of %s checked at '%s' on the first call", name, path)
+
+
+def install(built, whole: nn.Module, report) -> None:
+    """Check the inferred hints (``report.inferred``) on ``built``'s first call:
+    a one-shot forward hook on the first module of each class they split
+    (run eagerly under ``torch.compile``)."""
+    from annot.runtime.runners.placeholder import Absent
+
+    found = report.inferred
+    handles: dict[str, Any] = {}
+    for name, path in owner_paths(found.hints, whole).items():
+        mod = built.module.get_submodule(path)
+        if isinstance(mod, Absent) or next(mod.parameters(), None) is None:
+            continue  # another pipeline stage's: checked there
+
+        @torch.compiler.disable
+        def hook(m, args, kwargs, out, name=name, path=path, mod=mod) -> None:
+            if m is not mod or any(t.is_meta for t in _tensors((args, kwargs))):
+                return  # a copy, or a run for shapes (the pre-flight, a replay's shadow)
+            handles.pop(path).remove()
+            _check(m, whole.get_submodule(path), args, kwargs, built.ctx, name, path, found)
+
+        handles[path] = mod.register_forward_hook(hook, with_kwargs=True)

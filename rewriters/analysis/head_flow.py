@@ -1,0 +1,560 @@
+"""Tensor-parallel hints read off one ``forward``: the flow of each Linear's
+output through the source, as a person reads an attention or an MLP.
+
+- A Linear whose output is reshaped into heads (``q.view(B, T, self.n_head,
+  -1)``, ``rearrange(q, "b n (h d) -> b h n d", h=h)``), or split first into
+  equal parts (``qkv(x).split(self.dim, -1)``: ``Col(chunks=3)``), is
+  column-parallel: each rank computes its own heads.
+- The Linear that takes those heads merged back (``y.transpose(1, 2).reshape(B,
+  T, -1)``) is row-parallel: its output is summed over the ranks.
+- An MLP: a Linear whose output reaches another Linear through element-wise
+  steps only (an activation, a gate's product, dropout) is column-parallel, the
+  second row-parallel.
+- The names the reshapes, splits and merges read for head counts and widths
+  (``self.n_head``, ``self.config.num_heads``, a local ``C``) hold per-rank
+  sizes at tp: ``Local(...)``. A module with weights applied per head (a
+  ``q_norm`` over the head dim) gets partial gradients: ``Replicate(sum_grad=True)``.
+
+What the reading cannot follow (a column output returned, stored, given to a
+function it does not know, normalized over its sharded width, a raw parameter
+read with the heads) leaves the Linears whose outputs meet it whole, with the
+reason in :attr:`Flow.notes`: never a guessed split. The build checks what is
+found (:mod:`annot.build.inferred_hints`).
+
+    flow = read_flow(source_of_forward, Children(linears={"qkv", "out"}))
+    flow.specs   # {"qkv": Col(chunks=3), "out": Row()}
+    flow.local   # ("num_heads", "dim")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from annot.core.specs import Col, Replicate, Row
+
+__all__ = ["Children", "Flow", "read_flow"]
+
+CLEAN, COLUMNS, HEADS, MERGED = 0, 1, 2, 3  # what a value holds: see _Val
+
+#: functions (by their last name: ``F.gelu``, ``torch.tanh``) that act on each
+#: element alone: a column-parallel output stays column-parallel through them
+ELEMENTWISE = frozenset(
+    {
+        "gelu", "silu", "relu", "relu6", "tanh", "sigmoid", "dropout", "leaky_relu", "mish",
+        "softplus", "elu", "selu", "celu", "hardswish", "hardsigmoid", "hardtanh", "exp", "erf",
+        "square", "abs", "neg", "gelu_new", "quick_gelu",
+    }
+)  # fmt: skip
+#: methods that act on each element (``x.float()``, ``x.sigmoid()``), or move
+#: no element across the last dim
+ELEMENTWISE_METHODS = ELEMENTWISE | {
+    "float", "half", "bfloat16", "to", "type_as", "contiguous", "clone", "mul", "add", "sub",
+    "div", "pow", "clamp",
+}  # fmt: skip
+_RESHAPES = frozenset({"view", "reshape"})
+_METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel", "is_cuda"})
+_SPLITS = frozenset({"split", "chunk", "tensor_split"})
+
+
+@dataclass(frozen=True)
+class Children:
+    """What the module's attributes are, by path from ``self`` (``"ff.up"`` for
+    ``self.ff["up"]``): Linear layers, weightless element-wise modules
+    (activations, dropout), modules with weights, its own raw parameters, and
+    the ``nn.Sequential`` among them whose first step is a Linear (a gated
+    output projection: row-parallel at its first step)."""
+
+    linears: frozenset = frozenset()
+    elementwise: frozenset = frozenset()
+    weighted: frozenset = frozenset()
+    params: frozenset = frozenset()
+    sequences: frozenset = frozenset()
+
+
+@dataclass
+class Flow:
+    """What :func:`read_flow` found: ``specs`` by attribute path, the names
+    ``Local`` divides, and why a Linear was left whole (``notes``)."""
+
+    specs: dict = field(default_factory=dict)
+    local: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Val:
+    """An abstract value: ``state`` (CLEAN: replicated; COLUMNS: a column
+    output, last dim sharded; HEADS: split into heads; MERGED: heads merged
+    back) and ``src``, the Linears whose sharded outputs it carries."""
+
+    state: int = CLEAN
+    src: frozenset = frozenset()
+    param: bool = False  # a raw parameter of the module
+
+    def join(self, other: _Val) -> _Val:
+        return _Val(max(self.state, other.state), self.src | other.src, self.param or other.param)
+
+
+_Tuple = tuple  # a tuple value: a tuple of _Val (or of nested tuples)
+Value = Union[_Val, "_Tuple", "_Split"]
+_C = _Val()
+
+
+def _flat(v) -> _Val:
+    if isinstance(v, _Split):
+        return v.val
+    if isinstance(v, tuple):
+        out = _C
+        for x in v:
+            out = out.join(_flat(x))
+        return out
+    return v
+
+
+def _last_name(func: cst.BaseExpression) -> Optional[str]:
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return None
+
+
+def _self_path(node: cst.BaseExpression, self_name: str) -> Optional[str]:
+    """``self.a.b`` -> ``"a.b"``; ``self.ff["up"]`` / ``self.h[0]`` -> ``"ff.up"`` / ``"h.0"``."""
+    parts: list[str] = []
+    while True:
+        if isinstance(node, cst.Attribute):
+            parts.append(node.attr.value)
+            node = node.value
+        elif isinstance(node, cst.Subscript) and len(node.slice) == 1:
+            key = node.slice[0].slice
+            value = getattr(key, "value", None)
+            if isinstance(value, cst.SimpleString):
+                parts.append(str(value.evaluated_value))
+            elif isinstance(value, cst.Integer):
+                parts.append(value.value)
+            else:
+                return None
+            node = node.value
+        elif isinstance(node, cst.Name) and node.value == self_name and parts:
+            return ".".join(reversed(parts))
+        else:
+            return None
+
+
+class _Reader:
+    def __init__(self, fn: cst.FunctionDef, kids: Children, where) -> None:
+        params = fn.params.params
+        self.self_name = params[0].name.value if params else "self"
+        self.kids = kids
+        self.where = where  # node -> "line:col"
+        self.env: dict[str, Value] = {
+            p.name.value: _C
+            for p in (*params[1:], *fn.params.kwonly_params, *fn.params.posonly_params)
+        }
+        for star in (fn.params.star_arg, fn.params.star_kwarg):
+            if isinstance(star, cst.Param):
+                self.env[star.name.value] = _C
+        self.local_src: dict[str, str] = {}  # forward local -> the self path it copies
+        self.chunks: dict[str, int] = {}
+        self.rows: dict[str, frozenset] = {}  # row Linear -> the column Linears feeding it
+        self.cols: set[str] = set()
+        self.local: dict[str, frozenset] = {}  # Local name -> the columns it sizes
+        self.sums: dict[str, frozenset] = {}
+        self.failed: dict[str, str] = {}  # column Linear -> why it stays whole
+        self.shapes: dict[str, list] = {}  # names bound to literal shapes (_Shapes)
+
+    # ---- failures and records ---------------------------------------------------
+    def fail(self, v: Value, why: str, node: cst.CSTNode) -> None:
+        for s in _flat(v).src:
+            self.failed.setdefault(s, f"{why} at {self.where(node)}")
+
+    def size_name(self, node: cst.BaseExpression, v: _Val, what: str) -> None:
+        """Record the name ``node`` reads as a per-rank size (or fail ``v``)."""
+        if isinstance(node, cst.UnaryOperation) and isinstance(node.expression, cst.Integer):
+            return  # -1: the size follows the data
+        if isinstance(node, cst.Integer):
+            self.fail(v, f"a literal {what} ({node.value})", node)
+            return
+        path = _self_path(node, self.self_name)
+        if path is not None and path not in self.kids.params:
+            self.local[path] = self.local.get(path, frozenset()) | v.src
+        elif isinstance(node, cst.Name) and node.value in self.env:
+            self.local[node.value] = self.local.get(node.value, frozenset()) | v.src
+        else:
+            self.fail(v, f"a {what} it cannot name", node)
+
+    # ---- statements --------------------------------------------------------------
+    def run(self, body: Sequence[cst.CSTNode]) -> None:
+        for stmt in body:
+            self.statement(stmt)
+
+    def statement(self, stmt: cst.CSTNode) -> None:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                self.small(small)
+        elif isinstance(stmt, cst.If):
+            self.expr(stmt.test)
+            self.run(stmt.body.body)
+            if stmt.orelse is not None:
+                self.statement(stmt.orelse)
+        elif isinstance(stmt, cst.Else):
+            self.run(stmt.body.body)
+        elif isinstance(stmt, (cst.For, cst.While)):
+            if isinstance(stmt, cst.For):
+                self.bind(stmt.target, self.iterated(self.expr(stmt.iter)), stmt)
+            for _ in range(2):  # a value carried round the loop
+                self.run(stmt.body.body)
+        elif isinstance(stmt, cst.With):
+            for item in stmt.items:
+                self.expr(item.item)
+            self.run(stmt.body.body)
+        elif isinstance(stmt, cst.Try):
+            self.run(stmt.body.body)
+            for h in stmt.handlers:
+                self.run(h.body.body)
+        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            pass  # a closure: its calls are read where they happen
+        else:
+            for child in getattr(stmt, "body", ()) or ():
+                if isinstance(child, cst.CSTNode):
+                    self.statement(child)
+
+    def small(self, node: cst.CSTNode) -> None:
+        if isinstance(node, cst.Assign):
+            v = self.expr(node.value)
+            for t in node.targets:
+                self.bind(t.target, v, node, value=node.value)
+        elif isinstance(node, cst.AnnAssign) and node.value is not None:
+            self.bind(node.target, self.expr(node.value), node, value=node.value)
+        elif isinstance(node, cst.AugAssign):
+            v = self.expr(node.value)
+            self.bind(node.target, _flat(self.expr(node.target)).join(_flat(v)), node)
+        elif isinstance(node, cst.Return) and node.value is not None:
+            v = self.expr(node.value)
+            first = v[0] if isinstance(v, tuple) and v else v
+            if _flat(first).state != CLEAN:  # (a per-head second output, attention
+                self.fail(first, "a sharded value is returned", node)  # weights: as hints do)
+        elif isinstance(node, cst.Expr):
+            self.expr(node.value)
+
+    def bind(self, target, v: Value, node, value=None) -> None:
+        if isinstance(target, cst.Name):
+            self.env[target.value] = v
+            path = _self_path(value, self.self_name) if value is not None else None
+            if path is not None:
+                self.local_src[target.value] = path
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            elts = [e.value for e in target.elements]
+            if isinstance(v, _Split):
+                self.chunks.update({s: len(elts) for s in v.val.src if v.val.state == COLUMNS})
+                v = tuple(v.val for _ in elts)
+            parts = v if isinstance(v, tuple) and len(v) == len(elts) else [_flat(v)] * len(elts)
+            for e, p in zip(elts, parts):
+                self.bind(e, p, node)
+        elif isinstance(target, (cst.Attribute, cst.Subscript)) and _flat(v).state != CLEAN:
+            self.fail(v, "a sharded value is stored", node)
+
+    def iterated(self, v: Value) -> Value:
+        return _flat(v) if isinstance(v, (tuple, _Split)) else v
+
+    # ---- expressions -------------------------------------------------------------
+    def expr(self, node: cst.BaseExpression) -> Value:
+        if isinstance(node, cst.Name):
+            return self.env.get(node.value, _C)
+        if isinstance(node, cst.Attribute):
+            path = _self_path(node, self.self_name)
+            if path is not None:
+                return _Val(param=path in self.kids.params)
+            if node.attr.value in _METADATA:
+                return _C
+            return _flat(self.expr(node.value))
+        if isinstance(node, (cst.Tuple, cst.List)):
+            return tuple(self.expr(e.value) for e in node.elements)
+        if isinstance(node, cst.Call):
+            return self.call(node)
+        if isinstance(node, cst.BinaryOperation):
+            a, b = _flat(self.expr(node.left)), _flat(self.expr(node.right))
+            out = a.join(b)
+            if out.state != CLEAN and out.param:
+                self.fail(out, "a raw parameter is read with a sharded value", node)
+            return _Val(out.state, out.src)
+        if isinstance(node, cst.Subscript):
+            return _flat(self.expr(node.value))
+        if isinstance(node, (cst.GeneratorExp, cst.ListComp)):
+            for comp in _fors(node.for_in):
+                self.bind(comp.target, self.iterated(self.expr(comp.iter)), node)
+            elt = self.expr(node.elt)
+            n = _length(node.for_in.iter)
+            return tuple(elt for _ in range(n)) if n else _flat(elt)
+        if isinstance(node, cst.IfExp):
+            return _flat(self.expr(node.body)).join(_flat(self.expr(node.orelse)))
+        if isinstance(node, (cst.UnaryOperation,)):
+            return self.expr(node.expression)
+        if isinstance(node, (cst.Comparison, cst.BooleanOperation)):
+            for child in _subexpressions(node):
+                self.expr(child)
+            return _C
+        if isinstance(node, cst.StarredElement):
+            return self.expr(node.value)
+        return _C
+
+    def call(self, node: cst.Call) -> Value:
+        func = node.func
+        args = [self.expr(a.value) for a in node.args]
+        joined = _C
+        for a in args:
+            joined = joined.join(_flat(a))
+        path = _self_path(func, self.self_name)
+        if path is not None:
+            return self.module_call(path, joined, node)
+        if isinstance(func, cst.Attribute) and not self.is_namespace(func.value):
+            # a method of a value: x.view(...), t.split(...)
+            return self.method(_flat(self.expr(func.value)), func.attr.value, node, joined)
+        name = _last_name(func)
+        if name == "rearrange" and node.args:
+            return self.rearrange(_flat(args[0]), node)
+        if name in ("split", "chunk") and node.args and _flat(args[0]).state == COLUMNS:
+            return self.split(_flat(args[0]), node.args[1:], node, name)
+        return self.function(name, joined, node)
+
+    def is_namespace(self, node: cst.BaseExpression) -> bool:
+        """``F``, ``torch.nn.functional``: a name forward does not bind (an import)."""
+        while isinstance(node, cst.Attribute):
+            node = node.value
+        return (
+            isinstance(node, cst.Name)
+            and node.value not in self.env
+            and node.value != self.self_name
+        )
+
+    def module_call(self, path: str, arg: _Val, node: cst.Call) -> Value:
+        kids = self.kids
+        if path in kids.linears:
+            if arg.state == CLEAN:
+                self.cols.add(path)
+                return _Val(COLUMNS, frozenset({path}))
+            if arg.state in (COLUMNS, MERGED):
+                self.rows[path] = self.rows.get(path, frozenset()) | arg.src
+                return _C
+            self.fail(arg, f"self.{path} takes a value still split into heads", node)
+            return _C
+        if path in kids.sequences and arg.state in (COLUMNS, MERGED):
+            self.rows[f"{path}.0"] = self.rows.get(f"{path}.0", frozenset()) | arg.src
+            return _C
+        if arg.state == CLEAN:
+            return _C
+        if path in kids.elementwise:
+            return arg
+        if path in kids.weighted and arg.state == HEADS:  # per head: its gradient is partial
+            self.sums[path] = self.sums.get(path, frozenset()) | arg.src
+            return arg
+        if arg.state == HEADS and path not in kids.weighted:
+            return arg  # weightless, per head (a rotary table, softmax)
+        self.fail(arg, f"self.{path} is applied to a sharded value", node)
+        return _C
+
+    def method(self, v: _Val, name: str, node: cst.Call, args: _Val) -> Value:
+        if v.state == CLEAN:  # a cache's update(k, v): per head in, per head out
+            return _Val(HEADS, args.src) if args.state == HEADS else _C
+        if name in _METADATA:
+            return _C
+        if name in _SPLITS and v.state == COLUMNS:
+            return self.split(v, node.args, node, name)
+        if name in _RESHAPES:
+            return self.reshape(v, node)
+        if v.state == HEADS or name in ELEMENTWISE_METHODS:
+            return _Val(max(v.state, args.state), v.src | args.src)
+        self.fail(v, f".{name}() on a sharded value", node)
+        return _C
+
+    def split(self, v: _Val, args: Sequence[cst.Arg], node: cst.Call, name: str) -> Value:
+        if not args:
+            self.fail(v, f"{name}() without a size", node)
+            return v
+        size = args[0].value
+        if name == "chunk" and isinstance(size, cst.Integer):
+            self.chunks.update({s: int(size.value) for s in v.src})
+            return tuple(v for _ in range(int(size.value)))
+        if isinstance(size, (cst.List, cst.Tuple)):
+            self.fail(v, "a split into unequal parts", node)
+            return v
+        self.size_name(size, v, "split size")
+        return _Split(v)
+
+    def reshape(self, v: _Val, node: cst.Call) -> Value:
+        dims = self.dims(node.args)
+        if dims is None:
+            self.fail(v, "a reshape it cannot read", node)
+            return v
+        if v.state == COLUMNS:  # into heads: (..., heads, head_dim)
+            if len(dims) < 3:
+                self.fail(v, "a reshape of a column output that splits no heads", node)
+                return v
+            self.size_name(dims[-2], v, "head count")
+            if len(dims) > 3 and isinstance(dims[-3], cst.Integer) and int(dims[-3].value) > 1:
+                self.chunks.update({s: int(dims[-3].value) for s in v.src})  # (.., 3, heads, d)
+            return _Val(HEADS, v.src)
+        if v.state == HEADS:  # merged back: (..., heads * head_dim)
+            self.size_name(dims[-1], v, "width")
+            return _Val(MERGED, v.src)
+        self.fail(v, "a reshape of a merged value", node)
+        return v
+
+    def dims(self, args: Sequence[cst.Arg]) -> Optional[list[cst.BaseExpression]]:
+        """The shape a view or reshape is given, one expression a dim (a starred
+        name bound to a literal tuple is read through; None where unknown)."""
+        out: list[cst.BaseExpression] = []
+        for a in args:
+            value = a.value
+            if isinstance(value, (cst.Tuple, cst.List)) and len(args) == 1:
+                out.extend(e.value for e in value.elements)
+            elif isinstance(value, cst.Name) and (a.star == "*" or len(args) == 1):
+                shape = self.shapes.get(value.value)
+                if shape is None and len(args) == 1:
+                    return None
+                out.extend(shape or [cst.Name("_unknown")])
+            else:
+                out.append(value)
+        return out
+
+    def rearrange(self, v: _Val, node: cst.Call) -> Value:
+        pattern = node.args[1].value if len(node.args) > 1 else None
+        text = str(pattern.evaluated_value) if isinstance(pattern, cst.SimpleString) else None
+        if text is None or "->" not in text:
+            self.fail(v, "a rearrange it cannot read", node)
+            return v
+        left, right = text.split("->")
+        if v.state == COLUMNS and "(" in left:
+            first = left[left.index("(") + 1 :].split()[0]
+            size = next(
+                (a.value for a in node.args[2:] if a.keyword and a.keyword.value == first), None
+            )
+            if size is None:
+                self.fail(v, f"a rearrange without {first}=", node)
+                return v
+            self.size_name(size, v, "head count")
+            return _Val(HEADS, v.src)
+        if v.state == HEADS and "(" in right:
+            return _Val(MERGED, v.src)
+        if v.state == CLEAN:
+            return _C
+        self.fail(v, "a rearrange it cannot follow", node)
+        return v
+
+    def function(self, name: Optional[str], args: _Val, node: cst.Call) -> Value:
+        if args.state == CLEAN:
+            return _C
+        if args.state == HEADS or name in ELEMENTWISE:
+            if args.param and args.state != CLEAN:
+                self.fail(args, "a raw parameter is read with a sharded value", node)
+            return _Val(args.state, args.src)
+        self.fail(args, f"{name or 'a call'}() on a sharded value", node)
+        return _C
+
+    # ---- the result ----------------------------------------------------------------
+    def result(self) -> Flow:
+        failed = dict(self.failed)
+        for col in self.cols:  # a column output no Linear takes back stays whole
+            if col not in failed and not any(col in src for src in self.rows.values()):
+                failed[col] = "its output reaches no row-parallel Linear"
+        changed = True
+        while changed:  # a row fed by a whole column is whole, and so are its other columns
+            changed = False
+            for row, src in self.rows.items():
+                bad = [s for s in src if s in failed]
+                for s in src:
+                    if bad and s not in failed:
+                        failed[s] = f"it feeds self.{row} with self.{bad[0]}, left whole"
+                        changed = True
+        flow = Flow()
+        for col in sorted(self.cols - set(failed)):
+            n = self.chunks.get(col, 1)
+            flow.specs[col] = Col(chunks=n) if n > 1 else Col()
+        for row, src in sorted(self.rows.items()):
+            if src and not (src & set(failed)):
+                flow.specs[row] = Row()
+        for path, src in sorted(self.sums.items()):
+            if src and not (src & set(failed)):
+                flow.specs[path] = Replicate(sum_grad=True)
+        names = []
+        for name, src in self.local.items():
+            if src and not (src & set(failed)):
+                names.append(self.local_src.get(name, name) if name in self.env else name)
+        flow.local = tuple(dict.fromkeys(names))
+        flow.notes = [f"self.{c}: left whole: {why}" for c, why in sorted(failed.items())]
+        unseen = self.kids.linears - self.cols - set(self.rows)
+        flow.notes += [
+            f"self.{c}: left whole: forward never calls it (annot reads forward itself, "
+            "not the methods it calls)"
+            for c in sorted(unseen)
+        ]
+        return flow
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A column output split into a number of equal parts the assignment
+    tells (``q, k, v = qkv.split(size)``: three)."""
+
+    val: _Val
+
+
+def _fors(comp: Optional[cst.CompFor]) -> Iterable[cst.CompFor]:
+    while comp is not None:
+        yield comp
+        comp = comp.inner_for_in
+
+
+def _length(iter_: cst.BaseExpression) -> int:
+    return len(iter_.elements) if isinstance(iter_, (cst.Tuple, cst.List)) else 0
+
+
+def _subexpressions(node: Union[cst.Comparison, cst.BooleanOperation]) -> list:
+    if isinstance(node, cst.Comparison):
+        return [node.left, *(c.comparator for c in node.comparisons)]
+    return [node.left, node.right]
+
+
+class _Shapes(cst.CSTVisitor):
+    """Names bound to a literal tuple (``hidden_shape = (*input_shape, -1, self.d)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[str, list] = {}
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        target = node.targets[0].target if len(node.targets) == 1 else None
+        if isinstance(target, cst.Name) and isinstance(node.value, cst.Tuple):
+            self.found[target.value] = [
+                cst.Name("_batch") if isinstance(e, cst.StarredElement) else e.value
+                for e in node.value.elements
+            ]
+
+
+def read_flow(source: str, kids: Children, path: str = "<forward>", first_line: int = 1) -> Flow:
+    """The hints one ``forward`` (``source``: the method's text, dedented)
+    shows for the module's attributes ``kids``; positions in notes count from
+    ``first_line`` of ``path``."""
+    module = cst.parse_module(source)
+    fn = next(s for s in module.body if isinstance(s, cst.FunctionDef))
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+
+    def where(node: cst.CSTNode) -> str:
+        pos = positions.get(node)
+        if pos is None:
+            return path
+        return f"{path}:{pos.start.line + first_line - 1}:{pos.start.column + 1}"
+
+    reader = _Reader(fn, kids, where)
+    shapes = _Shapes()
+    fn.visit(shapes)
+    reader.shapes = shapes.found
+    reader.run(fn.body.body)
+    return reader.result()
