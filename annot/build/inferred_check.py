@@ -16,7 +16,7 @@ fix, before backward. Nothing ever trains on a wrong split.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,23 +30,36 @@ __all__ = ["install", "owner_paths"]
 log = logging.getLogger("annot")
 
 
-def owner_paths(hints: dict, model: nn.Module) -> dict[str, str]:
-    """``{class name: the first path of a module of it that the hints split}``."""
+def owner_paths(hints: dict, model: nn.Module) -> dict[str, list[str]]:
+    """``{class name: the paths of its modules the hints split, in order}``: the
+    module whose forward calls each hinted Linear (above containers)."""
     from annot.core.hints import path_matches
 
-    hinted = [
-        p
-        for p, _ in model.named_modules()
-        if any(path_matches(k, p) for k, v in hints.items() if type(v).__name__ in ("Col", "Row"))
-    ]
-    out: dict[str, str] = {}
+    splits = [k for k, v in hints.items() if type(v).__name__ in ("Col", "Row")]
     named = dict(model.named_modules())
-    for p in hinted:
+    out: dict[str, list[str]] = {}
+    for p in named:
+        if not any(path_matches(k, p) for k in splits):
+            continue
         owner = p.rpartition(".")[0]
         while owner and isinstance(named[owner], (nn.Sequential, nn.ModuleDict, nn.ModuleList)):
             owner = owner.rpartition(".")[0]  # a container's: the module whose forward calls it
-        out.setdefault(type(named[owner]).__qualname__, owner)
+        paths = out.setdefault(type(named[owner]).__qualname__, [])
+        if owner not in paths:
+            paths.append(owner)
     return out
+
+
+def _held(root: nn.Module, path: str) -> Optional[nn.Module]:
+    """The module at ``path`` where this rank holds it (a pipeline stage's), else None."""
+    from annot.runtime.runners.placeholder import Absent
+
+    mod = root
+    for part in path.split(".") if path else ():
+        mod = getattr(mod, part, None) if not isinstance(mod, Absent) else None
+        if mod is None or isinstance(mod, Absent):
+            return None
+    return mod if next(mod.parameters(), None) is not None else None
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -110,14 +123,14 @@ def install(built, whole: nn.Module, report) -> None:
     """Check the inferred hints (``report.inferred``) on ``built``'s first call:
     a one-shot forward hook on the first module of each class they split
     (run eagerly under ``torch.compile``)."""
-    from annot.runtime.runners.placeholder import Absent
 
     found = report.inferred
     handles: dict[str, Any] = {}
-    for name, path in owner_paths(found.hints, whole).items():
-        mod = built.module.get_submodule(path)
-        if isinstance(mod, Absent) or next(mod.parameters(), None) is None:
-            continue  # another pipeline stage's: checked there
+    for name, paths in owner_paths(found.hints, whole).items():
+        held = [(p, m) for p in paths for m in [_held(built.module, p)] if m is not None]
+        if not held:
+            continue  # other pipeline stages': checked there
+        path, mod = held[0]
 
         @torch.compiler.disable
         def hook(m, args, kwargs, out, name=name, path=path, mod=mod) -> None:

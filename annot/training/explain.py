@@ -310,10 +310,23 @@ def _rewritten(report) -> list[str]:
     ]
 
 
+def _inferred(report) -> list[str]:
+    """The tp hints read off the sources (nothing was hinted), and what stayed whole."""
+    found = report.inferred if report is not None else None
+    if found is None:
+        return []
+    out = ["tp hints read off the sources (nothing hinted; `annot hints` prints them):"]
+    out += [f"  {k!r}: {v!r}" for k, v in found.hints.items()]
+    if found.checked:
+        out.append(f"  checked against the whole module on the first call: {found.checked}")
+    out += [f"  {note}" for note in found.notes]
+    return out
+
+
 def explain_step(step, args, kwargs) -> str:
     model = step.model
     layout = model.pipeline
-    out = _header(step, args, kwargs)
+    out = _header(step, args, kwargs) + _inferred(model.report)
     if layout is None or layout.num_stages == 1:
         return "\n".join([*out, "pipeline: none (pp=1)", *_rewritten(model.report)])
     view = stage_view(layout, model.module, step.executor)

@@ -9,7 +9,7 @@ import pytest
 from annot.testing import RanksFailed, run_ranks
 
 
-def _tiny_lm(cache: str, instance: bool):
+def _tiny_lm(cache: str, instance: bool, pp: int = 1, compiled: bool = False):
     import os
 
     os.environ["ANNOT_CACHE_DIR"] = cache
@@ -19,35 +19,61 @@ def _tiny_lm(cache: str, instance: bool):
     from tests.parity import assert_close, compare_grads, compare_state, step_both
     from tests.thirdparty_models import TinyLM
 
-    mesh = annot.Mesh(tp=2)
+    mesh = annot.Mesh(pp=pp, tp=2)
+    kw = {"split": ["layers.2"] if pp > 1 else None}
+    if compiled:
+        kw["compile"] = {"backend": "aot_eager"}
     if instance:
         torch.manual_seed(0)
-        model = annot.parallelize(TinyLM(), mesh=mesh)
+        model = annot.parallelize(TinyLM(), mesh=mesh, **kw)
     else:
-        model = annot.parallelize(TinyLM, mesh=mesh, seed=0)
+        model = annot.parallelize(TinyLM, mesh=mesh, seed=0, **kw)
     assert model.report.inferred.hints["layers.*.attn.qkv"] == annot.Col(chunks=3)
     torch.manual_seed(0)
     ref = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+
+    @annot.jit(model, microbatches=2)
+    def step(tokens, labels):
+        _, loss = model(tokens, labels)
+        model.backward(loss)
+        return loss
+
     g = torch.Generator().manual_seed(2)
     for i in range(2):
         x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
-        _, loss = model(x, y)
-        model.backward(loss)
+        loss = step(x, y).reduce_mean()
         _, ref_loss = ref(x, y)
         ref_loss.backward()
         assert_close(loss, ref_loss, f"step {i} loss")
         compare_grads(model, ref, f"step {i}")
         step_both(opt, ref_opt)
     compare_state(model, ref, "after 2 steps")
-    assert model.report.inferred.checked == ["layers.0.attn", "layers.0"]  # on the first call
+    # each class the hints split checked on the first call, where this rank holds it
+    held = (
+        ["layers.0.attn", "layers.0"] if model.ctx.pp_rank == 0 else ["layers.2.attn", "layers.2"]
+    )
+    assert model.report.inferred.checked == held, model.report.inferred.checked
+    assert "tp hints read off the sources" in step.explain(x, y)
     return True
 
 
 @pytest.mark.parametrize("instance", [False, True], ids=["class", "instance"])
 def test_tiny_lm_tp2_without_hints(tmp_path, instance):
     assert run_ranks(_tiny_lm, 2, str(tmp_path), instance) == [True, True]
+
+
+@pytest.mark.slow
+def test_tiny_lm_pp2_tp2_without_hints(tmp_path):
+    """Each pipeline rank checks the classes of its own stages."""
+    assert run_ranks(_tiny_lm, 4, str(tmp_path), False, 2, timeout=300) == [True] * 4
+
+
+@pytest.mark.slow
+def test_tiny_lm_tp2_compiled_without_hints(tmp_path):
+    """The first-call check runs eagerly inside torch.compile (compiler.disable)."""
+    assert run_ranks(_tiny_lm, 2, str(tmp_path), False, 1, True, timeout=300) == [True] * 2
 
 
 def _mixed_heads(cache: str):
