@@ -18,7 +18,8 @@ def test_prints_the_hints_as_python(capsys, tmp_path):
     hints = runpy.run_path(str(path))["HINTS"]  # the file runs: the dict to keep
     from annot import Col, Row
 
-    assert hints["blocks.*.mlp.fc1"] == Col() and hints["blocks.*.mlp.fc2"] == Row()
+    assert hints["blocks.*.mlp.fc1"] == Col()
+    assert hints["blocks.*.mlp.fc2"] == Row()
 
 
 def test_says_what_stays_whole_and_why(capsys):
