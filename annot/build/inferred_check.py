@@ -54,12 +54,12 @@ def _held(root: nn.Module, path: str) -> Optional[nn.Module]:
     """The module at ``path`` where this rank holds it (a pipeline stage's), else None."""
     from annot.runtime.runners.placeholder import Absent
 
-    mod = root
+    mod: Optional[nn.Module] = root
     for part in path.split(".") if path else ():
-        mod = getattr(mod, part, None) if not isinstance(mod, Absent) else None
-        if mod is None or isinstance(mod, Absent):
+        mod = getattr(mod, part, None)
+        if not isinstance(mod, nn.Module) or isinstance(mod, Absent):
             return None
-    return mod if next(mod.parameters(), None) is not None else None
+    return mod if mod is not None and next(mod.parameters(), None) is not None else None
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -30,10 +30,12 @@ import torch.nn as nn
 from annot.core.hints import path_matches
 from annot.core.specs import Col, Local, Row
 from annot.rewriters.analysis.head_flow import Children, Flow, read_flow
+from annot.rewriters.analysis.method_syntax import Method, parse_method
 
 __all__ = ["Inferred", "infer_hints"]
 
 #: weightless modules that act on each element (what an MLP may run between its Linears)
+_ACTIVATION = re.compile(r"gelu|silu|swish|relu|mish|activation|dropout", re.IGNORECASE)
 _NOT_ELEMENTWISE = {"Softmax", "Softmin", "LogSoftmax", "Softmax2d", "GLU", "MultiheadAttention"}
 
 
@@ -67,6 +69,8 @@ def _linear_like(m: nn.Module) -> bool:
 
 
 def _elementwise(m: nn.Module) -> bool:
+    """A weightless activation or dropout: torch's, transformers', or a model's
+    own by its name (``BloomGelu``; the first-call check covers a misnomer)."""
     if next(m.parameters(), None) is not None or type(m).__name__ in _NOT_ELEMENTWISE:
         return False
     where = type(m).__module__
@@ -74,6 +78,7 @@ def _elementwise(m: nn.Module) -> bool:
         where in ("torch.nn.modules.activation", "torch.nn.modules.dropout")
         or isinstance(m, nn.Identity)
         or where.startswith("transformers.activations")
+        or _ACTIVATION.search(type(m).__name__) is not None
     )
 
 
@@ -108,18 +113,37 @@ def _children(m: nn.Module) -> Children:
     )
 
 
-@functools.cache
-def _read(forward, kids: Children) -> tuple[Optional[Flow], str]:
-    """``(flow, file:line)`` of one forward with these children; None where
-    its source cannot be read."""
-    forward = inspect.unwrap(forward)  # a decorated forward: its own source
+def _source(fn) -> Optional[tuple[str, str, int]]:
+    """``(dedented source, file, first line)`` of a Python function, or None."""
+    fn = inspect.unwrap(fn)  # a decorated method: its own source
     try:
-        lines, first = inspect.getsourcelines(forward)
-        path = inspect.getsourcefile(forward) or "<unknown>"
+        lines, first = inspect.getsourcelines(fn)
+        path = inspect.getsourcefile(fn) or "<unknown>"
     except (OSError, TypeError):
+        return None
+    return textwrap.dedent("".join(lines)), path, first
+
+
+@functools.cache
+def _method(cls: Any, name: str) -> Optional[Method]:
+    """``cls``'s own method ``name`` (not ``nn.Module``'s), parsed, or None."""
+    fn = getattr(cls, name, None)
+    if not inspect.isfunction(fn) or getattr(nn.Module, name, None) is fn:
+        return None
+    found = _source(fn)
+    return parse_method(*found) if found is not None else None
+
+
+@functools.cache
+def _read(cls: Any, kids: Children) -> tuple[Optional[Flow], str]:
+    """``(flow, file:line)`` of ``cls.forward`` with these children (the
+    methods it calls read where called); None where its source cannot be read."""
+    found = _source(cls.forward)
+    if found is None:
         return None, ""
-    source = textwrap.dedent("".join(lines))
-    return read_flow(source, kids, path=path, first_line=first), f"{path}:{first}"
+    source, path, first = found
+    flow = read_flow(source, kids, path, first, methods=functools.partial(_method, cls))
+    return flow, f"{path}:{first}"
 
 
 def _sequential(path: str, m: nn.Sequential) -> dict[str, Any]:
@@ -152,7 +176,7 @@ def infer_hints(model: nn.Module) -> Inferred:
         kids = _children(m)
         if not kids.linears and not kids.sequences:
             continue
-        flow, where = _read(forward, kids)
+        flow, where = _read(type(m), kids)
         if flow is None:
             continue
         name = type(m).__qualname__

@@ -28,14 +28,23 @@ found (:mod:`annot.build.inferred_hints`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from annot.core.specs import Col, Replicate, Row
+from annot.rewriters.analysis.method_syntax import (
+    Method,
+    comprehensions,
+    last_name,
+    literal_length,
+    params_of,
+    parse_method,
+    self_path,
+    subexpressions,
+)
 
 __all__ = ["Children", "Flow", "read_flow"]
 
@@ -116,58 +125,28 @@ def _flat(v) -> _Val:
     return v
 
 
-def _last_name(func: cst.BaseExpression) -> Optional[str]:
-    if isinstance(func, cst.Name):
-        return func.value
-    if isinstance(func, cst.Attribute):
-        return func.attr.value
-    return None
-
-
-def _self_path(node: cst.BaseExpression, self_name: str) -> Optional[str]:
-    """``self.a.b`` -> ``"a.b"``; ``self.ff["up"]`` / ``self.h[0]`` -> ``"ff.up"`` / ``"h.0"``."""
-    parts: list[str] = []
-    while True:
-        if isinstance(node, cst.Attribute):
-            parts.append(node.attr.value)
-            node = node.value
-        elif isinstance(node, cst.Subscript) and len(node.slice) == 1:
-            key = node.slice[0].slice
-            value = getattr(key, "value", None)
-            if isinstance(value, cst.SimpleString):
-                parts.append(str(value.evaluated_value))
-            elif isinstance(value, cst.Integer):
-                parts.append(value.value)
-            else:
-                return None
-            node = node.value
-        elif isinstance(node, cst.Name) and node.value == self_name and parts:
-            return ".".join(reversed(parts))
-        else:
-            return None
-
-
 class _Reader:
-    def __init__(self, fn: cst.FunctionDef, kids: Children, where) -> None:
-        params = fn.params.params
+    def __init__(self, m: Method, kids: Children, methods) -> None:
+        params = params_of(m.fn)
         self.self_name = params[0].name.value if params else "self"
         self.kids = kids
-        self.where = where  # node -> "line:col"
-        self.env: dict[str, Value] = {
-            p.name.value: _C
-            for p in (*params[1:], *fn.params.kwonly_params, *fn.params.posonly_params)
-        }
-        for star in (fn.params.star_arg, fn.params.star_kwarg):
+        self.methods = methods  # name -> Method of this class, or None
+        self.where = m.where  # node -> "file:line:col"
+        self.shapes = m.shapes  # names bound to literal shapes (_Shapes)
+        self.env: dict[str, Value] = {p.name.value: _C for p in params[1:]}
+        for star in (m.fn.params.star_arg, m.fn.params.star_kwarg):
             if isinstance(star, cst.Param):
                 self.env[star.name.value] = _C
-        self.local_src: dict[str, str] = {}  # forward local -> the self path it copies
+        self.local_src: dict[str, str] = {}  # a local -> the self path it copies
+        self.returns: Optional[list] = None  # in a method forward calls: what it returns
+        self.depth = 0
+        self.body = m.fn.body.body
         self.chunks: dict[str, int] = {}
         self.rows: dict[str, frozenset] = {}  # row Linear -> the column Linears feeding it
         self.cols: set[str] = set()
         self.local: dict[str, frozenset] = {}  # Local name -> the columns it sizes
         self.sums: dict[str, frozenset] = {}
         self.failed: dict[str, str] = {}  # column Linear -> why it stays whole
-        self.shapes: dict[str, list] = {}  # names bound to literal shapes (_Shapes)
 
     # ---- failures and records ---------------------------------------------------
     def fail(self, v: Value, why: str, node: cst.CSTNode) -> None:
@@ -181,13 +160,30 @@ class _Reader:
         if isinstance(node, cst.Integer):
             self.fail(v, f"a literal {what} ({node.value})", node)
             return
-        path = _self_path(node, self.self_name)
-        if path is not None and path not in self.kids.params:
-            self.local[path] = self.local.get(path, frozenset()) | v.src
-        elif isinstance(node, cst.Name) and node.value in self.env:
-            self.local[node.value] = self.local.get(node.value, frozenset()) | v.src
+        name = self.size_key(node)
+        if (
+            isinstance(node, cst.BinaryOperation)
+            and isinstance(node.operator, cst.Multiply)
+            and any(self.size_key(s) in self.local for s in (node.left, node.right))
+        ):
+            return  # heads * head_dim, the head count already divided
+        if name is not None:
+            self.local[name] = self.local.get(name, frozenset()) | v.src
         else:
             self.fail(v, f"a {what} it cannot name", node)
+
+    def size_key(self, node: cst.BaseExpression) -> Optional[str]:
+        """The name ``Local`` takes for what ``node`` reads: a self path
+        (``"n_head"``, ``"config.num_heads"``), a forward local copying one, or a
+        forward local (``"C"``); None for what it cannot name."""
+        path = self_path(node, self.self_name)
+        if path is not None:
+            return None if path in self.kids.params else path
+        if isinstance(node, cst.Name) and node.value in self.env:
+            if node.value in self.local_src:
+                return self.local_src[node.value]
+            return node.value if self.depth == 0 else None  # a method's local: not forward's
+        return None
 
     # ---- statements --------------------------------------------------------------
     def run(self, body: Sequence[cst.CSTNode]) -> None:
@@ -235,6 +231,8 @@ class _Reader:
         elif isinstance(node, cst.AugAssign):
             v = self.expr(node.value)
             self.bind(node.target, _flat(self.expr(node.target)).join(_flat(v)), node)
+        elif isinstance(node, cst.Return) and self.returns is not None:
+            self.returns.append(self.expr(node.value) if node.value is not None else _C)
         elif isinstance(node, cst.Return) and node.value is not None:
             v = self.expr(node.value)
             first = v[0] if isinstance(v, tuple) and v else v
@@ -246,7 +244,7 @@ class _Reader:
     def bind(self, target, v: Value, node, value=None) -> None:
         if isinstance(target, cst.Name):
             self.env[target.value] = v
-            path = _self_path(value, self.self_name) if value is not None else None
+            path = self_path(value, self.self_name) if value is not None else None
             if path is not None:
                 self.local_src[target.value] = path
         elif isinstance(target, (cst.Tuple, cst.List)):
@@ -268,7 +266,7 @@ class _Reader:
         if isinstance(node, cst.Name):
             return self.env.get(node.value, _C)
         if isinstance(node, cst.Attribute):
-            path = _self_path(node, self.self_name)
+            path = self_path(node, self.self_name)
             if path is not None:
                 return _Val(param=path in self.kids.params)
             if node.attr.value in _METADATA:
@@ -287,17 +285,17 @@ class _Reader:
         if isinstance(node, cst.Subscript):
             return _flat(self.expr(node.value))
         if isinstance(node, (cst.GeneratorExp, cst.ListComp)):
-            for comp in _fors(node.for_in):
+            for comp in comprehensions(node.for_in):
                 self.bind(comp.target, self.iterated(self.expr(comp.iter)), node)
             elt = self.expr(node.elt)
-            n = _length(node.for_in.iter)
+            n = literal_length(node.for_in.iter)
             return tuple(elt for _ in range(n)) if n else _flat(elt)
         if isinstance(node, cst.IfExp):
             return _flat(self.expr(node.body)).join(_flat(self.expr(node.orelse)))
         if isinstance(node, (cst.UnaryOperation,)):
             return self.expr(node.expression)
         if isinstance(node, (cst.Comparison, cst.BooleanOperation)):
-            for child in _subexpressions(node):
+            for child in subexpressions(node):
                 self.expr(child)
             return _C
         if isinstance(node, cst.StarredElement):
@@ -310,13 +308,16 @@ class _Reader:
         joined = _C
         for a in args:
             joined = joined.join(_flat(a))
-        path = _self_path(func, self.self_name)
+        path = self_path(func, self.self_name)
+        method = self.method_of(path)
+        if method is not None:
+            return self.inline(method, node, args)
         if path is not None:
             return self.module_call(path, joined, node)
         if isinstance(func, cst.Attribute) and not self.is_namespace(func.value):
             # a method of a value: x.view(...), t.split(...)
             return self.method(_flat(self.expr(func.value)), func.attr.value, node, joined)
-        name = _last_name(func)
+        name = last_name(func)
         if name == "rearrange" and node.args:
             return self.rearrange(_flat(args[0]), node)
         if name in ("split", "chunk") and node.args and _flat(args[0]).state == COLUMNS:
@@ -332,6 +333,48 @@ class _Reader:
             and node.value not in self.env
             and node.value != self.self_name
         )
+
+    def method_of(self, path: Optional[str]) -> Optional[Method]:
+        kids = self.kids
+        if path is None or self.methods is None or self.depth >= 3 or "." in path:
+            return None
+        if path in kids.linears | kids.elementwise | kids.weighted | kids.sequences:
+            return None
+        return self.methods(path)
+
+    def inline(self, m: Method, node: cst.Call, args: list) -> Value:
+        """A method of the class forward calls (``self._split_heads(q, self.n)``):
+        read where it is called, its parameters bound to the call's values."""
+        params = params_of(m.fn)[1:]
+        bound: dict[str, Value] = {p.name.value: _C for p in params}
+        sources: dict[str, str] = {}
+        for i, (a, v) in enumerate(zip(node.args, args)):
+            name = (
+                a.keyword.value if a.keyword else params[i].name.value if i < len(params) else None
+            )
+            if name is None or a.star:
+                continue
+            bound[name] = v
+            key = self.size_key(a.value)
+            if key is not None and (self.depth == 0 or key in self.local_src.values()):
+                sources[name] = key
+        saved = (self.env, self.local_src, self.shapes, self.where, self.returns, self.self_name)
+        self.env, self.local_src, self.shapes, self.where = bound, sources, m.shapes, m.where
+        self.returns, self.depth = [], self.depth + 1
+        first = params_of(m.fn)
+        self.self_name = first[0].name.value if first else "self"
+        try:
+            self.run(m.fn.body.body)
+            returns = self.returns
+        finally:
+            self.env, self.local_src, self.shapes, self.where, self.returns, self.self_name = saved
+            self.depth -= 1
+        if len(returns) == 1:
+            return returns[0]
+        out = _C
+        for r in returns:
+            out = out.join(_flat(r))
+        return out
 
     def module_call(self, path: str, arg: _Val, node: cst.Call) -> Value:
         kids = self.kids
@@ -482,11 +525,9 @@ class _Reader:
         for path, src in sorted(self.sums.items()):
             if src and not (src & set(failed)):
                 flow.specs[path] = Replicate(sum_grad=True)
-        names = []
-        for name, src in self.local.items():
-            if src and not (src & set(failed)):
-                names.append(self.local_src.get(name, name) if name in self.env else name)
-        flow.local = tuple(dict.fromkeys(names))
+        flow.local = tuple(
+            name for name, src in self.local.items() if src and not (src & set(failed))
+        )
         flow.notes = [f"self.{c}: left whole: {why}" for c, why in sorted(failed.items())]
         unseen = self.kids.linears - self.cols - set(self.rows)
         flow.notes += [
@@ -505,56 +546,17 @@ class _Split:
     val: _Val
 
 
-def _fors(comp: Optional[cst.CompFor]) -> Iterable[cst.CompFor]:
-    while comp is not None:
-        yield comp
-        comp = comp.inner_for_in
-
-
-def _length(iter_: cst.BaseExpression) -> int:
-    return len(iter_.elements) if isinstance(iter_, (cst.Tuple, cst.List)) else 0
-
-
-def _subexpressions(node: Union[cst.Comparison, cst.BooleanOperation]) -> list:
-    if isinstance(node, cst.Comparison):
-        return [node.left, *(c.comparator for c in node.comparisons)]
-    return [node.left, node.right]
-
-
-class _Shapes(cst.CSTVisitor):
-    """Names bound to a literal tuple (``hidden_shape = (*input_shape, -1, self.d)``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: dict[str, list] = {}
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        target = node.targets[0].target if len(node.targets) == 1 else None
-        if isinstance(target, cst.Name) and isinstance(node.value, cst.Tuple):
-            self.found[target.value] = [
-                cst.Name("_batch") if isinstance(e, cst.StarredElement) else e.value
-                for e in node.value.elements
-            ]
-
-
-def read_flow(source: str, kids: Children, path: str = "<forward>", first_line: int = 1) -> Flow:
+def read_flow(
+    source: str,
+    kids: Children,
+    path: str = "<forward>",
+    first_line: int = 1,
+    methods: Optional[Callable[[str], Optional[Method]]] = None,
+) -> Flow:
     """The hints one ``forward`` (``source``: the method's text, dedented)
     shows for the module's attributes ``kids``; positions in notes count from
-    ``first_line`` of ``path``."""
-    module = cst.parse_module(source)
-    fn = next(s for s in module.body if isinstance(s, cst.FunctionDef))
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    positions = wrapper.resolve(PositionProvider)
-
-    def where(node: cst.CSTNode) -> str:
-        pos = positions.get(node)
-        if pos is None:
-            return path
-        return f"{path}:{pos.start.line + first_line - 1}:{pos.start.column + 1}"
-
-    reader = _Reader(fn, kids, where)
-    shapes = _Shapes()
-    fn.visit(shapes)
-    reader.shapes = shapes.found
-    reader.run(fn.body.body)
+    ``first_line`` of ``path``. ``methods``: the class's other methods by name
+    (:func:`parse_method`), read where forward calls them."""
+    reader = _Reader(parse_method(source, path, first_line), kids, methods)
+    reader.run(reader.body)
     return reader.result()

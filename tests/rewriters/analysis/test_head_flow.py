@@ -177,3 +177,41 @@ def test_what_it_cannot_follow_stays_whole_with_the_reason(name):
     flow = _flow(source, **kids)
     assert not any(isinstance(s, (Col, Row)) for s in flow.specs.values()), flow.specs
     assert note in flow.notes, flow.notes
+
+
+def test_a_method_forward_calls_is_read_where_it_is_called():
+    """GPT-Neo's ``_split_heads(tensor, num_heads, head_dim)``: the head count
+    is the call's ``self.num_heads``, so ``Local('num_heads')``."""
+    from annot.rewriters.analysis.method_syntax import parse_method
+
+    helpers = {
+        "_split_heads": """
+            def _split_heads(self, tensor, num_heads, attn_head_size):
+                new_shape = tensor.size()[:-1] + (num_heads, attn_head_size)
+                return tensor.view(new_shape).permute(0, 2, 1, 3)
+            """,
+        "_merge_heads": """
+            def _merge_heads(self, tensor, num_heads, attn_head_size):
+                tensor = tensor.permute(0, 2, 1, 3).contiguous()
+                new_shape = tensor.size()[:-2] + (num_heads * attn_head_size,)
+                return tensor.view(new_shape)
+            """,
+    }
+    forward = """
+        def forward(self, hidden_states):
+            q = self._split_heads(self.q_proj(hidden_states), self.num_heads, self.head_dim)
+            k = self._split_heads(self.k_proj(hidden_states), self.num_heads, self.head_dim)
+            v = self._split_heads(self.v_proj(hidden_states), self.num_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(q, k, v)
+            out = self._merge_heads(out, self.num_heads, self.head_dim)
+            return self.out_proj(out)
+        """
+    flow = read_flow(
+        textwrap.dedent(forward),
+        Children(linears=frozenset({"q_proj", "k_proj", "v_proj", "out_proj"})),
+        methods=lambda name: (
+            parse_method(textwrap.dedent(helpers[name])) if name in helpers else None
+        ),
+    )
+    assert flow.specs == {"q_proj": Col(), "k_proj": Col(), "v_proj": Col(), "out_proj": Row()}
+    assert flow.local == ("num_heads",)
