@@ -170,13 +170,13 @@ def infer_hints(model: nn.Module) -> Inferred:
         if isinstance(m, nn.Sequential):
             exact.update(_sequential(path, m))
             continue
-        forward = type(m).forward
-        if type(m).__module__.startswith("torch.nn.") or forward is nn.Module.forward:
+        cls: Any = type(m)
+        if cls.__module__.startswith("torch.nn.") or cls.forward is nn.Module.forward:
             continue
         kids = _children(m)
         if not kids.linears and not kids.sequences:
             continue
-        flow, where = _read(type(m), kids)
+        flow, where = _read(cls, kids)
         if flow is None:
             continue
         name = type(m).__qualname__
