@@ -158,6 +158,7 @@ def _mesh(mode: str):
 
     return {
         "tp2": annot.Mesh(tp=2),
+        "tp2_inferred": annot.Mesh(tp=2),  # no hints: those read off the sources
         "pp2": annot.Mesh(pp=2),
         "pp2_auto": annot.Mesh(pp=2),
         "pp2_source": annot.Mesh(pp=2),
@@ -205,8 +206,8 @@ def run_case(case, seen: Counter) -> None:
 
     r, mode, compiled, wrong, which = case
     mesh = _mesh(mode)
-    if mesh.tp == 1:
-        wrong = ""  # nothing to hint at tp=1
+    if mesh.tp == 1 or mode == "tp2_inferred":
+        wrong = ""  # nothing to hint at tp=1; nothing given, nothing wrong: the reading's own
     if not r.per_block_control:
         r = Recipe(**{**r.__dict__, "skip": False, "twice": False, "branch": False})
     if mode in ("pp2_source", "pp2_written"):  # the written-out source registers none
@@ -227,7 +228,7 @@ def run_case(case, seen: Counter) -> None:
     ref_loss.backward()
 
     kw = {}
-    if mesh.tp > 1:
+    if mesh.tp > 1 and mode != "tp2_inferred":
         kw["hints"] = lora_paths(hints(r, wrong)) if r.lora else hints(r, wrong)
     if mode in ("pp2", "tp2_pp2", "pp2_source", "pp2_written"):
         points = lora_paths(boundaries(r)) if r.lora else boundaries(r)
@@ -271,7 +272,11 @@ def run_case(case, seen: Counter) -> None:
         hooks_lost = r.hooks and "rewritten copies" in str(err)
         # the source split cuts what it can read (refused at build, naming why)
         uncut = mode == "pp2_source" and "model" not in locals()
-        if not (wrong or unknown_order or uncut or hooks_lost) or os.environ.get(
+        # what the reading of the sources leaves whole or gets wrong is refused, naming it
+        unread = mode == "tp2_inferred" and (
+            "off the source" in str(err) or "says how to split it" in str(err)
+        )
+        if not (wrong or unknown_order or uncut or hooks_lost or unread) or os.environ.get(
             "ANNOT_FUZZ_RAISE"
         ):
             raise AssertionError(f"case {case!r}: a supported case was refused: {err}") from err
@@ -282,6 +287,8 @@ def run_case(case, seen: Counter) -> None:
             if unknown_order
             else " (hooks by isinstance on rewritten classes)"
             if hooks_lost
+            else " (the hints read off the sources)"
+            if unread
             else " (the source split cannot cut it)"
         )
         seen[f"refused{why}: {type(err).__name__}: {first}"] += 1
@@ -369,9 +376,8 @@ def _seed() -> int | None:
 
 
 def test_fuzz_structures_two_ranks():
-    seen = run_ranks(
-        _fuzz, 2, _examples(FAST), ("tp2", "pp2", "pp2_auto"), PINNED, _seed(), False, timeout=540
-    )[0]
+    modes = ("tp2", "tp2_inferred", "pp2", "pp2_auto")
+    seen = run_ranks(_fuzz, 2, _examples(FAST), modes, PINNED, _seed(), False, timeout=540)[0]
     _report(seen)
     assert seen.get("exact", 0) >= FAST // 2, "most drawn cases were refused: the fuzzer is blind"
 
@@ -393,7 +399,7 @@ def test_fuzz_the_source_split_on_models_written_out():
 @pytest.mark.slow
 def test_fuzz_structures_long_profile():
     n = _examples(LONG)
-    modes = ("tp2", "pp2", "pp2_auto", "pp2_source", "pp2_written")
+    modes = ("tp2", "tp2_inferred", "pp2", "pp2_auto", "pp2_source", "pp2_written")
     seen = run_ranks(_fuzz, 2, n, modes, PINNED, _seed(), timeout=1800)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2

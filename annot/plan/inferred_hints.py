@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from annot.core.hints import path_matches
 from annot.core.specs import Col, Local, Row
+from annot.hf.lora import is_lora_layer
 from annot.rewriters.analysis.head_flow import Children, Flow, read_flow
 from annot.rewriters.analysis.method_syntax import Method, parse_method
 
@@ -65,7 +66,12 @@ class Inferred:
 
 
 def _linear_like(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"  # transformers' GPT-2 layer
+    """``nn.Linear``, transformers' ``Conv1D``, or a PEFT LoRA layer around one
+    (its hint goes to the layer and its adapters: :func:`annot.hf.lora.lora_hints`)."""
+    base = getattr(m, "base_layer", None)
+    if is_lora_layer(m) and isinstance(base, nn.Module):
+        return _linear_like(base)
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
 
 
 def _elementwise(m: nn.Module) -> bool:

@@ -138,6 +138,7 @@ class _Reader:
             if isinstance(star, cst.Param):
                 self.env[star.name.value] = _C
         self.local_src: dict[str, str] = {}  # a local -> the self path it copies
+        self.defs: dict[str, cst.BaseExpression] = {}  # a local -> the value it was bound to
         self.returns: Optional[list] = None  # in a method forward calls: what it returns
         self.depth = 0
         self.body = m.fn.body.body
@@ -160,30 +161,45 @@ class _Reader:
         if isinstance(node, cst.Integer):
             self.fail(v, f"a literal {what} ({node.value})", node)
             return
-        name = self.size_key(node)
-        if (
-            isinstance(node, cst.BinaryOperation)
-            and isinstance(node.operator, cst.Multiply)
-            and any(self.size_key(s) in self.local for s in (node.left, node.right))
-        ):
+        if self.divided(node):
             return  # heads * head_dim, the head count already divided
-        if name is not None:
+        names = self.size_keys(node)
+        for name in names or ():
             self.local[name] = self.local.get(name, frozenset()) | v.src
-        else:
+        if not names:
             self.fail(v, f"a {what} it cannot name", node)
 
-    def size_key(self, node: cst.BaseExpression) -> Optional[str]:
-        """The name ``Local`` takes for what ``node`` reads: a self path
-        (``"n_head"``, ``"config.num_heads"``), a forward local copying one, or a
-        forward local (``"C"``); None for what it cannot name."""
+    def divided(self, node: cst.BaseExpression, seen: frozenset = frozenset()) -> bool:
+        """Whether ``node`` already reads a size ``Local`` divides (``n_head *
+        self.head_dim``; a local bound to that, in either branch of an ``if``)."""
+        if any(k in self.local for k in self.size_keys(node) or ()):
+            return True
+        if isinstance(node, cst.Name) and node.value in self.defs and node.value not in seen:
+            return self.divided(self.defs[node.value], seen | {node.value})
+        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Multiply):
+            return self.divided(node.left, seen) or self.divided(node.right, seen)
+        if isinstance(node, cst.IfExp):
+            return self.divided(node.body, seen) or self.divided(node.orelse, seen)
+        return False
+
+    def size_keys(self, node: cst.BaseExpression) -> Optional[list[str]]:
+        """The names ``Local`` takes for what ``node`` reads: a self path
+        (``"n_head"``, ``"config.num_heads"``), the self paths a local copies (in
+        either branch of an ``if``: ``self.config.n_head if c else self.n_head``),
+        or a forward local (``"C"``); None for what it cannot name."""
         path = self_path(node, self.self_name)
         if path is not None:
-            return None if path in self.kids.params else path
-        if isinstance(node, cst.Name) and node.value in self.env:
-            if node.value in self.local_src:
-                return self.local_src[node.value]
-            return node.value if self.depth == 0 else None  # a method's local: not forward's
-        return None
+            return None if path in self.kids.params else [path]
+        if not isinstance(node, cst.Name) or node.value not in self.env:
+            return None
+        if node.value in self.local_src:
+            return [self.local_src[node.value]]
+        value = self.defs.get(node.value)
+        if isinstance(value, cst.IfExp):
+            body, orelse = self.size_keys(value.body), self.size_keys(value.orelse)
+            if body and orelse:
+                return body + [k for k in orelse if k not in body]
+        return [node.value] if self.depth == 0 else None  # a method's local: not forward's
 
     # ---- statements --------------------------------------------------------------
     def run(self, body: Sequence[cst.CSTNode]) -> None:
@@ -244,6 +260,8 @@ class _Reader:
     def bind(self, target, v: Value, node, value=None) -> None:
         if isinstance(target, cst.Name):
             self.env[target.value] = v
+            if value is not None:
+                self.defs[target.value] = value
             path = self_path(value, self.self_name) if value is not None else None
             if path is not None:
                 self.local_src[target.value] = path
@@ -355,10 +373,11 @@ class _Reader:
             if name is None or a.star:
                 continue
             bound[name] = v
-            key = self.size_key(a.value)
-            if key is not None and (self.depth == 0 or key in self.local_src.values()):
-                sources[name] = key
+            keys = self.size_keys(a.value)
+            if keys and len(keys) == 1 and (self.depth == 0 or keys[0] in self.local_src.values()):
+                sources[name] = keys[0]
         saved = (self.env, self.local_src, self.shapes, self.where, self.returns, self.self_name)
+        defs, self.defs = self.defs, {}
         self.env, self.local_src, self.shapes, self.where = bound, sources, m.shapes, m.where
         self.returns, self.depth = [], self.depth + 1
         first = params_of(m.fn)
@@ -368,6 +387,7 @@ class _Reader:
             returns = self.returns
         finally:
             self.env, self.local_src, self.shapes, self.where, self.returns, self.self_name = saved
+            self.defs = defs
             self.depth -= 1
         if len(returns) == 1:
             return returns[0]
