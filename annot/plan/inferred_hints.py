@@ -25,6 +25,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import libcst as cst
 import torch.nn as nn
 
 from annot.core.hints import path_matches
@@ -148,7 +149,10 @@ def _read(cls: Any, kids: Children) -> tuple[Optional[Flow], str]:
     if found is None:
         return None, ""
     source, path, first = found
-    flow = read_flow(source, kids, path, first, methods=functools.partial(_method, cls))
+    try:
+        flow = read_flow(source, kids, path, first, methods=functools.partial(_method, cls))
+    except (RecursionError, cst.ParserSyntaxError) as exc:  # a reading, never a crash
+        flow = Flow(notes=[f"forward not read ({type(exc).__name__}): every Linear stays whole"])
     return flow, f"{path}:{first}"
 
 

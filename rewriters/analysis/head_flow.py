@@ -182,7 +182,7 @@ class _Reader:
             return self.divided(node.body, seen) or self.divided(node.orelse, seen)
         return False
 
-    def size_keys(self, node: cst.BaseExpression) -> Optional[list[str]]:
+    def size_keys(self, node: cst.BaseExpression, seen: frozenset = frozenset()) -> Optional[list]:
         """The names ``Local`` takes for what ``node`` reads: a self path
         (``"n_head"``, ``"config.num_heads"``), the self paths a local copies (in
         either branch of an ``if``: ``self.config.n_head if c else self.n_head``),
@@ -195,8 +195,9 @@ class _Reader:
         if node.value in self.local_src:
             return [self.local_src[node.value]]
         value = self.defs.get(node.value)
-        if isinstance(value, cst.IfExp):
-            body, orelse = self.size_keys(value.body), self.size_keys(value.orelse)
+        if isinstance(value, cst.IfExp) and node.value not in seen:
+            seen = seen | {node.value}
+            body, orelse = self.size_keys(value.body, seen), self.size_keys(value.orelse, seen)
             if body and orelse:
                 return body + [k for k in orelse if k not in body]
         return [node.value] if self.depth == 0 else None  # a method's local: not forward's
