@@ -2,9 +2,10 @@
 own inputs, before anything trains on them.
 
 For each class the inferred hints split (an attention, an MLP), the first
-module of it this rank holds runs twice on the inputs that call gives it, in
-eval mode and without gradients: as this rank's tp shard, and whole, the
-single-device module rebuilt from the shard's gathered weights. Outputs that
+module of it this rank holds runs twice on a copy of the inputs that call
+gives it, in eval mode and without gradients, before the call itself: as
+this rank's tp shard, and whole, the single-device module rebuilt from the
+shard's gathered weights. Outputs that
 differ mean the reading of the source was wrong in a way shapes do not show
 (heads mixed, a width reduced across the split): the call is refused on every
 tp rank alike with a :class:`HintError` naming the class, the hints and the
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from annot.core.errors import HintError
 
@@ -89,18 +90,39 @@ def _whole_copy(mod: nn.Module, twin: nn.Module, device) -> nn.Module:
     return twin
 
 
+_PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, slice)
+
+
+def _inputs(args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """A detached copy of a call's inputs for the check, or None where that
+    cannot be made. A keyword argument holding state (a KV cache: anything
+    but tensors and plain values) is left out: the check's runs must not
+    change what the real call sees, and on the first call a cache is empty."""
+    if not all(isinstance(x, _PLAIN) for x in tree_leaves(args)):
+        return None
+    kw = {k: v for k, v in kwargs.items() if all(isinstance(x, _PLAIN) for x in tree_leaves(v))}
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kw))
+
+
 def _check(mod: nn.Module, twin: nn.Module, args, kwargs, ctx, name: str, path: str, found):
     from annot.runtime import process_groups
 
     device = next(mod.parameters()).device
+    inputs = _inputs(args, kwargs)
+    if inputs is None:
+        found.notes.append(
+            f"{path}: not checked on the first call (a positional input holds state)"
+        )
+        return
     with process_groups.use(ctx), torch.no_grad():
         whole = _whole_copy(mod, twin, device)
         modes = mod.training
         mod.eval()
         whole.eval()
         try:
-            got = mod(*args, **kwargs)
-            want = whole(*args, **kwargs)
+            got = mod(*inputs[0], **inputs[1])
+            a, k = _inputs(*inputs) or inputs
+            want = whole(*a, **k)
         finally:
             mod.train(modes)
         g, w = _tensors(got)[:1], _tensors(want)[:1]  # the output (an attention's weights: not)
@@ -121,9 +143,11 @@ def _check(mod: nn.Module, twin: nn.Module, args, kwargs, ctx, name: str, path: 
 
 def install(built, whole: nn.Module, report) -> None:
     """Check the inferred hints (``report.inferred``) on ``built``'s first call:
-    a one-shot forward hook on the first module of each class they split
-    (run eagerly under ``torch.compile``)."""
-
+    a one-shot forward pre-hook on the first module of each class they split,
+    which runs it sharded and whole on a copy of its inputs before the real
+    call (eagerly under ``torch.compile``). A module inside a sequence-parallel
+    block sees a sequence shard, which the whole module cannot be run on alone:
+    not checked, said in the notes."""
     found = report.inferred
     handles: dict[str, Any] = {}
     for name, paths in owner_paths(found.hints, whole).items():
@@ -131,12 +155,15 @@ def install(built, whole: nn.Module, report) -> None:
         if not held:
             continue  # other pipeline stages': checked there
         path, mod = held[0]
+        if any(path == b or path.startswith(b + ".") for b in report.sequence_blocks):
+            found.notes.append(f"{path}: not checked on the first call (sequence parallel)")
+            continue
 
         @torch.compiler.disable
-        def hook(m, args, kwargs, out, name=name, path=path, mod=mod) -> None:
+        def hook(m, args, kwargs, name=name, path=path, mod=mod) -> None:
             if m is not mod or any(t.is_meta for t in _tensors((args, kwargs))):
                 return  # a copy, or a run for shapes (the pre-flight, a replay's shadow)
             handles.pop(path).remove()
             _check(m, whole.get_submodule(path), args, kwargs, built.ctx, name, path, found)
 
-        handles[path] = mod.register_forward_hook(hook, with_kwargs=True)
+        handles[path] = mod.register_forward_pre_hook(hook, with_kwargs=True)
