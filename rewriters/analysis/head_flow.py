@@ -29,12 +29,28 @@ found (:mod:`annot.build.inferred_hints`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import libcst as cst
 
 from annot.core.specs import Col, Replicate, Row
+from annot.rewriters.analysis.flow_values import (
+    CLEAN,
+    COLUMNS,
+    ELEMENTWISE,
+    ELEMENTWISE_METHODS,
+    HEADS,
+    MERGED,
+    METADATA,
+    RESHAPES,
+    SPLITS,
+    Children,
+    Flow,
+    Split,
+    Val,
+    Value,
+    flat,
+)
 from annot.rewriters.analysis.method_syntax import (
     Method,
     comprehensions,
@@ -48,81 +64,7 @@ from annot.rewriters.analysis.method_syntax import (
 
 __all__ = ["Children", "Flow", "read_flow"]
 
-CLEAN, COLUMNS, HEADS, MERGED = 0, 1, 2, 3  # what a value holds: see _Val
-
-#: functions (by their last name: ``F.gelu``, ``torch.tanh``) that act on each
-#: element alone: a column-parallel output stays column-parallel through them
-ELEMENTWISE = frozenset(
-    {
-        "gelu", "silu", "relu", "relu6", "tanh", "sigmoid", "dropout", "leaky_relu", "mish",
-        "softplus", "elu", "selu", "celu", "hardswish", "hardsigmoid", "hardtanh", "exp", "erf",
-        "square", "abs", "neg", "gelu_new", "quick_gelu",
-    }
-)  # fmt: skip
-#: methods that act on each element (``x.float()``, ``x.sigmoid()``), or move
-#: no element across the last dim
-ELEMENTWISE_METHODS = ELEMENTWISE | {
-    "float", "half", "bfloat16", "to", "type_as", "contiguous", "clone", "mul", "add", "sub",
-    "div", "pow", "clamp",
-}  # fmt: skip
-_RESHAPES = frozenset({"view", "reshape"})
-_METADATA = frozenset({"shape", "dtype", "device", "size", "dim", "ndim", "numel", "is_cuda"})
-_SPLITS = frozenset({"split", "chunk", "tensor_split"})
-
-
-@dataclass(frozen=True)
-class Children:
-    """What the module's attributes are, by path from ``self`` (``"ff.up"`` for
-    ``self.ff["up"]``): Linear layers, weightless element-wise modules
-    (activations, dropout), modules with weights, its own raw parameters, and
-    the ``nn.Sequential`` among them whose first step is a Linear (a gated
-    output projection: row-parallel at its first step)."""
-
-    linears: frozenset = frozenset()
-    elementwise: frozenset = frozenset()
-    weighted: frozenset = frozenset()
-    params: frozenset = frozenset()
-    sequences: frozenset = frozenset()
-
-
-@dataclass
-class Flow:
-    """What :func:`read_flow` found: ``specs`` by attribute path, the names
-    ``Local`` divides, and why a Linear was left whole (``notes``)."""
-
-    specs: dict = field(default_factory=dict)
-    local: tuple[str, ...] = ()
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Val:
-    """An abstract value: ``state`` (CLEAN: replicated; COLUMNS: a column
-    output, last dim sharded; HEADS: split into heads; MERGED: heads merged
-    back) and ``src``, the Linears whose sharded outputs it carries."""
-
-    state: int = CLEAN
-    src: frozenset = frozenset()
-    param: bool = False  # a raw parameter of the module
-
-    def join(self, other: _Val) -> _Val:
-        return _Val(max(self.state, other.state), self.src | other.src, self.param or other.param)
-
-
-_Tuple = tuple  # a tuple value: a tuple of _Val (or of nested tuples)
-Value = Union[_Val, "_Tuple", "_Split"]
-_C = _Val()
-
-
-def _flat(v) -> _Val:
-    if isinstance(v, _Split):
-        return v.val
-    if isinstance(v, tuple):
-        out = _C
-        for x in v:
-            out = out.join(_flat(x))
-        return out
-    return v
+_C = Val()
 
 
 class _Reader:
@@ -151,10 +93,10 @@ class _Reader:
 
     # ---- failures and records ---------------------------------------------------
     def fail(self, v: Value, why: str, node: cst.CSTNode) -> None:
-        for s in _flat(v).src:
+        for s in flat(v).src:
             self.failed.setdefault(s, f"{why} at {self.where(node)}")
 
-    def size_name(self, node: cst.BaseExpression, v: _Val, what: str) -> None:
+    def size_name(self, node: cst.BaseExpression, v: Val, what: str) -> None:
         """Record the name ``node`` reads as a per-rank size (or fail ``v``)."""
         if isinstance(node, cst.UnaryOperation) and isinstance(node.expression, cst.Integer):
             return  # -1: the size follows the data
@@ -247,13 +189,13 @@ class _Reader:
             self.bind(node.target, self.expr(node.value), node, value=node.value)
         elif isinstance(node, cst.AugAssign):
             v = self.expr(node.value)
-            self.bind(node.target, _flat(self.expr(node.target)).join(_flat(v)), node)
+            self.bind(node.target, flat(self.expr(node.target)).join(flat(v)), node)
         elif isinstance(node, cst.Return) and self.returns is not None:
             self.returns.append(self.expr(node.value) if node.value is not None else _C)
         elif isinstance(node, cst.Return) and node.value is not None:
             v = self.expr(node.value)
             first = v[0] if isinstance(v, tuple) and v else v
-            if _flat(first).state != CLEAN:  # (a per-head second output, attention
+            if flat(first).state != CLEAN:  # (a per-head second output, attention
                 self.fail(first, "a sharded value is returned", node)  # weights: as hints do)
         elif isinstance(node, cst.Expr):
             self.expr(node.value)
@@ -268,17 +210,17 @@ class _Reader:
                 self.local_src[target.value] = path
         elif isinstance(target, (cst.Tuple, cst.List)):
             elts = [e.value for e in target.elements]
-            if isinstance(v, _Split):
+            if isinstance(v, Split):
                 self.chunks.update({s: len(elts) for s in v.val.src if v.val.state == COLUMNS})
                 v = tuple(v.val for _ in elts)
-            parts = v if isinstance(v, tuple) and len(v) == len(elts) else [_flat(v)] * len(elts)
+            parts = v if isinstance(v, tuple) and len(v) == len(elts) else [flat(v)] * len(elts)
             for e, p in zip(elts, parts):
                 self.bind(e, p, node)
-        elif isinstance(target, (cst.Attribute, cst.Subscript)) and _flat(v).state != CLEAN:
+        elif isinstance(target, (cst.Attribute, cst.Subscript)) and flat(v).state != CLEAN:
             self.fail(v, "a sharded value is stored", node)
 
     def iterated(self, v: Value) -> Value:
-        return _flat(v) if isinstance(v, (tuple, _Split)) else v
+        return flat(v) if isinstance(v, (tuple, Split)) else v
 
     # ---- expressions -------------------------------------------------------------
     def expr(self, node: cst.BaseExpression) -> Value:
@@ -287,30 +229,30 @@ class _Reader:
         if isinstance(node, cst.Attribute):
             path = self_path(node, self.self_name)
             if path is not None:
-                return _Val(param=path in self.kids.params)
-            if node.attr.value in _METADATA:
+                return Val(param=path in self.kids.params)
+            if node.attr.value in METADATA:
                 return _C
-            return _flat(self.expr(node.value))
+            return flat(self.expr(node.value))
         if isinstance(node, (cst.Tuple, cst.List)):
             return tuple(self.expr(e.value) for e in node.elements)
         if isinstance(node, cst.Call):
             return self.call(node)
         if isinstance(node, cst.BinaryOperation):
-            a, b = _flat(self.expr(node.left)), _flat(self.expr(node.right))
+            a, b = flat(self.expr(node.left)), flat(self.expr(node.right))
             out = a.join(b)
             if out.state != CLEAN and out.param:
                 self.fail(out, "a raw parameter is read with a sharded value", node)
-            return _Val(out.state, out.src)
+            return Val(out.state, out.src)
         if isinstance(node, cst.Subscript):
-            return _flat(self.expr(node.value))
+            return flat(self.expr(node.value))
         if isinstance(node, (cst.GeneratorExp, cst.ListComp)):
             for comp in comprehensions(node.for_in):
                 self.bind(comp.target, self.iterated(self.expr(comp.iter)), node)
             elt = self.expr(node.elt)
             n = literal_length(node.for_in.iter)
-            return tuple(elt for _ in range(n)) if n else _flat(elt)
+            return tuple(elt for _ in range(n)) if n else flat(elt)
         if isinstance(node, cst.IfExp):
-            return _flat(self.expr(node.body)).join(_flat(self.expr(node.orelse)))
+            return flat(self.expr(node.body)).join(flat(self.expr(node.orelse)))
         if isinstance(node, (cst.UnaryOperation,)):
             return self.expr(node.expression)
         if isinstance(node, (cst.Comparison, cst.BooleanOperation)):
@@ -326,7 +268,7 @@ class _Reader:
         args = [self.expr(a.value) for a in node.args]
         joined = _C
         for a in args:
-            joined = joined.join(_flat(a))
+            joined = joined.join(flat(a))
         path = self_path(func, self.self_name)
         method = self.method_of(path)
         if method is not None:
@@ -335,12 +277,12 @@ class _Reader:
             return self.module_call(path, joined, node)
         if isinstance(func, cst.Attribute) and not self.is_namespace(func.value):
             # a method of a value: x.view(...), t.split(...)
-            return self.method(_flat(self.expr(func.value)), func.attr.value, node, joined)
+            return self.method(flat(self.expr(func.value)), func.attr.value, node, joined)
         name = last_name(func)
         if name == "rearrange" and node.args:
-            return self.rearrange(_flat(args[0]), node)
-        if name in ("split", "chunk") and node.args and _flat(args[0]).state == COLUMNS:
-            return self.split(_flat(args[0]), node.args[1:], node, name)
+            return self.rearrange(flat(args[0]), node)
+        if name in ("split", "chunk") and node.args and flat(args[0]).state == COLUMNS:
+            return self.split(flat(args[0]), node.args[1:], node, name)
         return self.function(name, joined, node)
 
     def is_namespace(self, node: cst.BaseExpression) -> bool:
@@ -394,15 +336,15 @@ class _Reader:
             return returns[0]
         out = _C
         for r in returns:
-            out = out.join(_flat(r))
+            out = out.join(flat(r))
         return out
 
-    def module_call(self, path: str, arg: _Val, node: cst.Call) -> Value:
+    def module_call(self, path: str, arg: Val, node: cst.Call) -> Value:
         kids = self.kids
         if path in kids.linears:
             if arg.state == CLEAN:
                 self.cols.add(path)
-                return _Val(COLUMNS, frozenset({path}))
+                return Val(COLUMNS, frozenset({path}))
             if arg.state in (COLUMNS, MERGED):
                 self.rows[path] = self.rows.get(path, frozenset()) | arg.src
                 return _C
@@ -423,21 +365,21 @@ class _Reader:
         self.fail(arg, f"self.{path} is applied to a sharded value", node)
         return _C
 
-    def method(self, v: _Val, name: str, node: cst.Call, args: _Val) -> Value:
+    def method(self, v: Val, name: str, node: cst.Call, args: Val) -> Value:
         if v.state == CLEAN:  # a cache's update(k, v): per head in, per head out
-            return _Val(HEADS, args.src) if args.state == HEADS else _C
-        if name in _METADATA:
+            return Val(HEADS, args.src) if args.state == HEADS else _C
+        if name in METADATA:
             return _C
-        if name in _SPLITS and v.state == COLUMNS:
+        if name in SPLITS and v.state == COLUMNS:
             return self.split(v, node.args, node, name)
-        if name in _RESHAPES:
+        if name in RESHAPES:
             return self.reshape(v, node)
         if v.state == HEADS or name in ELEMENTWISE_METHODS:
-            return _Val(max(v.state, args.state), v.src | args.src)
+            return Val(max(v.state, args.state), v.src | args.src)
         self.fail(v, f".{name}() on a sharded value", node)
         return _C
 
-    def split(self, v: _Val, args: Sequence[cst.Arg], node: cst.Call, name: str) -> Value:
+    def split(self, v: Val, args: Sequence[cst.Arg], node: cst.Call, name: str) -> Value:
         if not args:
             self.fail(v, f"{name}() without a size", node)
             return v
@@ -449,9 +391,9 @@ class _Reader:
             self.fail(v, "a split into unequal parts", node)
             return v
         self.size_name(size, v, "split size")
-        return _Split(v)
+        return Split(v)
 
-    def reshape(self, v: _Val, node: cst.Call) -> Value:
+    def reshape(self, v: Val, node: cst.Call) -> Value:
         dims = self.dims(node.args)
         if dims is None:
             self.fail(v, "a reshape it cannot read", node)
@@ -463,10 +405,10 @@ class _Reader:
             self.size_name(dims[-2], v, "head count")
             if len(dims) > 3 and isinstance(dims[-3], cst.Integer) and int(dims[-3].value) > 1:
                 self.chunks.update({s: int(dims[-3].value) for s in v.src})  # (.., 3, heads, d)
-            return _Val(HEADS, v.src)
+            return Val(HEADS, v.src)
         if v.state == HEADS:  # merged back: (..., heads * head_dim)
             self.size_name(dims[-1], v, "width")
-            return _Val(MERGED, v.src)
+            return Val(MERGED, v.src)
         self.fail(v, "a reshape of a merged value", node)
         return v
 
@@ -487,7 +429,7 @@ class _Reader:
                 out.append(value)
         return out
 
-    def rearrange(self, v: _Val, node: cst.Call) -> Value:
+    def rearrange(self, v: Val, node: cst.Call) -> Value:
         pattern = node.args[1].value if len(node.args) > 1 else None
         text = str(pattern.evaluated_value) if isinstance(pattern, cst.SimpleString) else None
         if text is None or "->" not in text:
@@ -503,21 +445,21 @@ class _Reader:
                 self.fail(v, f"a rearrange without {first}=", node)
                 return v
             self.size_name(size, v, "head count")
-            return _Val(HEADS, v.src)
+            return Val(HEADS, v.src)
         if v.state == HEADS and "(" in right:
-            return _Val(MERGED, v.src)
+            return Val(MERGED, v.src)
         if v.state == CLEAN:
             return _C
         self.fail(v, "a rearrange it cannot follow", node)
         return v
 
-    def function(self, name: Optional[str], args: _Val, node: cst.Call) -> Value:
+    def function(self, name: Optional[str], args: Val, node: cst.Call) -> Value:
         if args.state == CLEAN:
             return _C
         if args.state == HEADS or name in ELEMENTWISE:
             if args.param and args.state != CLEAN:
                 self.fail(args, "a raw parameter is read with a sharded value", node)
-            return _Val(args.state, args.src)
+            return Val(args.state, args.src)
         self.fail(args, f"{name or 'a call'}() on a sharded value", node)
         return _C
 
@@ -557,14 +499,6 @@ class _Reader:
             for c in sorted(unseen)
         ]
         return flow
-
-
-@dataclass(frozen=True)
-class _Split:
-    """A column output split into a number of equal parts the assignment
-    tells (``q, k, v = qkv.split(size)``: three)."""
-
-    val: _Val
 
 
 def read_flow(
