@@ -7,6 +7,7 @@ the lines of the hand hints the test suite gives it (the model is refused,
 never run wrong: the pre-flight or the first-call check names why).
 
     python benchmarks/hint_lines.py            # a table; about 3 minutes on 2 CPU cores
+    python benchmarks/hint_lines.py bert       # the models whose name holds "bert"
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def _hf(name: str):
                 attn_pdrop=0.0,
             ),
         ),
+        "bert": lambda: (
+            T.BertForMaskedLM,
+            T.BertConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            ),
+        ),
     }  # fmt: skip
     if name in causal:
         return causal[name]()
@@ -81,6 +89,7 @@ MODELS = {
     "HF MPT (ALiBi)": ("hf:mpt", "hf", None),
     "HF XGLM": ("hf:xglm", "hf", None),
     "HF GPT-BigCode (multi-query)": ("hf:gpt_bigcode", "hf", None),
+    "HF BERT (output projection in BertSelfOutput)": ("hf:bert", "hf_mlm", None),
     "HF Falcon": ("hf:falcon", "hf", 5),
     "HF Bloom (ALiBi)": ("hf:bloom", "hf", 6),
     "HF T5": ("hf:t5", "hf_t5", 6),
@@ -130,6 +139,8 @@ def _loss(model, kind: str, g):
         return model(ids, ids)
     if kind == "logits":
         return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    if kind == "hf_mlm":
+        return model(input_ids=ids, labels=ids).loss
     if kind == "hf_t5":
         return model(input_ids=ids, labels=ids, decoder_input_ids=ids, use_cache=False).loss
     return model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -168,9 +179,12 @@ def main() -> None:
 
     from annot.testing import run_ranks
 
+    only = sys.argv[1] if len(sys.argv) > 1 else ""  # a part of a name: only those
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for name, (key, kind, hand) in MODELS.items():
+            if only.lower() not in name.lower():
+                continue
             t = time.perf_counter()
             status, detail = run_ranks(_rank, 2, key, kind, cache, timeout=300)[0]
             still = 0 if status == "exact" else hand if hand is not None else "?"

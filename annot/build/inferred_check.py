@@ -26,28 +26,19 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from annot.core.errors import HintError
 
-__all__ = ["install", "owner_paths"]
+__all__ = ["install", "split_owners"]
 
 log = logging.getLogger("annot")
 
 
-def owner_paths(hints: dict, model: nn.Module) -> dict[str, list[str]]:
-    """``{class name: the paths of its modules the hints split, in order}``: the
-    module whose forward calls each hinted Linear (above containers)."""
-    from annot.core.hints import path_matches
-
-    splits = [k for k, v in hints.items() if type(v).__name__ in ("Col", "Row")]
+def split_owners(found, model: nn.Module) -> dict[str, list[str]]:
+    """``{class name: the paths of its modules whose forward shows a split}``
+    (:attr:`annot.plan.inferred_hints.Inferred.splits`: the Col and Row Linears
+    under one module, BERT's attention above its self-attention and output)."""
     named = dict(model.named_modules())
     out: dict[str, list[str]] = {}
-    for p in named:
-        if not any(path_matches(k, p) for k in splits):
-            continue
-        owner = p.rpartition(".")[0]
-        while owner and isinstance(named[owner], (nn.Sequential, nn.ModuleDict, nn.ModuleList)):
-            owner = owner.rpartition(".")[0]  # a container's: the module whose forward calls it
-        paths = out.setdefault(type(named[owner]).__qualname__, [])
-        if owner not in paths:
-            paths.append(owner)
+    for path in found.splits:
+        out.setdefault(type(named[path]).__qualname__, []).append(path)
     return out
 
 
@@ -150,7 +141,7 @@ def install(built, whole: nn.Module, report) -> None:
     not checked, said in the notes."""
     found = report.inferred
     handles: dict[str, Any] = {}
-    for name, paths in owner_paths(found.hints, whole).items():
+    for name, paths in split_owners(found, whole).items():
         held = [(p, m) for p in paths for m in [_held(built.module, p)] if m is not None]
         if not held:
             continue  # other pipeline stages': checked there

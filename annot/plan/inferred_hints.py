@@ -18,6 +18,7 @@ said in :attr:`Inferred.notes`. The build checks the result like any hints
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -49,6 +50,9 @@ class Inferred:
     notes: list[str] = field(default_factory=list)
     classes: dict[str, str] = field(default_factory=dict)  # class -> file:line of its forward
     checked: list[str] = field(default_factory=list)  # modules checked on the first call
+    # the modules whose forward shows a split (its Col and Row Linears both under it),
+    # in model order: what the first-call check runs whole
+    splits: list[str] = field(default_factory=list)
 
     def why_nothing(self) -> str:
         """For the refusal of a model nothing splits: what the reading found."""
@@ -142,18 +146,64 @@ def _method(cls: Any, name: str) -> Optional[Method]:
 
 
 @functools.cache
-def _read(cls: Any, kids: Children) -> tuple[Optional[Flow], str]:
+def _read(cls: Any, kids: Children, seed_input: bool = False) -> tuple[Optional[Flow], str]:
     """``(flow, file:line)`` of ``cls.forward`` with these children (the
-    methods it calls read where called); None where its source cannot be read."""
+    methods it calls read where called); None where its source cannot be read.
+    ``seed_input``: read with the first argument sharded."""
     found = _source(cls.forward)
     if found is None:
         return None, ""
     source, path, first = found
+    methods = functools.partial(_method, cls)
     try:
-        flow = read_flow(source, kids, path, first, methods=functools.partial(_method, cls))
+        flow = read_flow(source, kids, path, first, methods=methods, seed_input=seed_input)
     except (RecursionError, cst.ParserSyntaxError) as exc:  # a reading, never a crash
         flow = Flow(notes=[f"forward not read ({type(exc).__name__}): every Linear stays whole"])
     return flow, f"{path}:{first}"
+
+
+class _Reading:
+    """Every module's forward read once, children first: a child's summary
+    (it returns its columns' sharded output; its first argument reaches one
+    Linear) is part of what its parent's reading is told."""
+
+    def __init__(self) -> None:
+        self.flows: dict[int, tuple[Optional[Flow], str]] = {}
+        self.kids: dict[int, Children] = {}
+
+    def flow(self, m: nn.Module) -> tuple[Optional[Flow], str]:
+        if id(m) not in self.flows:
+            self.flows[id(m)] = (None, "")  # (a module inside itself reads as nothing)
+            cls: Any = type(m)
+            if not cls.__module__.startswith("torch.nn.") and cls.forward is not nn.Module.forward:
+                kids = self.children(m)
+                if kids.linears or kids.sequences or kids.outputs or kids.row_inputs:
+                    self.flows[id(m)] = _read(cls, kids)
+        return self.flows[id(m)]
+
+    def children(self, m: nn.Module) -> Children:
+        if id(m) in self.kids:
+            return self.kids[id(m)]
+        base = _children(m)
+        self.kids[id(m)] = base
+        outputs, rows = [], []
+        known = base.linears | base.sequences | base.elementwise
+        for name, c in m.named_children():
+            if name in known or isinstance(c, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
+                continue
+            flow = self.flow(c)[0]
+            if flow is not None and flow.exports:
+                outputs.append((name, flow.exports, flow.export_state, flow.export_local))
+            cls: Any = type(c)
+            if cls.__module__.startswith("torch.nn.") or cls.forward is nn.Module.forward:
+                continue
+            kids = self.children(c)
+            if kids.linears:
+                seeded = _read(cls, kids, seed_input=True)[0]
+                if seeded is not None and seeded.row_input is not None:
+                    rows.append((name, seeded.row_input))
+        self.kids[id(m)] = dataclasses.replace(base, outputs=tuple(outputs), row_inputs=tuple(rows))
+        return self.kids[id(m)]
 
 
 def _sequential(path: str, m: nn.Sequential) -> dict[str, Any]:
@@ -176,17 +226,15 @@ def infer_hints(model: nn.Module) -> Inferred:
     """The tp hints ``model``'s sources show (see the module's docstring)."""
     exact: dict[str, Any] = {}
     out = Inferred()
-    for path, m in model.named_modules():
+    reading = _Reading()
+    named = dict(model.named_modules())
+    for path, m in named.items():
         if isinstance(m, nn.Sequential):
-            exact.update(_sequential(path, m))
+            mlp = _sequential(path, m)
+            exact.update(mlp)
+            out.splits += [path] if mlp else []
             continue
-        cls: Any = type(m)
-        if cls.__module__.startswith("torch.nn.") or cls.forward is nn.Module.forward:
-            continue
-        kids = _children(m)
-        if not kids.linears and not kids.sequences:
-            continue
-        flow, where = _read(cls, kids)
+        flow, where = reading.flow(m)
         if flow is None:
             continue
         name = type(m).__qualname__
@@ -194,13 +242,26 @@ def infer_hints(model: nn.Module) -> Inferred:
             out.classes[name] = where
         for attr, spec in flow.specs.items():
             exact[_join(path, attr)] = spec
+        if any(isinstance(s, Row) for s in flow.specs.values()):
+            out.splits.append(path)
         if flow.local and any(isinstance(s, (Col, Row)) for s in flow.specs.values()):
             exact[path] = Local(*flow.local)
-        for note in flow.notes:
+        for child, names in flow.child_local.items():
+            exact[_join(path, child)] = Local(*names)
+        notes = list(flow.notes)
+        parent, _, me = path.rpartition(".")
+        taken = reading.flow(named[parent])[0] if path else None
+        for col, _ in flow.exports:  # split only where the caller takes them back
+            if taken is None or f"{me}.{col}" not in taken.specs:
+                notes.append(
+                    f"self.{col}: left whole: its output is returned, and no caller "
+                    "gives it to a Linear"
+                )
+        for note in notes:
             line = f"{name} ({where}): {note}"
             if line not in out.notes:
                 out.notes.append(line)
-    out.hints = _patterns(exact, {p for p, _ in model.named_modules()})
+    out.hints = _patterns(exact, set(named))
     return out
 
 

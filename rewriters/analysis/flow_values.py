@@ -7,7 +7,7 @@ module's children by kind (:class:`Children`); what one forward shows
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 __all__ = [
     "CLEAN",
@@ -62,6 +62,13 @@ class Children:
     weighted: frozenset = frozenset()
     params: frozenset = frozenset()
     sequences: frozenset = frozenset()
+    # children whose forward returns a sharded first output (BERT's self-attention,
+    # its output projection in another module): (path, ((column, chunks), ...),
+    # state, the Local names those columns size)
+    outputs: tuple = ()
+    # children whose first argument reaches one Linear as its input, and nothing
+    # else sharded (BERT's BertSelfOutput.dense): (path, the Linear's path)
+    row_inputs: tuple = ()
 
 
 @dataclass
@@ -72,6 +79,16 @@ class Flow:
     specs: dict = field(default_factory=dict)
     local: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    # the columns whose sharded output forward returns first: split only where the
+    # caller hands it to a row-parallel Linear (its Children.outputs), with
+    # ``chunks``, the value's state and the Local names they size
+    exports: tuple = ()
+    export_state: int = 0
+    export_local: tuple[str, ...] = ()
+    # the Linear forward's first argument reaches, read with that argument sharded
+    row_input: Optional[str] = None
+    # Local names of children whose exported columns this forward confirmed
+    child_local: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

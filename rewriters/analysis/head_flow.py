@@ -65,10 +65,11 @@ from annot.rewriters.analysis.method_syntax import (
 __all__ = ["Children", "Flow", "read_flow"]
 
 _C = Val()
+INPUT = "<input>"  # the first argument, where forward is read with it sharded
 
 
 class _Reader:
-    def __init__(self, m: Method, kids: Children, methods) -> None:
+    def __init__(self, m: Method, kids: Children, methods, seed_input: bool = False) -> None:
         params = params_of(m.fn)
         self.self_name = params[0].name.value if params else "self"
         self.kids = kids
@@ -81,6 +82,12 @@ class _Reader:
                 self.env[star.name.value] = _C
         self.local_src: dict[str, str] = {}  # a local -> the self path it copies
         self.defs: dict[str, cst.BaseExpression] = {}  # a local -> the value it was bound to
+        if seed_input and len(params) > 1:  # read as if the first argument came sharded
+            self.env[params[1].name.value] = Val(MERGED, frozenset({INPUT}))
+        self.outputs = {c[0]: c[1:] for c in kids.outputs}
+        self.row_inputs = dict(kids.row_inputs)
+        self.exported: Val = _C
+        self.child_local: dict[str, tuple] = {}
         self.returns: Optional[list] = None  # in a method forward calls: what it returns
         self.depth = 0
         self.body = m.fn.body.body
@@ -194,8 +201,10 @@ class _Reader:
             self.returns.append(self.expr(node.value) if node.value is not None else _C)
         elif isinstance(node, cst.Return) and node.value is not None:
             v = self.expr(node.value)
-            first = v[0] if isinstance(v, tuple) and v else v
-            if flat(first).state != CLEAN:  # (a per-head second output, attention
+            first = flat(v[0] if isinstance(v, tuple) and v else v)
+            if first.state in (COLUMNS, MERGED) and INPUT not in first.src:
+                self.exported = self.exported.join(first)  # the caller may take it back
+            elif first.state != CLEAN:  # (a per-head second output, attention
                 self.fail(first, "a sharded value is returned", node)  # weights: as hints do)
         elif isinstance(node, cst.Expr):
             self.expr(node.value)
@@ -273,6 +282,8 @@ class _Reader:
         method = self.method_of(path)
         if method is not None:
             return self.inline(method, node, args)
+        if path is not None and path in self.outputs | self.row_inputs:
+            return self.child_call(path, args, node)
         if path is not None:
             return self.module_call(path, joined, node)
         if isinstance(func, cst.Attribute) and not self.is_namespace(func.value):
@@ -338,6 +349,28 @@ class _Reader:
         for r in returns:
             out = out.join(flat(r))
         return out
+
+    def child_call(self, path: str, args: list, node: cst.Call) -> Value:
+        """A child whose forward returns its columns' sharded output, or takes
+        a sharded first argument back through a Linear (its summary in
+        :class:`Children`)."""
+        first = flat(args[0]) if args else _C
+        rest = _C
+        for a in args[1:]:
+            rest = rest.join(flat(a))
+        if path in self.row_inputs and first.state in (COLUMNS, MERGED) and rest.state == CLEAN:
+            row = f"{path}.{self.row_inputs[path]}"
+            self.rows[row] = self.rows.get(row, frozenset()) | first.src
+            return _C
+        if path in self.outputs and first.state == CLEAN and rest.state == CLEAN:
+            cols, state, local = self.outputs[path]
+            srcs = frozenset(f"{path}.{c}" for c, _ in cols)
+            self.cols |= srcs
+            self.chunks.update({f"{path}.{c}": n for c, n in cols if n > 1})
+            self.child_local[path] = (tuple(local), srcs)
+            return Val(state, srcs)
+        self.fail(first.join(rest), f"self.{path} is applied to a sharded value", node)
+        return _C
 
     def module_call(self, path: str, arg: Val, node: cst.Call) -> Value:
         kids = self.kids
@@ -466,7 +499,8 @@ class _Reader:
     # ---- the result ----------------------------------------------------------------
     def result(self) -> Flow:
         failed = dict(self.failed)
-        for col in self.cols:  # a column output no Linear takes back stays whole
+        exported = self.exported.src - set(failed)
+        for col in self.cols - exported:  # a column output no Linear takes back stays whole
             if col not in failed and not any(col in src for src in self.rows.values()):
                 failed[col] = "its output reaches no row-parallel Linear"
         changed = True
@@ -479,17 +513,27 @@ class _Reader:
                         failed[s] = f"it feeds self.{row} with self.{bad[0]}, left whole"
                         changed = True
         flow = Flow()
-        for col in sorted(self.cols - set(failed)):
+        exported -= set(failed)
+        flow.exports = tuple((c, self.chunks.get(c, 1)) for c in sorted(exported))
+        flow.export_state = self.exported.state
+        flow.export_local = tuple(n for n, src in self.local.items() if src and src <= exported)
+        row_input = [r for r, src in self.rows.items() if INPUT in src]
+        if len(row_input) == 1 and INPUT not in failed:
+            flow.row_input = row_input[0]
+        for child, (names, srcs) in self.child_local.items():
+            if names and not (srcs & set(failed)):
+                flow.child_local[child] = names
+        for col in sorted(self.cols - set(failed) - exported):
             n = self.chunks.get(col, 1)
             flow.specs[col] = Col(chunks=n) if n > 1 else Col()
         for row, src in sorted(self.rows.items()):
-            if src and not (src & set(failed)):
+            if src and INPUT not in src and not (src & set(failed)):
                 flow.specs[row] = Row()
         for path, src in sorted(self.sums.items()):
             if src and not (src & set(failed)):
                 flow.specs[path] = Replicate(sum_grad=True)
         flow.local = tuple(
-            name for name, src in self.local.items() if src and not (src & set(failed))
+            n for n, src in self.local.items() if src and not (src & (set(failed) | exported))
         )
         flow.notes = [f"self.{c}: left whole: {why}" for c, why in sorted(failed.items())]
         unseen = self.kids.linears - self.cols - set(self.rows)
@@ -507,11 +551,13 @@ def read_flow(
     path: str = "<forward>",
     first_line: int = 1,
     methods: Optional[Callable[[str], Optional[Method]]] = None,
+    seed_input: bool = False,
 ) -> Flow:
     """The hints one ``forward`` (``source``: the method's text, dedented)
     shows for the module's attributes ``kids``; positions in notes count from
     ``first_line`` of ``path``. ``methods``: the class's other methods by name
-    (:func:`parse_method`), read where forward calls them."""
-    reader = _Reader(parse_method(source, path, first_line), kids, methods)
+    (:func:`parse_method`), read where forward calls them. ``seed_input``:
+    read with the first argument sharded, for :attr:`Flow.row_input`."""
+    reader = _Reader(parse_method(source, path, first_line), kids, methods, seed_input)
     reader.run(reader.body)
     return reader.result()

@@ -27,7 +27,7 @@ def test_says_what_stays_whole_and_why(capsys):
     out = capsys.readouterr().out
     assert "# left whole:" in out
     # (forward calls _forward_impl, read where called: the classifier's logits are returned)
-    assert "self.fc: left whole: a sharded value is returned" in out
+    assert "self.fc: left whole: its output is returned, and no caller gives it to a Linear" in out
 
 
 def test_a_command_line_mistake(capsys):

@@ -58,6 +58,17 @@ def _build(name: str):
             dropout=0.0,
         )
         return transformers.OPTForCausalLM, cfg
+    if name == "bert":  # no plan; the attention's output projection in BertSelfOutput
+        cfg = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return transformers.BertForMaskedLM, cfg
     if name == "bloom":  # no plan; ALiBi built for all heads in BloomModel.forward
         cfg = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
         return transformers.BloomForCausalLM, cfg
@@ -159,10 +170,7 @@ def _parity(cache: str, name: str, hints=None, built: bool = False, inferred: bo
     ref = cls(cfg)
     _train(model, ref, f"{name} tp=2")
     if inferred:  # each class the hints split checked against the whole module on the first call
-        assert model.report.inferred.checked == [
-            "model.decoder.layers.0.self_attn",
-            "model.decoder.layers.0",
-        ], model.report.inferred.checked
+        assert model.report.inferred.checked == CHECKED[name], model.report.inferred.checked
     return sorted(n for n, p in model.named_parameters() if getattr(p, "annot_grad_sum", None))
 
 
@@ -293,6 +301,16 @@ def _inferred(cache: str, name: str):
     return True
 
 
-def test_opt_tp2_without_hints(tmp_path):
-    """OPT ships no tp plan: its attention and MLP are read off the sources."""
-    assert run_ranks(_inferred, 2, str(tmp_path), "opt", timeout=300) == [True, True]
+CHECKED = {  # the modules whose forward shows a split, one of each class
+    "opt": ["model.decoder.layers.0.self_attn", "model.decoder.layers.0"],
+    # the attention's columns in BertSelfAttention, its row in BertSelfOutput: the
+    # module above both is split and checked (its MLP runs through
+    # apply_chunking_to_forward, which the reading does not follow: whole)
+    "bert": ["bert.encoder.layer.0.attention"],
+}
+
+
+@pytest.mark.parametrize("name", ["opt", "bert"])
+def test_tp2_without_hints(tmp_path, name):
+    """OPT and BERT ship no tp plan: what their sources show is split."""
+    assert run_ranks(_inferred, 2, str(tmp_path), name, timeout=300) == [True, True]
