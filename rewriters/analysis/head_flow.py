@@ -290,6 +290,11 @@ class _Reader:
             # a method of a value: x.view(...), t.split(...)
             return self.method(flat(self.expr(func.value)), func.attr.value, node, joined)
         name = last_name(func)
+        if name == "apply_chunking_to_forward" and len(node.args) > 3:
+            # transformers' (forward_fn, chunk_size, chunk_dim, *inputs): forward_fn(*inputs)
+            method = self.method_of(self_path(node.args[0].value, self.self_name))
+            if method is not None:
+                return self.inline(method, node.with_changes(args=node.args[3:]), args[3:])
         if name == "rearrange" and node.args:
             return self.rearrange(flat(args[0]), node)
         if name in ("split", "chunk") and node.args and flat(args[0]).state == COLUMNS:

@@ -304,9 +304,9 @@ def _inferred(cache: str, name: str):
 CHECKED = {  # the modules whose forward shows a split, one of each class
     "opt": ["model.decoder.layers.0.self_attn", "model.decoder.layers.0"],
     # the attention's columns in BertSelfAttention, its row in BertSelfOutput: the
-    # module above both is split and checked (its MLP runs through
-    # apply_chunking_to_forward, which the reading does not follow: whole)
-    "bert": ["bert.encoder.layer.0.attention"],
+    # module above both is checked; the MLP's (BertIntermediate, BertOutput, called
+    # through apply_chunking_to_forward) pair up in the layer, checked whole
+    "bert": ["bert.encoder.layer.0.attention", "bert.encoder.layer.0"],
 }
 
 
