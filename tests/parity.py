@@ -102,39 +102,56 @@ def train_mse_against_reference(model, ref, what: str, width: int = 16, steps: i
     compare_state(model, ref, f"{what}: after {steps} AdamW steps")
 
 
-def train_lm_against_reference(model, ref, what: str, vocab: int, steps: int = 2):
-    """Two AdamW steps of a language model (``model(tokens)`` gives the logits)
-    under cross-entropy, in an ``@annot.jit`` step of two microbatches (a
-    pipeline or not), against its single-device reference on the whole batch:
-    the loss and every gradient at each step, every parameter after the last.
-    Returns the step (for ``step.explain``)."""
+def _cross_entropy_of_logits(m, tokens, labels):
     import torch.nn.functional as F
 
+    return F.cross_entropy(m(tokens).flatten(0, 1), labels.flatten())
+
+
+def train_lm_against_reference(
+    model, ref, what: str, vocab: int, steps: int = 2, loss_of=None, eps: float = 1e-8
+):
+    """Two AdamW steps of a language model under ``loss_of(m, tokens, labels)``
+    (default: ``model(tokens)`` gives the logits, cross-entropy), in an
+    ``@annot.jit`` step of two microbatches (a pipeline or not), against its
+    single-device reference on the whole batch: the loss and every gradient at
+    each step, every parameter after the last. Returns the step and the last
+    batch (for ``step.explain``)."""
     import annot
 
-    def loss_of(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss_of = loss_of or _cross_entropy_of_logits
 
     @annot.jit(model, microbatches=2)
     def step(tokens, labels):
-        loss = loss_of(model(tokens), labels)
+        loss = loss_of(model, tokens, labels)
         model.backward(loss)
         return loss
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
     g = torch.Generator().manual_seed(2)
     for i in range(steps):
         x = torch.randint(0, vocab, (4, 6), generator=g)
         y = torch.randint(0, vocab, (4, 6), generator=g)
         loss = step(x, y).reduce_mean()
-        ref_loss = loss_of(ref(x), y)
+        ref_loss = loss_of(ref, x, y)
         ref_loss.backward()
         assert_close(loss, ref_loss, f"{what} step {i}: loss")
         compare_grads(model, ref, f"{what} step {i}")
         step_both(opt, ref_opt)
     compare_state(model, ref, f"{what}: after {steps} AdamW steps")
     return step, (x, y)
+
+
+def train_pair_lm_against_reference(model, ref, what: str, vocab: int = 32):
+    """:func:`train_lm_against_reference` for a model whose forward takes
+    ``(tokens, labels)`` and returns ``(logits, loss)``. AdamW's eps at 1e-6:
+    a key bias's true gradient is zero (softmax ignores a constant added to
+    every key), and Adam's m / sqrt(v) turns its float noise into updates of
+    ~lr unless eps dominates the noise."""
+    return train_lm_against_reference(
+        model, ref, what, vocab, loss_of=lambda m, x, y: m(x, y)[1], eps=1e-6
+    )
 
 
 def gpt_step(model, schedule: str = "1f1b", microbatches: int = 2):

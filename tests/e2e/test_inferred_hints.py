@@ -16,7 +16,7 @@ def _tiny_lm(cache: str, instance: bool, pp: int = 1, compiled: bool = False):
     import torch
 
     import annot
-    from tests.parity import assert_close, compare_grads, compare_state, step_both
+    from tests.parity import train_pair_lm_against_reference
     from tests.thirdparty_models import TinyLM
 
     mesh = annot.Mesh(pp=pp, tp=2)
@@ -30,26 +30,7 @@ def _tiny_lm(cache: str, instance: bool, pp: int = 1, compiled: bool = False):
         model = annot.parallelize(TinyLM, mesh=mesh, seed=0, **kw)
     assert model.report.inferred.hints["layers.*.attn.qkv"] == annot.Col(chunks=3)
     torch.manual_seed(0)
-    ref = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
-
-    @annot.jit(model, microbatches=2)
-    def step(tokens, labels):
-        _, loss = model(tokens, labels)
-        model.backward(loss)
-        return loss
-
-    g = torch.Generator().manual_seed(2)
-    for i in range(2):
-        x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
-        loss = step(x, y).reduce_mean()
-        _, ref_loss = ref(x, y)
-        ref_loss.backward()
-        assert_close(loss, ref_loss, f"step {i} loss")
-        compare_grads(model, ref, f"step {i}")
-        step_both(opt, ref_opt)
-    compare_state(model, ref, "after 2 steps")
+    step, (x, y) = train_pair_lm_against_reference(model, TinyLM(), "no hints")
     # each class the hints split checked on the first call, where this rank holds it
     held = (
         ["layers.0.attn", "layers.0"] if model.ctx.pp_rank == 0 else ["layers.2.attn", "layers.2"]

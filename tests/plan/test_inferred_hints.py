@@ -12,16 +12,12 @@ from annot.plan.inferred_hints import infer_hints
 
 
 def test_bert_pairs_columns_and_rows_across_modules():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-    )
+    pytest.importorskip("transformers")
+    from tests.e2e.test_hf_tp_models import _build
+
+    cls, cfg = _build("bert")
     with torch.device("meta"):
-        found = infer_hints(transformers.BertForMaskedLM(cfg))
+        found = infer_hints(cls(cfg))
     layer = "bert.encoder.layer.*"
     assert found.hints == {
         f"{layer}.intermediate.dense": Col(),
