@@ -16,6 +16,7 @@ fix, before backward. Nothing ever trains on a wrong split.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Optional
 
@@ -31,14 +32,18 @@ __all__ = ["install", "split_owners"]
 log = logging.getLogger("annot")
 
 
-def split_owners(found, model: nn.Module) -> dict[str, list[str]]:
-    """``{class name: the paths of its modules whose forward shows a split}``
+def split_owners(found, model: nn.Module) -> dict[tuple, list[str]]:
+    """The modules whose forward shows a split
     (:attr:`annot.plan.inferred_hints.Inferred.splits`: the Col and Row Linears
-    under one module, BERT's attention above its self-attention and output)."""
+    under one module, BERT's attention above its self-attention and output),
+    grouped by what they are: their class, and for an ``nn.Sequential`` the
+    classes of its steps (every Sequential is one class)."""
     named = dict(model.named_modules())
-    out: dict[str, list[str]] = {}
+    out: dict[tuple, list[str]] = {}
     for path in found.splits:
-        out.setdefault(type(named[path]).__qualname__, []).append(path)
+        m = named[path]
+        steps = tuple(type(c) for c in m.children()) if isinstance(m, nn.Sequential) else ()
+        out.setdefault((type(m), steps), []).append(path)
     return out
 
 
@@ -59,26 +64,50 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    if got.shape != want.shape:
-        return False
+    if not want.is_floating_point():
+        return bool(torch.equal(got, want))
     rtol, atol = (1e-3, 1e-4) if want.dtype == torch.float32 else (3e-2, 3e-2)
-    scale = want.abs().max().item() if want.numel() else 0.0
-    return bool(torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol * max(scale, 1.0)))
+    finite = want[torch.isfinite(want)]
+    scale = finite.abs().max().item() if finite.numel() else 0.0
+    return bool(
+        torch.allclose(
+            got.float(), want.float(), rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True
+        )
+    )
+
+
+def _same(got, want) -> bool:
+    """Every output the two runs give alike: the first tensor always; the rest
+    where their shapes agree (an attention's per-head weights are this rank's)."""
+    g, w = _tensors(got), _tensors(want)
+    if not g or not w or g[0].shape != w[0].shape:
+        return bool(not g and not w)
+    return all(_close(a, b) for a, b in zip(g, w) if a.shape == b.shape)
 
 
 def _whole_copy(mod: nn.Module, twin: nn.Module, device) -> nn.Module:
-    """``twin`` (meta) made real on ``device`` with ``mod``'s gathered weights
-    and its buffers (a causal mask, a rotary table: never sharded by Col/Row)."""
-    from annot.runtime.tp.state_dict import full_state_dict
-
-    full = full_state_dict(mod)  # collective over the tp group
-    twin = twin.to_empty(device=device)
-    twin.load_state_dict({k: v for k, v in full.items() if k in twin.state_dict()}, strict=False)
+    """A real copy of ``twin`` (meta) on ``device`` with ``mod``'s buffers (a
+    causal mask, a rotary table: never sharded by Col / Row); its weights are
+    loaded by the caller."""
+    whole = copy.deepcopy(twin).to_empty(device=device)
     held = dict(mod.named_buffers())
-    for name, b in twin.named_buffers():
-        if name in held and held[name].shape == b.shape:
-            b.copy_(held[name])
-    return twin
+    with torch.no_grad():
+        for name, b in whole.named_buffers():
+            if name in held and held[name].shape == b.shape:
+                b.copy_(held[name])
+    return whole
+
+
+def _random_like(full: dict, names: set) -> dict:
+    """Random values, the same on every rank, for the parameters among
+    ``full``: a check on the weights as built could pass by accident (a
+    projection initialized to zero gives zero whatever the split)."""
+    g = torch.Generator().manual_seed(20261128)
+    return {
+        k: (torch.randn(v.shape, generator=g) * 0.1).to(v.device, v.dtype)
+        for k, v in full.items()
+        if k in names and v.is_floating_point()
+    }
 
 
 _PLAIN = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, slice)
@@ -95,38 +124,69 @@ def _inputs(args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kw))
 
 
-def _check(mod: nn.Module, twin: nn.Module, args, kwargs, ctx, name: str, path: str, found):
-    from annot.runtime import process_groups
+_OK, _UNCHECKED, _WRONG = 2, 1, 0  # all-reduced with MIN: the worst rank's answer
+
+
+def _compare(mod: nn.Module, twin: nn.Module, inputs, ctx, random: bool) -> tuple[int, str]:
+    """Run ``mod`` (this rank's shard) and ``twin`` whole on copies of
+    ``inputs``, in eval mode, the RNG and every training flag put back after."""
+    from annot.runtime.tp.state_dict import full_state_dict, load_full_state_dict
 
     device = next(mod.parameters()).device
-    inputs = _inputs(args, kwargs)
-    if inputs is None:
-        found.notes.append(
-            f"{path}: not checked on the first call (a positional input holds state)"
-        )
-        return
-    with process_groups.use(ctx), torch.no_grad():
-        whole = _whole_copy(mod, twin, device)
-        modes = mod.training
-        mod.eval()
-        whole.eval()
-        try:
-            got = mod(*inputs[0], **inputs[1])
+    flags = {m: m.training for m in mod.modules()}
+    # collective over the tp group; copied (a replicated tensor comes back as itself)
+    full = {k: v.detach().clone() for k, v in full_state_dict(mod).items()}
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            weights = {**full, **_random_like(full, {n for n, _ in mod.named_parameters()})}
+            whole = _whole_copy(mod, twin, device)
+            whole.load_state_dict(
+                {k: v for k, v in weights.items() if k in whole.state_dict()}, strict=False
+            )
+            if random:
+                load_full_state_dict(mod, weights, strict=False)
+            mod.eval()
+            whole.eval()
             a, k = _inputs(*inputs) or inputs
+            got = mod(*inputs[0], **inputs[1])
             want = whole(*a, **k)
-        finally:
-            mod.train(modes)
-        g, w = _tensors(got)[:1], _tensors(want)[:1]  # the output (an attention's weights: not)
-        ok = torch.tensor([0 if g and w and not _close(g[0], w[0]) else 1], device=device)
+            return (_OK if _same(got, want) else _WRONG), ""
+    except Exception as exc:  # noqa: BLE001 (every tp rank answers; the caller refuses)
+        return _UNCHECKED, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        if random:
+            load_full_state_dict(mod, full, strict=False)
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _check(mod: nn.Module, twin: nn.Module, args, kwargs, built, name: str, path: str, found):
+    from annot.runtime import process_groups
+
+    ctx = built.ctx
+    device = next(mod.parameters()).device
+    inputs = _inputs(args, kwargs)
+    with process_groups.use(ctx), torch.no_grad():
+        if inputs is None:
+            status, why = _UNCHECKED, "a positional input holds state annot cannot copy"
+        else:  # (a model sharded over dp by FSDP2: checked on its weights as they are)
+            status, why = _compare(mod, twin, inputs, ctx, random=built.fsdp is None)
+        code = torch.tensor([status], device=device)
         if ctx.tp_group is not None and dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.tp_group)
-    if not ok.item():
-        mine = "\n  ".join(f"{k!r}: {v!r}," for k, v in found.hints.items())
+            dist.all_reduce(code, op=dist.ReduceOp.MIN, group=ctx.tp_group)
+    mine = "\n  ".join(f"{k!r}: {v!r}," for k, v in found.hints.items())
+    if code.item() == _WRONG:
         raise HintError(
             f"the tp hints annot read off the source of {name} do not compute what the "
             f"module computes: '{path}' at tp={ctx.mesh.tp} gives other outputs than the whole "
             f"module on this call's inputs. Nothing trained. Give hints= yourself (these "
             f"were inferred; review and fix them):\n  {mine}\nor tp=1"
+        )
+    if code.item() == _UNCHECKED:
+        raise HintError(
+            f"annot read tp hints off the source of {name} but cannot check them at '{path}' "
+            f"on this call ({why or 'another tp rank could not'}), and does not train on "
+            f"hints it has not checked. Give hints= yourself (these were inferred):\n  {mine}"
         )
     found.checked.append(path)
     log.info("annot: inferred hints of %s checked at '%s' on the first call", name, path)
@@ -134,27 +194,41 @@ def _check(mod: nn.Module, twin: nn.Module, args, kwargs, ctx, name: str, path: 
 
 def install(built, whole: nn.Module, report) -> None:
     """Check the inferred hints (``report.inferred``) on ``built``'s first call:
-    a one-shot forward pre-hook on the first module of each class they split,
-    which runs it sharded and whole on a copy of its inputs before the real
-    call (eagerly under ``torch.compile``). A module inside a sequence-parallel
-    block sees a sequence shard, which the whole module cannot be run on alone:
-    not checked, said in the notes."""
+    a forward pre-hook on the first module of each kind they split, which runs
+    it sharded and whole on a copy of its inputs before the real call (eagerly
+    under ``torch.compile``). A refusal stays: every later call raises it too.
+    A module inside a sequence-parallel block sees a sequence shard, which the
+    whole module cannot run on alone: refused here, before any call."""
     found = report.inferred
     handles: dict[str, Any] = {}
-    for name, paths in split_owners(found, whole).items():
+    busy: list[str] = []  # the check running now (a module inside it waits for its own call)
+    for (cls, _), paths in split_owners(found, whole).items():
         held = [(p, m) for p in paths for m in [_held(built.module, p)] if m is not None]
         if not held:
             continue  # other pipeline stages': checked there
         path, mod = held[0]
         if any(path == b or path.startswith(b + ".") for b in report.sequence_blocks):
-            found.notes.append(f"{path}: not checked on the first call (sequence parallel)")
-            continue
+            raise HintError(
+                f"annot read tp hints off the source of {cls.__qualname__}, but '{path}' runs "
+                "on sequence shards (sequence_parallel=), where they cannot be checked. Give "
+                "hints= yourself (`annot hints` prints these), or sequence_parallel=False"
+            )
+        state: dict[str, Any] = {"error": None}
 
         @torch.compiler.disable
-        def hook(m, args, kwargs, name=name, path=path, mod=mod) -> None:
-            if m is not mod or any(t.is_meta for t in _tensors((args, kwargs))):
-                return  # a copy, or a run for shapes (the pre-flight, a replay's shadow)
+        def hook(m, args, kwargs, name=cls.__qualname__, path=path, mod=mod, state=state):
+            if state["error"] is not None:
+                raise state["error"]
+            if m is not mod or busy or any(t.is_meta for t in _tensors((args, kwargs))):
+                return  # a copy, inside a check's own run, or a run for shapes (the pre-flight)
+            busy.append(path)
+            try:
+                _check(m, whole.get_submodule(path), args, kwargs, built, name, path, found)
+            except HintError as exc:
+                state["error"] = exc
+                raise
+            finally:
+                busy.pop()
             handles.pop(path).remove()
-            _check(m, whole.get_submodule(path), args, kwargs, built.ctx, name, path, found)
 
         handles[path] = mod.register_forward_pre_hook(hook, with_kwargs=True)

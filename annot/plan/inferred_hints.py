@@ -26,7 +26,6 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import libcst as cst
 import torch.nn as nn
 
 from annot.core.hints import path_matches
@@ -39,6 +38,7 @@ __all__ = ["Inferred", "infer_hints"]
 
 #: weightless modules that act on each element (what an MLP may run between its Linears)
 _ACTIVATION = re.compile(r"gelu|silu|swish|relu|mish|activation|dropout", re.IGNORECASE)
+_GATED = re.compile(r"glu", re.IGNORECASE)  # SwiGLU, GeGLU: split the last dim in two
 _NOT_ELEMENTWISE = {"Softmax", "Softmin", "LogSoftmax", "Softmax2d", "GLU", "MultiheadAttention"}
 
 
@@ -90,7 +90,7 @@ def _elementwise(m: nn.Module) -> bool:
         or isinstance(m, nn.Identity)
         or where.startswith("transformers.activations")
         or _ACTIVATION.search(type(m).__name__) is not None
-    )
+    ) and not _GATED.search(type(m).__name__)
 
 
 def _sequence_row(m: nn.Module) -> bool:
@@ -142,7 +142,10 @@ def _method(cls: Any, name: str) -> Optional[Method]:
     if not inspect.isfunction(fn) or getattr(nn.Module, name, None) is fn:
         return None
     found = _source(fn)
-    return parse_method(*found) if found is not None else None
+    try:
+        return parse_method(*found) if found is not None else None
+    except Exception:  # noqa: BLE001 (a lambda, a syntax libcst does not read: not followed)
+        return None
 
 
 @functools.cache
@@ -157,7 +160,7 @@ def _read(cls: Any, kids: Children, seed_input: bool = False) -> tuple[Optional[
     methods = functools.partial(_method, cls)
     try:
         flow = read_flow(source, kids, path, first, methods=methods, seed_input=seed_input)
-    except (RecursionError, cst.ParserSyntaxError) as exc:  # a reading, never a crash
+    except Exception as exc:  # noqa: BLE001 (a reading that fails leaves every Linear whole)
         flow = Flow(notes=[f"forward not read ({type(exc).__name__}): every Linear stays whole"])
     return flow, f"{path}:{first}"
 

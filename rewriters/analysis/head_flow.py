@@ -28,7 +28,7 @@ found (:mod:`annot.build.inferred_hints`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Optional
 
 import libcst as cst
@@ -61,6 +61,7 @@ from annot.rewriters.analysis.method_syntax import (
     self_path,
     subexpressions,
 )
+from annot.rewriters.analysis.shape_reads import ShapeReads
 
 __all__ = ["Children", "Flow", "read_flow"]
 
@@ -68,7 +69,7 @@ _C = Val()
 INPUT = "<input>"  # the first argument, where forward is read with it sharded
 
 
-class _Reader:
+class _Reader(ShapeReads):
     def __init__(self, m: Method, kids: Children, methods, seed_input: bool = False) -> None:
         params = params_of(m.fn)
         self.self_name = params[0].name.value if params else "self"
@@ -97,64 +98,35 @@ class _Reader:
         self.local: dict[str, frozenset] = {}  # Local name -> the columns it sizes
         self.sums: dict[str, frozenset] = {}
         self.failed: dict[str, str] = {}  # column Linear -> why it stays whole
+        self.replicated: set[str] = set()  # modules with weights called on replicated values
 
     # ---- failures and records ---------------------------------------------------
     def fail(self, v: Value, why: str, node: cst.CSTNode) -> None:
         for s in flat(v).src:
             self.failed.setdefault(s, f"{why} at {self.where(node)}")
 
-    def size_name(self, node: cst.BaseExpression, v: Val, what: str) -> None:
-        """Record the name ``node`` reads as a per-rank size (or fail ``v``)."""
-        if isinstance(node, cst.UnaryOperation) and isinstance(node.expression, cst.Integer):
-            return  # -1: the size follows the data
-        if isinstance(node, cst.Integer):
-            self.fail(v, f"a literal {what} ({node.value})", node)
-            return
-        if self.divided(node):
-            return  # heads * head_dim, the head count already divided
-        names = self.size_keys(node)
-        for name in names or ():
-            self.local[name] = self.local.get(name, frozenset()) | v.src
-        if not names:
-            self.fail(v, f"a {what} it cannot name", node)
-
-    def divided(self, node: cst.BaseExpression, seen: frozenset = frozenset()) -> bool:
-        """Whether ``node`` already reads a size ``Local`` divides (``n_head *
-        self.head_dim``; a local bound to that, in either branch of an ``if``)."""
-        if any(k in self.local for k in self.size_keys(node) or ()):
-            return True
-        if isinstance(node, cst.Name) and node.value in self.defs and node.value not in seen:
-            return self.divided(self.defs[node.value], seen | {node.value})
-        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Multiply):
-            return self.divided(node.left, seen) or self.divided(node.right, seen)
-        if isinstance(node, cst.IfExp):
-            return self.divided(node.body, seen) or self.divided(node.orelse, seen)
-        return False
-
-    def size_keys(self, node: cst.BaseExpression, seen: frozenset = frozenset()) -> Optional[list]:
-        """The names ``Local`` takes for what ``node`` reads: a self path
-        (``"n_head"``, ``"config.num_heads"``), the self paths a local copies (in
-        either branch of an ``if``: ``self.config.n_head if c else self.n_head``),
-        or a forward local (``"C"``); None for what it cannot name."""
-        path = self_path(node, self.self_name)
-        if path is not None:
-            return None if path in self.kids.params else [path]
-        if not isinstance(node, cst.Name) or node.value not in self.env:
-            return None
-        if node.value in self.local_src:
-            return [self.local_src[node.value]]
-        value = self.defs.get(node.value)
-        if isinstance(value, cst.IfExp) and node.value not in seen:
-            seen = seen | {node.value}
-            body, orelse = self.size_keys(value.body, seen), self.size_keys(value.orelse, seen)
-            if body and orelse:
-                return body + [k for k in orelse if k not in body]
-        return [node.value] if self.depth == 0 else None  # a method's local: not forward's
-
     # ---- statements --------------------------------------------------------------
-    def run(self, body: Sequence[cst.CSTNode]) -> None:
-        for stmt in body:
+    def run(self, body) -> None:
+        """A suite: its statements (a one-line suite's small statements too)."""
+        if isinstance(body, cst.SimpleStatementSuite):
+            for small in body.body:
+                self.small(small)
+            return
+        for stmt in body.body if isinstance(body, cst.BaseSuite) else body:
             self.statement(stmt)
+
+    def branches(self, suites: list) -> None:
+        """Each suite read from the same bindings, the results joined (either may run)."""
+        start, ends = dict(self.env), []
+        for suite in suites:
+            self.env = dict(start)
+            self.run(suite)
+            ends.append(self.env)
+        self.env = {}
+        for env in ends:
+            for name, v in env.items():
+                seen = self.env.get(name)
+                self.env[name] = v if seen is None or seen is v else flat(seen).join(flat(v))
 
     def statement(self, stmt: cst.CSTNode) -> None:
         if isinstance(stmt, cst.SimpleStatementLine):
@@ -162,30 +134,39 @@ class _Reader:
                 self.small(small)
         elif isinstance(stmt, cst.If):
             self.expr(stmt.test)
-            self.run(stmt.body.body)
-            if stmt.orelse is not None:
-                self.statement(stmt.orelse)
-        elif isinstance(stmt, cst.Else):
-            self.run(stmt.body.body)
+            suites, orelse = [stmt.body], stmt.orelse
+            while isinstance(orelse, cst.If):  # elif: one more branch
+                self.expr(orelse.test)
+                suites.append(orelse.body)
+                orelse = orelse.orelse
+            suites.append(orelse.body if orelse is not None else cst.IndentedBlock(body=[]))
+            self.branches(suites)
         elif isinstance(stmt, (cst.For, cst.While)):
             if isinstance(stmt, cst.For):
                 self.bind(stmt.target, self.iterated(self.expr(stmt.iter)), stmt)
+            else:
+                self.expr(stmt.test)
             for _ in range(2):  # a value carried round the loop
-                self.run(stmt.body.body)
+                self.run(stmt.body)
+            if stmt.orelse is not None:
+                self.run(stmt.orelse.body)
         elif isinstance(stmt, cst.With):
             for item in stmt.items:
                 self.expr(item.item)
-            self.run(stmt.body.body)
-        elif isinstance(stmt, cst.Try):
-            self.run(stmt.body.body)
-            for h in stmt.handlers:
-                self.run(h.body.body)
+            self.run(stmt.body)
+        elif isinstance(stmt, (cst.Try, cst.TryStar)):
+            self.branches([stmt.body, *(h.body for h in stmt.handlers)])
+            for extra in (stmt.orelse, stmt.finalbody):
+                if extra is not None:
+                    self.run(extra.body)
         elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             pass  # a closure: its calls are read where they happen
-        else:
-            for child in getattr(stmt, "body", ()) or ():
-                if isinstance(child, cst.CSTNode):
-                    self.statement(child)
+        else:  # (match, ...): what it does to a sharded value is not read
+            for v in self.env.values():
+                if flat(v).state != CLEAN:
+                    self.fail(
+                        v, f"a {type(stmt).__name__.lower()} statement it does not read", stmt
+                    )
 
     def small(self, node: cst.CSTNode) -> None:
         if isinstance(node, cst.Assign):
@@ -195,8 +176,10 @@ class _Reader:
         elif isinstance(node, cst.AnnAssign) and node.value is not None:
             self.bind(node.target, self.expr(node.value), node, value=node.value)
         elif isinstance(node, cst.AugAssign):
-            v = self.expr(node.value)
-            self.bind(node.target, flat(self.expr(node.target)).join(flat(v)), node)
+            v = flat(self.expr(node.target)).join(flat(self.expr(node.value)))
+            if v.state != CLEAN and v.param:
+                self.fail(v, "a raw parameter is read with a sharded value", node)
+            self.bind(node.target, v, node)
         elif isinstance(node, cst.Return) and self.returns is not None:
             self.returns.append(self.expr(node.value) if node.value is not None else _C)
         elif isinstance(node, cst.Return) and node.value is not None:
@@ -204,8 +187,11 @@ class _Reader:
             first = flat(v[0] if isinstance(v, tuple) and v else v)
             if first.state in (COLUMNS, MERGED) and INPUT not in first.src:
                 self.exported = self.exported.join(first)  # the caller may take it back
-            elif first.state != CLEAN:  # (a per-head second output, attention
-                self.fail(first, "a sharded value is returned", node)  # weights: as hints do)
+            elif first.state != CLEAN:
+                self.fail(first, "a sharded value is returned", node)
+            for rest in v[1:] if isinstance(v, tuple) else ():  # (per-head attention
+                if flat(rest).state in (COLUMNS, MERGED):  # weights: as hand hints do)
+                    self.fail(rest, "a sharded value is returned", node)
         elif isinstance(node, cst.Expr):
             self.expr(node.value)
 
@@ -237,8 +223,8 @@ class _Reader:
             return self.env.get(node.value, _C)
         if isinstance(node, cst.Attribute):
             path = self_path(node, self.self_name)
-            if path is not None:
-                return Val(param=path in self.kids.params)
+            if path is not None:  # a raw parameter, its own or a child's (self.rz.alpha)
+                return Val(param=self.learned(path))
             if node.attr.value in METADATA:
                 return _C
             return flat(self.expr(node.value))
@@ -251,7 +237,7 @@ class _Reader:
             out = a.join(b)
             if out.state != CLEAN and out.param:
                 self.fail(out, "a raw parameter is read with a sharded value", node)
-            return Val(out.state, out.src)
+            return out
         if isinstance(node, cst.Subscript):
             return flat(self.expr(node.value))
         if isinstance(node, (cst.GeneratorExp, cst.ListComp)):
@@ -270,7 +256,25 @@ class _Reader:
             return _C
         if isinstance(node, cst.StarredElement):
             return self.expr(node.value)
+        if isinstance(node, cst.Dict):
+            out = _C
+            for el in node.elements:
+                out = out.join(flat(self.expr(el.value)))
+            return out
+        if isinstance(node, cst.NamedExpr):
+            v = self.expr(node.value)
+            self.bind(node.target, v, node, value=node.value)
+            return v
         return _C
+
+    def learned(self, path: str) -> bool:
+        """Whether ``self.<path>`` may be a parameter: the module's own, or one of
+        a child with weights (a value whose gradient a split would leave partial)."""
+        head = path.split(".")[0]
+        kids = self.kids
+        return path in kids.params or any(
+            path.startswith(k + ".") or k == head for k in kids.weighted | kids.linears
+        )
 
     def call(self, node: cst.Call) -> Value:
         func = node.func
@@ -284,6 +288,11 @@ class _Reader:
             return self.inline(method, node, args)
         if path is not None and path in self.outputs | self.row_inputs:
             return self.child_call(path, args, node)
+        kids = self.kids
+        known = kids.linears | kids.elementwise | kids.weighted | kids.sequences
+        if path is not None and "." in path and path not in known:
+            assert isinstance(func, cst.Attribute)  # self.alpha.exp(): a method of a value
+            return self.method(flat(self.expr(func.value)), func.attr.value, node, joined)
         if path is not None:
             return self.module_call(path, joined, node)
         if isinstance(func, cst.Attribute) and not self.is_namespace(func.value):
@@ -373,7 +382,9 @@ class _Reader:
             self.cols |= srcs
             self.chunks.update({f"{path}.{c}": n for c, n in cols if n > 1})
             self.child_local[path] = (tuple(local), srcs)
-            return Val(state, srcs)
+            # its first output; any other is at most per head (attention weights: its
+            # reading refused anything else), so a tuple target splits them so
+            return (Val(state, srcs), Val(HEADS, srcs) if state == MERGED else _C)
         self.fail(first.join(rest), f"self.{path} is applied to a sharded value", node)
         return _C
 
@@ -392,6 +403,9 @@ class _Reader:
             self.rows[f"{path}.0"] = self.rows.get(f"{path}.0", frozenset()) | arg.src
             return _C
         if arg.state == CLEAN:
+            if path in kids.weighted:  # its output carries its weights' gradient
+                self.replicated.add(path)
+                return Val(param=True)
             return _C
         if path in kids.elementwise:
             return arg
@@ -405,7 +419,11 @@ class _Reader:
 
     def method(self, v: Val, name: str, node: cst.Call, args: Val) -> Value:
         if v.state == CLEAN:  # a cache's update(k, v): per head in, per head out
-            return Val(HEADS, args.src) if args.state == HEADS else _C
+            if args.state == HEADS:
+                return Val(HEADS, args.src, v.param or args.param)
+            return Val(param=v.param or args.param)  # self.alpha.exp(): still learned
+        if args.param:
+            self.fail(v, "a raw parameter is read with a sharded value", node)
         if name in METADATA:
             return _C
         if name in SPLITS and v.state == COLUMNS:
@@ -417,83 +435,9 @@ class _Reader:
         self.fail(v, f".{name}() on a sharded value", node)
         return _C
 
-    def split(self, v: Val, args: Sequence[cst.Arg], node: cst.Call, name: str) -> Value:
-        if not args:
-            self.fail(v, f"{name}() without a size", node)
-            return v
-        size = args[0].value
-        if name == "chunk" and isinstance(size, cst.Integer):
-            self.chunks.update({s: int(size.value) for s in v.src})
-            return tuple(v for _ in range(int(size.value)))
-        if isinstance(size, (cst.List, cst.Tuple)):
-            self.fail(v, "a split into unequal parts", node)
-            return v
-        self.size_name(size, v, "split size")
-        return Split(v)
-
-    def reshape(self, v: Val, node: cst.Call) -> Value:
-        dims = self.dims(node.args)
-        if dims is None:
-            self.fail(v, "a reshape it cannot read", node)
-            return v
-        if v.state == COLUMNS:  # into heads: (..., heads, head_dim)
-            if len(dims) < 3:
-                self.fail(v, "a reshape of a column output that splits no heads", node)
-                return v
-            self.size_name(dims[-2], v, "head count")
-            if len(dims) > 3 and isinstance(dims[-3], cst.Integer) and int(dims[-3].value) > 1:
-                self.chunks.update({s: int(dims[-3].value) for s in v.src})  # (.., 3, heads, d)
-            return Val(HEADS, v.src)
-        if v.state == HEADS:  # merged back: (..., heads * head_dim)
-            self.size_name(dims[-1], v, "width")
-            return Val(MERGED, v.src)
-        self.fail(v, "a reshape of a merged value", node)
-        return v
-
-    def dims(self, args: Sequence[cst.Arg]) -> Optional[list[cst.BaseExpression]]:
-        """The shape a view or reshape is given, one expression a dim (a starred
-        name bound to a literal tuple is read through; None where unknown)."""
-        out: list[cst.BaseExpression] = []
-        for a in args:
-            value = a.value
-            if isinstance(value, (cst.Tuple, cst.List)) and len(args) == 1:
-                out.extend(e.value for e in value.elements)
-            elif isinstance(value, cst.Name) and (a.star == "*" or len(args) == 1):
-                shape = self.shapes.get(value.value)
-                if shape is None and len(args) == 1:
-                    return None
-                out.extend(shape or [cst.Name("_unknown")])
-            else:
-                out.append(value)
-        return out
-
-    def rearrange(self, v: Val, node: cst.Call) -> Value:
-        pattern = node.args[1].value if len(node.args) > 1 else None
-        text = str(pattern.evaluated_value) if isinstance(pattern, cst.SimpleString) else None
-        if text is None or "->" not in text:
-            self.fail(v, "a rearrange it cannot read", node)
-            return v
-        left, right = text.split("->")
-        if v.state == COLUMNS and "(" in left:
-            first = left[left.index("(") + 1 :].split()[0]
-            size = next(
-                (a.value for a in node.args[2:] if a.keyword and a.keyword.value == first), None
-            )
-            if size is None:
-                self.fail(v, f"a rearrange without {first}=", node)
-                return v
-            self.size_name(size, v, "head count")
-            return Val(HEADS, v.src)
-        if v.state == HEADS and "(" in right:
-            return Val(MERGED, v.src)
-        if v.state == CLEAN:
-            return _C
-        self.fail(v, "a rearrange it cannot follow", node)
-        return v
-
     def function(self, name: Optional[str], args: Val, node: cst.Call) -> Value:
         if args.state == CLEAN:
-            return _C
+            return Val(param=args.param)  # torch.exp(self.a): still learned
         if args.state == HEADS or name in ELEMENTWISE:
             if args.param and args.state != CLEAN:
                 self.fail(args, "a raw parameter is read with a sharded value", node)
@@ -504,6 +448,9 @@ class _Reader:
     # ---- the result ----------------------------------------------------------------
     def result(self) -> Flow:
         failed = dict(self.failed)
+        for path in self.replicated & set(self.sums):  # a summed gradient would count its
+            for col in self.sums[path]:  # replicated use tp times
+                failed.setdefault(col, f"self.{path} runs on its heads and on a replicated value")
         exported = self.exported.src - set(failed)
         for col in self.cols - exported:  # a column output no Linear takes back stays whole
             if col not in failed and not any(col in src for src in self.rows.values()):

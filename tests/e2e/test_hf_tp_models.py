@@ -302,11 +302,11 @@ def _inferred(cache: str, name: str):
 
 
 CHECKED = {  # the modules whose forward shows a split, one of each class
-    "opt": ["model.decoder.layers.0.self_attn", "model.decoder.layers.0"],
+    "opt": ["model.decoder.layers.0", "model.decoder.layers.0.self_attn"],
     # the attention's columns in BertSelfAttention, its row in BertSelfOutput: the
     # module above both is checked; the MLP's (BertIntermediate, BertOutput, called
     # through apply_chunking_to_forward) pair up in the layer, checked whole
-    "bert": ["bert.encoder.layer.0.attention", "bert.encoder.layer.0"],
+    "bert": ["bert.encoder.layer.0", "bert.encoder.layer.0.attention"],
 }
 
 

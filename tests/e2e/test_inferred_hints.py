@@ -33,7 +33,7 @@ def _tiny_lm(cache: str, instance: bool, pp: int = 1, compiled: bool = False):
     step, (x, y) = train_pair_lm_against_reference(model, TinyLM(), "no hints")
     # each class the hints split checked on the first call, where this rank holds it
     held = (
-        ["layers.0.attn", "layers.0"] if model.ctx.pp_rank == 0 else ["layers.2.attn", "layers.2"]
+        ["layers.0", "layers.0.attn"] if model.ctx.pp_rank == 0 else ["layers.2", "layers.2.attn"]
     )
     assert model.report.inferred.checked == held, model.report.inferred.checked
     assert "tp hints read off the sources" in step.explain(x, y)

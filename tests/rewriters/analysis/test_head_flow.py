@@ -168,6 +168,70 @@ LEFT_WHOLE = {
         dict(linears={"c_attn", "c_proj"}),
         "self.c_attn: left whole: a split into unequal parts at <forward>:3:15",
     ),
+    "a learned scale through an op (its gradient would be partial)": (
+        """
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            h = h * self.alpha.exp()
+            return self.fc2(h)
+        """,
+        dict(linears={"fc1", "fc2"}, params={"alpha"}),
+        "self.fc1: left whole: a raw parameter is read with a sharded value at <forward>:4:9",
+    ),
+    "a child's parameter, in place": (
+        """
+        def forward(self, x):
+            h = self.fc1(x)
+            h *= self.gate.alpha
+            return self.fc2(h)
+        """,
+        dict(linears={"fc1", "fc2"}, weighted={"gate"}),
+        "self.fc1: left whole: a raw parameter is read with a sharded value at <forward>:4:5",
+    ),
+    "a sharded value returned second": (
+        """
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            return self.fc2(h), h
+        """,
+        dict(linears={"fc1", "fc2"}),
+        "self.fc1: left whole: a sharded value is returned at <forward>:4:5",
+    ),
+    "either branch of an if": (
+        """
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            if self.training:
+                s = h
+            else:
+                s = x
+            self.aux = s.pow(2).mean()
+            return self.fc2(h)
+        """,
+        dict(linears={"fc1", "fc2"}),
+        "self.fc1: left whole: .mean() on a sharded value at <forward>:8:16",
+    ),
+    "a one-line suite": (
+        """
+        def forward(self, x):
+            h = self.fc1(x)
+            if self.unit: h = h / h.norm(dim=-1, keepdim=True)
+            return self.fc2(h)
+        """,
+        dict(linears={"fc1", "fc2"}),
+        "self.fc1: left whole: .norm() on a sharded value at <forward>:4:27",
+    ),
+    "a norm on the heads and on a replicated value": (
+        """
+        def forward(self, x):
+            B, T, C = x.shape
+            q = self.norm(self.q(x).view(B, T, -1, self.d))
+            y = self.o(q.reshape(B, T, -1))
+            return y + self.norm(x.view(B, T, -1, self.d)).reshape(B, T, C)
+        """,
+        dict(linears={"q", "o"}, weighted={"norm"}),
+        "self.q: left whole: self.norm runs on its heads and on a replicated value",
+    ),
 }
 
 
