@@ -408,6 +408,7 @@ def test_fuzz_structures_long_profile():
 @pytest.mark.slow
 def test_fuzz_structures_tp2_pp2():
     n = _examples(FOUR_RANKS)  # 4 ranks on 2 cores: about a minute an example
-    seen = run_ranks(_fuzz, 4, n, ("tp2_pp2",), PINNED, _seed(), timeout=1200)[0]
+    # (LoRA at tp2 x pp2: tests/e2e/test_peft_lora.py; PEFT's draws here cost CI's budget)
+    seen = run_ranks(_fuzz, 4, n, ("tp2_pp2",), PINNED, _seed(), False, timeout=1200)[0]
     _report(seen)
     assert seen.get("exact", 0) >= n // 2
