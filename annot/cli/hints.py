@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from annot.cli.inputs import Refusal, target_model
+from annot.cli.inputs import Refusal, add_target_arguments, target_model
 
 __all__ = ["add_hints"]
 
@@ -28,9 +28,7 @@ def add_hints(sub) -> None:
         help="print the tp hints annot reads off a model's sources",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("target", metavar="FILE:CLASS", help="the model file (or module) and class")
-    p.add_argument("--init", metavar="EXPR", help="how to build the model (as annot plan)")
-    p.add_argument("--config-json", metavar="JSON", help="keyword arguments as a JSON object")
+    add_target_arguments(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the hints to FILE, not stdout")
     p.set_defaults(run=_run)
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 __all__ = [
     "Refusal",
+    "add_target_arguments",
     "build_model",
     "degree",
     "describe",
@@ -226,6 +227,14 @@ def _config_json(text: str) -> dict:
     if not isinstance(value, dict):
         raise Refusal("--config-json: expected a JSON object of keyword arguments")
     return value
+
+
+def add_target_arguments(p) -> None:
+    """``FILE:CLASS``, ``--init`` and ``--config-json``: how a command names and
+    builds the model (``annot verify``, ``annot hints``)."""
+    p.add_argument("target", metavar="FILE:CLASS", help="the model file (or module) and class")
+    p.add_argument("--init", metavar="EXPR", help="how to build the model (as annot plan)")
+    p.add_argument("--config-json", metavar="JSON", help="keyword arguments as a JSON object")
 
 
 def target_model(target: str, init: Optional[str], config: Optional[str]):

@@ -24,7 +24,13 @@ import argparse
 import sys
 from typing import Any, Optional
 
-from annot.cli.inputs import Refusal, import_target, parse_inputs, target_model
+from annot.cli.inputs import (
+    Refusal,
+    add_target_arguments,
+    import_target,
+    parse_inputs,
+    target_model,
+)
 
 __all__ = ["add_verify"]
 
@@ -37,10 +43,8 @@ def add_verify(sub) -> None:
         help="run a model at tp=N on gloo ranks and compare with the single-device run",
         description=__doc__.split("\n\n")[2],
     )
-    p.add_argument("target", metavar="FILE:CLASS", help="the model file (or module) and class")
+    add_target_arguments(p)
     p.add_argument("--tp", type=int, default=2, metavar="N", help="tensor-parallel degree")
-    p.add_argument("--init", metavar="EXPR", help="how to build the model (as annot plan)")
-    p.add_argument("--config-json", metavar="JSON", help="keyword arguments as a JSON object")
     p.add_argument(
         "--input",
         action="append",
