@@ -15,7 +15,7 @@ from annot.core.errors import (
 )
 from annot.core.hints import boundary, checkpoint, recompute, shard, stage
 from annot.core.mesh import Mesh
-from annot.core.specs import Col, Heads, Local, P, Partial, Replicate, Row, Vocab
+from annot.core.specs import Col, Experts, Heads, Local, P, Partial, Replicate, Row, Vocab
 
 __all__ = [
     "AnnotError",
@@ -30,6 +30,7 @@ __all__ = [
     "ParallelModel",
     "Partial",
     "Heads",
+    "Experts",
     "PartitionError",
     "PipelineError",
     "RankFailure",

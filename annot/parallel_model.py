@@ -264,7 +264,10 @@ class ParallelModel(nn.Module):
             return None
         if not ctx.distributed or ctx.mesh.dp == 1:
             return None
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        from annot.runtime.ep.shards import expert_degree
+
+        # experts split over ep are summed over their replicas only (grads.reduce)
+        params = [p for p in self.module.parameters() if p.requires_grad and expert_degree(p) == 1]
         old = self._buckets
         if old is None or not old.holds(params):
             from annot.runtime.grads.buckets import GradBuckets

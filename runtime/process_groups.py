@@ -53,8 +53,23 @@ class ParallelContext:
         return self.mesh.coords(self.rank)[2]
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert group (:class:`annot.Mesh`: ``ep``)."""
+        return self.mesh.ep_coords(self.dp_rank)[1]
+
+    @property
     def tp_group(self):
         return self.groups.get("tp")
+
+    @property
+    def ep_group(self):
+        """The ranks that hold the experts between them (``ep`` of the dp ranks)."""
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self):
+        """The ranks that hold the same experts (one per expert group; ``dp / ep``)."""
+        return self.groups.get("edp")
 
     @property
     def pp_group(self):
@@ -74,7 +89,12 @@ class ParallelContext:
             return [m.rank_of(dp, p, tp) for p in range(m.pp)]
         if axis == "dp":
             return [m.rank_of(d, pp, tp) for d in range(m.dp)]
-        raise MeshError(f"unknown mesh axis {axis!r}; expected 'dp', 'pp' or 'tp'")
+        group, e = m.ep_coords(dp)
+        if axis == "ep":
+            return [m.rank_of(group * m.ep + i, pp, tp) for i in range(m.ep)]
+        if axis == "edp":
+            return [m.rank_of(g * m.ep + e, pp, tp) for g in range(m.dp // m.ep)]
+        raise MeshError(f"unknown mesh axis {axis!r}; expected 'dp', 'pp', 'tp', 'ep' or 'edp'")
 
     @property
     def distributed(self) -> bool:
@@ -169,6 +189,26 @@ def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:
 
     dm = init_device_mesh(dev_type, (mesh.dp, mesh.pp, mesh.tp), mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: dm.get_group(axis) for axis in ("dp", "pp", "tp")}
-    return ParallelContext(
+    ctx = ParallelContext(
         mesh=mesh, rank=rank, world_size=world, device=device, device_mesh=dm, groups=groups
     )
+    if mesh.ep > 1:
+        ctx.groups.update(_expert_groups(ctx))
+    return ctx
+
+
+def _expert_groups(ctx: ParallelContext) -> dict:
+    """The ``ep`` and ``edp`` groups of this rank: every rank builds every group
+    of both kinds, in the same order (``new_group`` is collective)."""
+    m, mine = ctx.mesh, {}
+    for axis in ("ep", "edp"):
+        seen = set()
+        for r in range(m.size):
+            ranks = ParallelContext(mesh=m, rank=r, world_size=m.size).axis_ranks(axis)
+            if tuple(ranks) in seen:
+                continue
+            seen.add(tuple(ranks))
+            group = dist.new_group(ranks)
+            if ctx.rank in ranks:
+                mine[axis] = group
+    return mine

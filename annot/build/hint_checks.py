@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from annot.core.errors import HintError
 from annot.core.hints import ShardSpec, hinted_paths
-from annot.core.specs import Col, Heads, P, Partial, Replicate, Row, Spec, Vocab
+from annot.core.specs import Col, Experts, Heads, P, Partial, Replicate, Row, Spec, Vocab
 
 __all__ = ["check_shard_hints"]
 
@@ -101,7 +101,7 @@ def check_shard_hints(
             if param is not None:
                 hint = f"; {name} is a parameter: use P(...) for parameters"
             raise HintError(f"{head} names no submodule of {cls}{hint}")
-        if isinstance(s, (Replicate, Partial)):
+        if isinstance(s, (Replicate, Partial, Experts)):
             continue
         check_layer(sub, s, head, f"{cls}.{name}")
         kind = layer_kind(sub)

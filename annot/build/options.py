@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
-from annot.core.errors import HintError
+from annot.core.errors import HintError, MeshError
 from annot.core.mesh import Mesh
 from annot.runtime.compile import compile_options
 from annot.runtime.grads.buckets import check_bucket_options
@@ -64,6 +64,12 @@ def resolve_options(
     mesh = _check_options(
         given["mesh"], given["chunks"], given["overlap_grad_reduce"], given["bucket_cap_mb"]
     )
+    if given["fsdp"] and mesh.ep > 1:
+        raise MeshError(
+            f"fsdp=True with {mesh!r}: FSDP2 over dp would shard the experts' weights over "
+            "ranks that hold different experts; annot does not compose the two yet. Use "
+            "fsdp=False with ep > 1 (each rank already holds 1/ep of the experts), or ep=1"
+        )
     autocast = parse_precision(given["precision"])
     compile_kw = compile_options(given["compile"])
     _check_option_names(model, given, defaults, model_kwargs)

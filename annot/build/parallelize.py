@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from annot.build.hint_checks import check_shard_hints
+from annot.build.hint_sources import build_hints
 from annot.build.materialize import (
     adopt,
     check_same_rng,
@@ -45,13 +45,10 @@ from annot.core.errors import HintError, IntegrationError, PipelineError
 from annot.core.hints import (
     ShardSpec,
     get_shard_spec,
-    hinted_paths,
     recomputed_classes,
-    resolve_hints,
     stage_recompute,
 )
 from annot.core.mesh import Mesh
-from annot.core.specs import Spec
 from annot.parallel_model import ParallelModel
 from annot.plan.stage_points import StagePoints, choose_runner, verify_call_order
 from annot.rewrite_cache import last_rewritten, rewrite_classes
@@ -71,29 +68,6 @@ from annot.training.clip_grad import guard as guard_clip
 __all__ = ["parallelize"]
 
 log = logging.getLogger("annot")
-
-
-def _class_specs(
-    ref: nn.Module, hints: Optional[dict]
-) -> tuple[dict[type, ShardSpec], dict[str, Spec]]:
-    """(the specs each class's source rewrite applies, every hint by path):
-    ``@shard`` decorators, merged with external ``hints=`` (which win)."""
-    specs: dict[type, ShardSpec] = {}
-    for m in ref.modules():
-        s = get_shard_spec(type(m))
-        if s is not None:
-            specs[type(m)] = s
-    external: dict[str, Spec] = {}
-    if hints:
-        ext_specs, external = resolve_hints(ref, hints)
-        for cls, ext in ext_specs.items():
-            base = specs.get(cls)
-            if base is not None:  # external entries override the decorator's
-                ext = ShardSpec(
-                    {**base.specs, **ext.specs}, tuple(dict.fromkeys(base.local + ext.local))
-                )
-            specs[cls] = ext
-    return specs, {**hinted_paths(ref, specs), **external}
 
 
 def _external_for_module(specs: dict[type, ShardSpec], module) -> dict[str, ShardSpec]:
@@ -199,7 +173,7 @@ def parallelize(
     ref = _reference(opts, args, seed, ctx)
     log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
     report = BuildReport(mesh)
-    report.specs, paths = _hints(ref, hints, mesh.tp, report)
+    report.specs, paths = build_hints(ref, hints, mesh, report)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in report.specs))
 
     points = StagePoints(ref, cls, sample)  # where a stage may begin; shared by planner and stages
@@ -340,7 +314,10 @@ def _guard(built: ParallelModel, layout) -> None:
     fully_shard over the parts."""
     ctx = built.ctx
     if ctx.distributed and (
-        (layout is not None and layout.num_stages > 1) or ctx.mesh.tp > 1 or built.fsdp is not None
+        (layout is not None and layout.num_stages > 1)
+        or ctx.mesh.tp > 1
+        or ctx.mesh.ep > 1
+        or built.fsdp is not None
     ):
         guard_clip(built)
     if ctx.distributed:
@@ -390,41 +367,11 @@ def _reference(opts: Options, args: tuple, seed, ctx) -> nn.Module:
     return ref
 
 
-def _hints(ref: nn.Module, hints: Optional[dict], tp: int, report) -> tuple[dict, dict]:
-    """Step 3: ``(specs by class, hints by path)``, verified against the
-    reference; when nothing is hinted, a transformers model's own tp plan, else
-    the hints its sources show (:mod:`annot.plan.inferred_hints`)."""
-    if hints is None and tp > 1 and not any(get_shard_spec(type(m)) for m in ref.modules()):
-        from annot.hf import hints_from_hf_config  # {} unless a transformers model with a plan
-        from annot.plan.inferred_hints import infer_hints
-
-        hints = hints_from_hf_config(ref, tp=tp) or None
-        if hints is None:
-            report.inferred = infer_hints(ref)
-            hints = report.inferred.hints or None
-            log.info("annot: tp hints inferred from source:\n%s", report.inferred.source())
-    if hints and tp > 1:
-        from annot.hf.lora import lora_hints
-
-        hints = lora_hints(ref, hints)  # a LoRA layer's hint: its base layer's and adapters'
-    specs, paths = _class_specs(ref, hints)
-    if tp > 1 and not specs and not paths:
-        raise HintError(
-            f"tp={tp}, but nothing in {type(ref).__name__} says how to split it: no @shard on "
-            "its classes, no hints= given, and no transformers tp plan; every rank would run "
-            "the whole model. Give the layers' layout from outside, e.g. "
-            "hints={'**.attn.q_proj': Col(), '**.attn.o_proj': Row(), "
-            "'**.attn': Local('num_heads')} (README: 'A model you cannot edit'), or use tp=1"
-            + (report.inferred.why_nothing() if report.inferred is not None else "")
-        )
-    check_shard_hints(ref, specs, tp, paths)
-    return specs, paths
-
-
 def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
     """Step 4: rewrite the model's sources just in time (cached) and build this
     rank's model from them on meta, its hinted layers sharded; ``(model, the
     stage split of the root's forward or None)``."""
+    from annot.runtime.ep.experts import convert_experts
     from annot.runtime.tp.convert import convert_hinted, tied_names
 
     cls, instance, kwargs, specs = opts.cls, opts.instance, opts.kwargs, report.specs
@@ -464,6 +411,7 @@ def _rewrite_and_build(opts: Options, args, paths, ref, ctx, report, n_stages):
         _check_hooks_kept(ref, local)
     with process_groups.use(ctx), torch.device("meta"):  # what construction did not shard
         convert_hinted(local, paths, tp, tied_names(ref))
+        report.experts = convert_experts(local, paths, report.mesh.ep)
     split = splits.get("split")
     if split is None and split_root:
         split = resplit(cls, boundaries)  # a cache hit: the split of the source

@@ -42,6 +42,8 @@ class BuildReport:
     # step 3 with nothing hinted and no transformers plan: the hints read off the
     # sources (annot.plan.inferred_hints.Inferred), checked on the first call
     inferred: Optional[Inferred] = None
+    # step 4 at ep > 1: the modules hinted Experts(), split over the expert group
+    experts: list[str] = field(default_factory=list)
 
     @property
     def replay(self) -> bool:

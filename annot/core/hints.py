@@ -78,7 +78,7 @@ def _check_spec(where: str, arg: str, spec: object) -> None:
     if not isinstance(spec, SPEC_TYPES):
         raise HintError(
             f"{where}: argument {arg}={spec!r} is a {type(spec).__name__}; expected a spec: "
-            "Col(), Row(), Vocab(), Replicate(), P(...), Partial() or Heads() — e.g. "
+            "Col(), Row(), Vocab(), Replicate(), P(...), Partial(), Heads() or Experts() — e.g. "
             f"@shard({arg}=Col())"
         )
 

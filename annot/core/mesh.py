@@ -1,7 +1,14 @@
-"""``Mesh(dp, pp, tp)``: the parallel layout as data.
+"""``Mesh(dp, pp, tp, ep)``: the parallel layout as data.
 
 Ranks are laid out tp fastest, then pp, then dp (Megatron's order), so a tp
 group is consecutive ranks. The runtime builds torch's DeviceMesh from it.
+
+Expert parallelism borrows the data-parallel ranks, as torchtitan's does: ``ep``
+divides ``dp``, and each group of ``ep`` consecutive dp ranks (same pp and tp
+coordinates) holds every expert once, ``1/ep`` of them on each rank; tokens
+travel to their experts' ranks by all-to-all. Outside the experts the ``dp``
+ranks are data parallel as ever. ``Mesh(dp=4, ep=2)``: two expert groups of
+two ranks each; the expert weights are replicated over the ``dp / ep`` groups.
 """
 
 from __future__ import annotations
@@ -18,12 +25,20 @@ class Mesh:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp"):
+        for axis in ("dp", "pp", "tp", "ep"):
             v = getattr(self, axis)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MeshError(f"Mesh({axis}={v!r}): {axis} must be an int >= 1")
+        if self.dp % self.ep:
+            raise MeshError(
+                f"Mesh(dp={self.dp}, ep={self.ep}): expert parallelism borrows the data-parallel "
+                f"ranks, so ep must divide dp; each rank then holds 1/ep of the experts and "
+                f"sees its own batch. Use Mesh(dp={self.ep * max(1, self.dp // self.ep)}, "
+                f"ep={self.ep}, ...) and launch dp * pp * tp ranks"
+            )
 
     @property
     def size(self) -> int:
@@ -47,8 +62,14 @@ class Mesh:
     def rank_of(self, dp: int, pp: int, tp: int) -> int:
         return (dp * self.pp + pp) * self.tp + tp
 
+    def ep_coords(self, dp: int) -> tuple[int, int]:
+        """``(expert group, rank in it)`` of dp rank ``dp``: groups of ``ep``
+        consecutive dp ranks."""
+        return dp // self.ep, dp % self.ep
+
     def key(self) -> str:
-        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}"
+        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
 
     def __repr__(self) -> str:
-        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep})"

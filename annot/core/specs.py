@@ -27,6 +27,9 @@ spec           applies to                             meaning (Megatron layout)
 ``Heads()``    a tensor argument of a module's        per-head, built for all
                forward (Bloom's ALiBi)                heads: each rank keeps
                                                       its own heads of it
+``Experts()``  a module holding E experts' weights    expert parallel: each ep
+               (leading dim E)                        rank holds E/ep experts;
+                                                      tokens go by all-to-all
 =============  =====================================  =========================
 """
 
@@ -48,6 +51,7 @@ __all__ = [
     "P",
     "Partial",
     "Heads",
+    "Experts",
     "Local",
     "LOCAL_NAMES",
     "PARALLEL_LAYERS",
@@ -55,6 +59,7 @@ __all__ = [
     "TP_AXIS",
     "local_name_problem",
     "parallel_layer",
+    "partial_sum",
 ]
 
 TP_AXIS = "tp"
@@ -230,6 +235,41 @@ class Heads:
         return f"Heads({', '.join(args)})"
 
 
+@dataclass(frozen=True)
+class Experts:
+    """The experts of a mixture-of-experts layer, split over the ``ep`` axis of
+    :class:`annot.Mesh`: each ep rank holds ``E / ep`` whole experts (dim 0 of
+    every parameter of the module is the expert, as transformers and torchtitan
+    store them: ``gate_up_proj`` ``(E, 2I, H)``), and tokens travel to their
+    experts' ranks and back by all-to-all (:mod:`annot.runtime.ep.dispatch`).
+
+    The module's forward is one of two kinds, told apart by its arguments:
+
+    - routed, transformers' experts: ``forward(tokens (N, H), index (N, k),
+      weights (N, k))`` returns ``sum_k weights * expert[index](tokens)``; each
+      (token, choice) pair goes to the rank of its expert and its result back;
+    - dense, every expert on every token: ``forward(tokens)`` returns the sum
+      over the experts; every rank's tokens go to every rank, each sums its own
+      experts' outputs, and the parts are summed back.
+
+    Routing stays where it is (the router is replicated, every token routed
+    on its own rank as on one device); dropless, no capacity. At ``ep = 1`` the
+    hint alone changes nothing.
+
+    ``partial=True``: under tp each expert is split inside, Megatron-style
+    (``P(...)`` on its weights, as transformers' ``moe_tp_experts`` plan does),
+    so the module's output is a partial sum over tp: ``Partial()`` and
+    ``Experts()`` on one module. A transformers model's two plans give this."""
+
+    partial: bool = False
+
+    def __post_init__(self) -> None:
+        _check("Experts", "partial", self.partial, bool, "a bool")
+
+    def __repr__(self) -> str:
+        return "Experts(partial=True)" if self.partial else "Experts()"
+
+
 #: What a per-rank size name may be, for messages.
 LOCAL_NAMES = (
     "a per-rank size is an attribute of the module or a local variable of its forward "
@@ -274,8 +314,13 @@ class Local:
         return f"Local({', '.join(repr(n) for n in self.names)})"
 
 
-Spec = Union[Col, Row, Vocab, Replicate, P, Partial, Heads]
-SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial, Heads)
+def partial_sum(spec: object) -> bool:
+    """Whether ``spec`` makes a module's output a partial sum over tp."""
+    return isinstance(spec, Partial) or (isinstance(spec, Experts) and spec.partial)
+
+
+Spec = Union[Col, Row, Vocab, Replicate, P, Partial, Heads, Experts]
+SPEC_TYPES = (Col, Row, Vocab, Replicate, P, Partial, Heads, Experts)
 
 #: The tensor-parallel layer a spec makes of each kind of layer (``nn.Linear``,
 #: HF transformers' ``Conv1D``, ``nn.Embedding``), by its name on

@@ -61,6 +61,7 @@ __all__ = [
     "ANNOT_PLANS",
     "Hint",
     "base_prefix",
+    "experts_from_hf_config",
     "hints_from_hf_config",
     "is_hf_class",
     "is_hf_model",
@@ -209,6 +210,26 @@ def hints_from_hf_config(
         _head_count_checks(config, tp)
     log.debug("annot: hints from the transformers plan: %s", hints)
     return hints
+
+
+def experts_from_hf_config(model: nn.Module) -> dict[str, Hint]:
+    """``Experts()`` at the modules a transformers model's expert-parallel plan
+    (``config.base_model_ep_plan``: ``"layers.*.mlp.experts": "ep_dispatch_experts"``)
+    names, on this model's paths; ``{}`` without a plan. The plan's other
+    entries (``grouped_gemm`` on the experts' weights) are how transformers runs
+    them: annot runs the experts module's own forward."""
+    from annot.core.specs import Experts
+
+    if not is_hf_model(model):
+        return {}
+    plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    base = base_prefix(model)
+    modules = [p for p, _ in model.named_modules() if p]
+    return {
+        base + k: Experts()
+        for k, style in plan.items()
+        if style == "ep_dispatch_experts" and any(path_matches(base + k, p) for p in modules)
+    }
 
 
 def _plan_of(model: Optional[nn.Module], config: Any, base: str) -> dict[str, Any]:

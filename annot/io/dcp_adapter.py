@@ -187,6 +187,7 @@ class View:
 
 
 def view_of(target: Target) -> View:
+    from annot.runtime.ep.shards import expert_degree
     from annot.runtime.tp.state_dict import shard_layouts
 
     by_id = shard_layouts(target.module)
@@ -202,6 +203,13 @@ def view_of(target: Target) -> View:
         t = local[tid]
         if t.is_meta:
             raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
+        if expert_degree(t) > 1:
+            raise CheckpointError(
+                f"{canon} holds this rank's experts of an expert-parallel model (ep > 1); "
+                "annot.save does not write expert shards yet. Save it with "
+                "model.save_pretrained(path) (every tensor whole, the single-device layout) "
+                "and read it back with annot.from_pretrained"
+            )
         view.tensors[canon] = t.detach()
         layout = by_id.get(tid)
         if layout is not None:

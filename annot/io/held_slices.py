@@ -2,7 +2,8 @@
 of the full tensor: what a reader of a checkpoint stored in the
 single-device layout reads for this rank.
 
-The tp part is the one :func:`annot.runtime.init.deferred.shard_slicers`
+The tp part, and the experts a rank holds under expert parallelism, are the
+ones :func:`annot.runtime.init.deferred.shard_slicers`
 cuts (the same slicer deferred initialization and ``materialize_from``
 use): applied to a probe holding each index of the sharded dim, it says
 which indices of that dim this rank keeps, in its order (``chunks > 1``:
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from annot.runtime.ep.shards import expert_degree
 from annot.runtime.fsdp import local as local_part
 from annot.runtime.init.deferred import named_tensors, shard_slicers
 from annot.runtime.tp.state_dict import shard_layouts
@@ -83,15 +85,29 @@ def held_slices(model: nn.Module) -> dict[str, Held]:
     for name, t in named_tensors(model).items():
         full = list(t.shape)
         layout = layouts.get(id(t))
-        index = [torch.arange(n) for n in full]
+        split = {}  # dim -> degree: tp's, and the experts' (dim 0) over ep
         if layout is not None:
-            dim, _, tp = layout
-            dim %= t.dim()
-            full[dim] *= tp
-            probe = torch.arange(full[dim]).reshape([-1 if d == dim else 1 for d in range(t.dim())])
+            split[layout[0] % t.dim()] = layout[2]
+        ep = expert_degree(t)
+        if ep > 1:
+            split[0] = split.get(0, 1) * ep
+        for dim, n in split.items():
+            full[dim] *= n
+        index = [torch.arange(n) for n in full]
+        if split:
             slice_ = slicer(name)
             assert slice_ is not None  # a sharded tensor has its rank's slicer
-            index[dim] = slice_(probe).reshape(-1)
+            box = [full[d] if d in split else 1 for d in range(t.dim())]
+            for dim in split:  # each split dim probed alone: its indices this rank keeps
+                probe = torch.arange(full[dim]).reshape(
+                    [-1 if d == dim else 1 for d in range(t.dim())]
+                )
+                kept = slice_(probe.expand(box))
+                index[dim] = (
+                    kept.reshape(-1)
+                    if t.dim() == 1
+                    else kept.movedim(dim, 0).reshape(kept.shape[dim], -1)[:, 0]
+                )
         part = local_part(t)
         if isinstance(t, DTensor):  # FSDP2: this dp rank's chunk of the tp shard
             chunks = t.__create_chunk_list__()  # none where this rank's chunk is empty

@@ -166,8 +166,9 @@ def _arrive(ctx, what: str) -> None:
 def _holdings(model) -> dict:
     """What this rank holds: its pipeline rank and its state dict's names,
     grouped by tensor, each group with its full shape and dtype."""
+    from annot.runtime.ep.shards import expert_degree
     from annot.runtime.process_groups import use
-    from annot.runtime.tp.state_dict import shard_layouts
+    from annot.runtime.tp.state_dict import full_shape, shard_layouts
 
     with use(model.ctx):
         layouts = shard_layouts(model.module)
@@ -175,11 +176,7 @@ def _holdings(model) -> dict:
     specs: dict[int, tuple] = {}
     for name, t in model.module.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(name)
-        shape = list(t.shape)
-        layout = layouts.get(id(t))
-        if layout is not None:
-            shape[layout[0] % t.dim()] *= layout[2]
-        specs[id(t)] = (tuple(shape), t.dtype)
+        specs[id(t)] = (full_shape(t, layouts.get(id(t)), expert_degree(t)), t.dtype)
     return {
         "pp_rank": model.ctx.pp_rank,
         "groups": [(names, *specs[i]) for i, names in groups.items()],
@@ -244,9 +241,9 @@ def _write_own_files(model, planned: list[Planned], tmp: str) -> None:
     """Step 3: this stage's tensors, gathered whole one at a time; its first
     rank (dp 0, tp 0) writes them."""
     from annot.io.safetensors_files import StreamWriter
-    from annot.runtime.fsdp import full
+    from annot.runtime.ep.shards import expert_degree
     from annot.runtime.process_groups import use
-    from annot.runtime.tp.state_dict import gather_whole, shard_layouts
+    from annot.runtime.tp.state_dict import shard_layouts, whole
 
     ctx = model.ctx
     mine = [p for p in planned if p.writer == ctx.pp_rank]
@@ -262,11 +259,10 @@ def _write_own_files(model, planned: list[Planned], tmp: str) -> None:
                 specs = [(q.stored, q.dtype, q.shape) for q in mine if q.file == p.file]
                 writer = StreamWriter(os.path.join(tmp, p.file), specs, {"format": "pt"})
             t = state[p.name]
-            layout = layouts.get(id(t))
-            whole = full(t.detach()) if layout is None else gather_whole(t, layout, p.name)
+            value = whole(t, layouts.get(id(t)), expert_degree(t), p.name)
             if writer is not None:
-                writer.write(p.stored, whole)
-            del whole
+                writer.write(p.stored, value)
+            del value
         if writer is not None:
             writer.close()
 

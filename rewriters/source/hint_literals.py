@@ -28,6 +28,7 @@ from annot.core.specs import (
     LOCAL_NAMES,
     SPEC_TYPES,
     Col,
+    Experts,
     Heads,
     P,
     Partial,
@@ -42,7 +43,7 @@ __all__ = ["SPEC_NAMES", "Hint", "HintArguments", "Kind", "format_hint"]
 
 SPEC_NAMES: dict[str, type] = {
     f"{mod}.{cls.__name__}": cls
-    for cls in (Col, Row, Vocab, Replicate, P, Partial, Heads)
+    for cls in (Col, Row, Vocab, Replicate, P, Partial, Heads, Experts)
     for mod in ("annot", "annot.core.specs")
 }
 
@@ -140,7 +141,7 @@ class HintArguments:
             raise self.locate.error(
                 expr,
                 f"{where}: {name}={node_source(expr)} is {what}; write one of "
-                "Col(), Row(), Vocab(), Replicate(), P(...), Partial() or Heads() (imported from annot), "
+                "Col(), Row(), Vocab(), Replicate(), P(...), Partial(), Heads() or Experts() (imported from annot), "
                 f"e.g. {name}=Col()",
             )
         args = []

@@ -34,13 +34,14 @@ from annot.core.hints import ShardSpec
 from annot.core.specs import (
     PARALLEL_LAYERS,
     Col,
+    Experts,
     Heads,
     P,
-    Partial,
     Replicate,
     Row,
     Vocab,
     parallel_layer,
+    partial_sum,
 )
 from annot.rewriters.source.diagnostics import node_source
 from annot.rewriters.tp.edits import TpEdits
@@ -98,8 +99,8 @@ class ConstructorEdits(TpEdits):
         sites, assigned = self._init_sites(init, first.name.value, spec)
         col_paths: set[tuple[str, ...]] = set()
         for name, s in spec.specs.items():
-            if isinstance(s, Heads):  # a forward argument: sliced at runtime, by path
-                continue
+            if isinstance(s, Heads) or (isinstance(s, Experts) and not partial_sum(s)):
+                continue  # applied to the built module, by path
             found = sites.get(name, [])
             if not found and self.extra_by_path and self._hint_arg(decorator, name) is None:
                 continue  # a hint from outside, on what a base's __init__ assigns: by path
@@ -114,7 +115,7 @@ class ConstructorEdits(TpEdits):
                 )
             if isinstance(s, Replicate):
                 continue
-            if isinstance(s, Partial):  # any module: its calls are wrapped, not swapped
+            if partial_sum(s):  # any module: its calls are wrapped, not swapped
                 for _, value in found:
                     self._plan_conversion(s, value)
                 continue
@@ -313,7 +314,7 @@ class ConstructorEdits(TpEdits):
                 args.append(_kwarg("chunks", str(s.chunks)))
             if s.gather:
                 args.append(_kwarg("gather", "True"))
-        elif isinstance(s, Partial):
+        elif partial_sum(s):
             fn = "partial_module"
         else:
             fn = "row_parallel" if isinstance(s, Row) else "vocab_parallel"

@@ -13,7 +13,11 @@
   equal values), as a single device's one Parameter is by construction;
 - replicated parameters whose forward reads tp-sharded activations (marked
   ``annot_grad_sum = "tp"`` by the build, from ``Replicate(sum_grad=True)``):
-  each tp rank holds a partial gradient; sum it over tp.
+  each tp rank holds a partial gradient; sum it over tp;
+- experts split over ep (:mod:`annot.runtime.ep.experts`): the all-to-all's
+  backward already summed what every rank of the expert group sent them, so
+  they are summed over the ranks holding the same experts only (``edp``) and
+  divided by dp, as the dp average divides the rest.
 
 A sum over ranks must add this step's parts only: where a step starts with
 gradients already there (accumulated over steps, no ``zero_grad`` between),
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from annot.core.errors import PipelineError, VerifyError
+from annot.runtime.ep.shards import expert_degree
 from annot.runtime.fsdp import local
 from annot.runtime.pipeline.schedules import stage_rank
 
@@ -98,11 +103,13 @@ def carried_grads(module: nn.Module, ctx, pipeline=None) -> dict[int, torch.Tens
     after ``zero_grad()``, the usual case."""
     if ctx is None or not ctx.distributed:
         return {}
-    return {
-        id(p): local(p.grad).detach().clone()
-        for p, _ in _summed(module, ctx, pipeline)
-        if p.grad is not None
-    }
+    params = [p for p, _ in _summed(module, ctx, pipeline)] + _experts(module)
+    return {id(p): local(p.grad).detach().clone() for p in params if p.grad is not None}
+
+
+def _experts(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters split over an expert group."""
+    return [p for _, p in _unique_params(module) if expert_degree(p) > 1]
 
 
 def reduce_gradients(
@@ -142,11 +149,31 @@ def reduce_gradients(
             local(_grad(p)).add_(carried[id(p)])
     if ctx.mesh.dp > 1:  # what no dp_reduction averaged (with FSDP2: scalar parameters)
         if dp_reduction is None:
-            grads = [_grad(p) for _, p in _unique_params(module)]
+            grads = [_grad(p) for _, p in _unique_params(module) if expert_degree(p) == 1]
         else:
             grads = [_grad(p) for p in dp_reduction.unreduced]
         if grads:
             _flat_all_reduce(grads, ctx.dp_group, 1.0 / ctx.mesh.dp)
+        _reduce_experts(_experts(module), ctx, carried)
+
+
+def _reduce_experts(params: list[nn.Parameter], ctx, carried: dict[int, torch.Tensor]) -> None:
+    """Experts' gradients: this step's part summed over the ranks that hold the
+    same experts, over dp in all (what was carried in is added back)."""
+    if not params:
+        return
+    for p in params:
+        if id(p) in carried:
+            _grad(p).sub_(carried[id(p)])
+    grads = [_grad(p) for p in params]
+    if ctx.mesh.dp > ctx.mesh.ep:
+        _flat_all_reduce(grads, ctx.edp_group, 1.0 / ctx.mesh.dp)
+    else:
+        for g in grads:
+            g.mul_(1.0 / ctx.mesh.dp)
+    for p in params:
+        if id(p) in carried:
+            _grad(p).add_(carried[id(p)])
 
 
 SAMPLE = 4096  # elements of a tied copy compared each step (evenly strided)
@@ -311,20 +338,28 @@ def clip_grad_norm_(
 
     sharded = shard_layouts(module) if distributed and ctx.mesh.tp > 1 else {}
     counted_rep = not distributed or ctx.tp_rank == 0
-    parts = [
-        torch.linalg.vector_norm(grads[id(q)].float(), p)
+    counted = [
+        q
         for q in params
         if id(q) not in skip
         and (id(q) in sharded or counted_rep)
         and grads[id(q)].numel()  # an empty dp shard (FSDP2: fewer rows than dp ranks)
     ]
     zero = torch.zeros((), device=device)
-    if inf:
-        total = torch.stack(parts).max() if parts else zero
-    else:
-        total = torch.stack(parts).pow(p).sum() if parts else zero
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+
+    def combine(qs) -> torch.Tensor:
+        parts = [torch.linalg.vector_norm(grads[id(q)].float(), p) for q in qs]
+        if not parts:
+            return zero.clone()
+        return torch.stack(parts).max() if inf else torch.stack(parts).pow(p).sum()
+
+    total = combine([q for q in counted if expert_degree(q) == 1])
+    if distributed and ctx.mesh.ep > 1:  # each rank of an expert group holds other experts
+        experts = combine([q for q in counted if expert_degree(q) > 1])
+        dist.all_reduce(experts, op=op, group=ctx.ep_group)
+        total = torch.maximum(total, experts) if inf else total + experts
     if distributed:
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         for axis in ("tp", "pp", "dp") if dp_sharded else ("tp", "pp"):
             if getattr(ctx.mesh, axis) > 1:
                 dist.all_reduce(total, op=op, group=ctx.groups[axis])

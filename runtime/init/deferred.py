@@ -193,22 +193,35 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 def shard_slicers(local: nn.Module) -> Wanted:
     """``wanted`` for :func:`deferred_reference` from this rank's model: names
     it does not hold give ``None``; sharded tensors (``annot_shard_layout()``,
-    ``shard_parameter``) give this rank's ``split_local`` slice; the rest whole.
+    ``shard_parameter``) give this rank's ``split_local`` slice, experts split
+    over ep (:mod:`annot.runtime.ep.experts`) this rank's experts first; the rest whole.
 
     ``local`` may be on the meta device (built under ``torch.device("meta")``
     and pruned to this rank's stages). Call inside ``annot.runtime.process_groups.use(ctx)``.
     """
     from annot.core.errors import MeshError
+    from annot.runtime.ep.shards import expert_degree, expert_env, own_experts
     from annot.runtime.tp.comm import split_local, tp_env
     from annot.runtime.tp.state_dict import shard_layouts
 
     layouts = shard_layouts(local)
     _, size, rank = tp_env()
+    _, ep_size, ep_rank = expert_env()
     table: dict[str, Slicer] = {}
     for name, t in named_tensors(local).items():
         layout = layouts.get(id(t))
-        if layout is None:
+        ep = expert_degree(t)
+        if layout is None and ep == 1:
             table[name] = _identity
+            continue
+        if ep != 1 and ep != ep_size:
+            raise MeshError(
+                f"{name} is split over ep={ep} but the current ep degree is {ep_size}; call "
+                "shard_slicers inside annot.runtime.process_groups.use(ctx)"
+            )
+        experts = functools.partial(own_experts, ep=ep, what=name, rank=ep_rank)
+        if layout is None:
+            table[name] = experts
             continue
         dim, chunks, tp = layout
         if tp != size:
@@ -216,8 +229,13 @@ def shard_slicers(local: nn.Module) -> Wanted:
                 f"{name} is sharded for tp={tp} but the current tp degree is {size}; call "
                 "shard_slicers inside annot.runtime.process_groups.use(ctx) with the mesh the model was built for"
             )
-        table[name] = functools.partial(split_local, dim=dim, chunks=chunks, size=tp, rank=rank)
+        tp_cut = functools.partial(split_local, dim=dim, chunks=chunks, size=tp, rank=rank)
+        table[name] = tp_cut if ep == 1 else _then(experts, tp_cut)
     return table.get
+
+
+def _then(first: Slicer, second: Slicer) -> Slicer:
+    return lambda x: second(first(x))
 
 
 def _fill(model: nn.Module, t: torch.Tensor, value: torch.Tensor) -> None:

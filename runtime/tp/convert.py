@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from annot.core.errors import HintError
-from annot.core.specs import Col, Heads, P, Partial, Row, Vocab, parallel_layer
+from annot.core.specs import Col, Heads, P, Row, Vocab, parallel_layer, partial_sum
 from annot.runtime.tp import layers as L
 from annot.runtime.tp.hint_hooks import partial_module, slice_heads
 from annot.runtime.tp.state_dict import load_full_state_dict
@@ -276,7 +276,7 @@ def convert_hinted(
             slice_heads(owner, name, spec, tp, f"{path}: {spec!r}")
             continue
         sub = owner._modules.get(name)
-        if isinstance(spec, Partial) and sub is not None:
+        if partial_sum(spec) and sub is not None:
             partial_module(sub, tp=tp)
             continue
         if isinstance(spec, (Col, Row, Vocab)) and sub is not None and not is_parallel_layer(sub):

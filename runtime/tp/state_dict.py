@@ -18,12 +18,14 @@ the same values and gather once.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from annot.core.errors import CheckpointError, MeshError
+from annot.runtime.ep.shards import expert_degree, gather_experts, own_experts
 from annot.runtime.fsdp import copy_full_into, full
 from annot.runtime.tp.comm import gather_full, split_local, tp_env
 
@@ -31,7 +33,9 @@ __all__ = [
     "load_full_state_dict",
     "full_state_dict",
     "full_grads",
+    "full_shape",
     "gather_whole",
+    "whole",
     "shard_layouts",
 ]
 
@@ -78,10 +82,14 @@ def _env_for(tp: int, key: str):
     return group, rank
 
 
-def _full_shape(t: torch.Tensor, layout: Layout) -> tuple[int, ...]:
-    dim, _, tp = layout
+def full_shape(t: torch.Tensor, layout: Optional[Layout], ep: int = 1) -> tuple[int, ...]:
+    """The single-device shape of ``t``, this rank's part: its tp ``layout``
+    (None: not split over tp) and its experts' split (``ep``) undone."""
     shape = list(t.shape)
-    shape[dim] *= tp
+    if layout is not None:
+        shape[layout[0] % t.dim()] *= layout[2]
+    if ep > 1:
+        shape[0] *= ep
     return tuple(shape)
 
 
@@ -117,7 +125,8 @@ def load_full_state_dict(
             )
             continue
         layout = layouts.get(id(t))
-        expected = tuple(t.shape) if layout is None else _full_shape(t, layout)
+        ep = expert_degree(t)
+        expected = full_shape(t, layout, ep)
         if tuple(src.shape) != expected:
             what = "" if layout is None else f" (local shard {tuple(t.shape)}, tp={layout[2]})"
             errors.append(
@@ -125,6 +134,7 @@ def load_full_state_dict(
                 f"expects {expected}{what}"
             )
             continue
+        src = own_experts(src, ep, key)
         if layout is not None:
             dim, chunks, tp = layout
             _, rank = _env_for(tp, key)
@@ -155,14 +165,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
-        layout = layouts.get(id(t))
-        if layout is None:
-            out[key] = full(t.detach())
-        else:
-            if id(t) not in gathered:
-                gathered[id(t)] = gather_whole(t, layout, key)
-            out[key] = gathered[id(t)]
+        if id(t) not in gathered:
+            gathered[id(t)] = whole(t, layouts.get(id(t)), expert_degree(t), key)
+        out[key] = gathered[id(t)]
     return out
+
+
+def whole(t: torch.Tensor, layout: Optional[Layout], ep: int, key: str) -> torch.Tensor:
+    """The single-device tensor ``key`` of which ``t`` is this rank's part:
+    all-gathered over tp by ``layout`` (None: whole over tp), then over its
+    expert group (``ep``; :mod:`annot.runtime.ep.shards`), on every rank of
+    those groups, which call it together."""
+    x = full(t.detach()) if layout is None else gather_whole(t, layout, key)
+    return gather_experts(x, ep, key)
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -174,6 +189,5 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        layout = layouts.get(id(p))
-        out[name] = full(p.grad.detach()) if layout is None else gather_whole(p.grad, layout, name)
+        out[name] = whole(p.grad, layouts.get(id(p)), expert_degree(p), name)
     return out
