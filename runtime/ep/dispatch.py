@@ -64,11 +64,12 @@ def expert_forward(self, *args, **kwargs):
     raise _refuse(self, values)
 
 
-def _routed(module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+def _routed(module, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
     group, ep, rank = expert_env()
     count = module.annot_experts
     per_rank = count // ep
     k = index.shape[-1]
+    x = tokens.reshape(-1, tokens.shape[-1])  # (batch, seq, d) or (tokens, d): rows
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
@@ -83,9 +84,28 @@ def _routed(module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor)
     w = all_to_all(weights.reshape(-1)[order].unsqueeze(1), recv_l, send_l, group)
     local = all_to_all((expert - dest * per_rank).unsqueeze(1), recv_l, send_l, group)
     y = type(module).forward(module, rows, local, w)
+    if rows.shape[0] == 0:  # no row came: keep this rank in the backward's all-to-alls
+        y = _Joined.apply(y, rows, w)
     back = all_to_all(y, send_l, recv_l, group)
     out = torch.zeros((x.shape[0], *back.shape[1:]), dtype=back.dtype, device=back.device)
-    return out.index_add(0, token, back)
+    return out.index_add(0, token, back).reshape(*tokens.shape[:-1], *back.shape[1:])
+
+
+class _Joined(torch.autograd.Function):
+    """``y`` made to depend on ``inputs`` (with a zero gradient for them): on a
+    rank to which no row came, the experts' output depends on nothing, and
+    without this the all-to-alls that brought the (no) rows would skip their
+    backward on this rank while the other ranks wait in theirs."""
+
+    @staticmethod
+    def forward(ctx, y, *inputs):
+        ctx.like = [(i.shape, i.dtype) for i in inputs]
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        zeros = (torch.zeros(s, dtype=d, device=grad.device) for s, d in ctx.like)
+        return (grad, *zeros)
 
 
 def _dense(module, x: torch.Tensor):
