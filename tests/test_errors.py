@@ -129,7 +129,7 @@ def test_bad_hint_arguments_name_class_and_argument():
         shard(c_attn=3)(Attn)
     assert str(err.value).startswith(
         "@shard on Attn: argument c_attn=3 is a int; expected a spec: Col(), Row(), Vocab(), "
-        "Replicate(), P(...), Partial() or Heads()"
+        "Replicate(), P(...), Partial(), Heads() or Experts()"
     )
     with pytest.raises(HintError, match=r"Col\(chunks=0\): chunks must be an int >= 1"):
         Col(chunks=0)

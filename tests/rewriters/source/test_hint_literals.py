@@ -28,13 +28,13 @@ from tests.rewriters.tp.cases import HEAD, refusal
             "@shard(c=make_spec())",
             10,
             "@shard on M: c=make_spec() is not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate(), P(...), Partial() or Heads() (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...), Partial(), Heads() or Experts() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col)",
             10,
             "@shard on M: c=Col is a spec class, not a spec; write one of Col(), Row(), Vocab(), "
-            "Replicate(), P(...), Partial() or Heads() (imported from annot), e.g. c=Col()",
+            "Replicate(), P(...), Partial(), Heads() or Experts() (imported from annot), e.g. c=Col()",
         ),
         (
             "@shard(c=Col(chunks=0))",
