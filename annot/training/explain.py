@@ -323,10 +323,35 @@ def _inferred(report) -> list[str]:
     return out
 
 
+def _experts(model) -> list[str]:
+    """Which experts this rank holds (``Experts()`` at ep > 1), and what crosses."""
+    ctx, report = model.ctx, model.report
+    if report is None or not report.experts or ctx.mesh.ep == 1:
+        return []
+    ep, rank = ctx.mesh.ep, ctx.ep_rank
+    out = [
+        f"experts over ep={ep} (expert group: ranks {ctx.axis_ranks('ep')}, this rank's place "
+        f"{rank}; the same experts on ranks {ctx.axis_ranks('edp')}):"
+    ]
+    modules = dict(model.module.named_modules())
+    for path in report.experts:
+        m = modules.get(path)
+        if m is None:
+            continue  # on another pipeline stage
+        total = m.annot_experts
+        per = total // ep
+        out.append(f"  {path}: experts {rank * per}-{(rank + 1) * per - 1} of {total} held here")
+    out.append(
+        "  per call: each (token, choice) pair to its expert's rank and its result back by "
+        "all-to-all (forward), the same rows again in backward; pairs whose expert is here stay"
+    )
+    return out
+
+
 def explain_step(step, args, kwargs) -> str:
     model = step.model
     layout = model.pipeline
-    out = _header(step, args, kwargs) + _inferred(model.report)
+    out = _header(step, args, kwargs) + _inferred(model.report) + _experts(model)
     if layout is None or layout.num_stages == 1:
         return "\n".join([*out, "pipeline: none (pp=1)", *_rewritten(model.report)])
     view = stage_view(layout, model.module, step.executor)

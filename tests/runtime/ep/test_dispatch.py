@@ -120,7 +120,13 @@ def _hand_written(cache: str, dp: int, avoid: tuple) -> dict:
     _train(model, ref, batch, what)
     _dp_step(model, ref, batch(torch.Generator().manual_seed(9)), f"{what}, one more")
     zero = {n: bool((p.grad == 0).all()) for n, p in model.named_parameters() if ".experts." in n}
+
+    @annot.jit(model)
+    def step(x, y):
+        return model(x, y)
+
     return {
+        "plan": step.explain(*batch(torch.Generator().manual_seed(1))),
         "held": held,
         "experts": model.report.experts,
         "num": model.module.moe.experts.num_experts,
@@ -130,7 +136,8 @@ def _hand_written(cache: str, dp: int, avoid: tuple) -> dict:
 
 def test_hand_written_moe_at_ep2_holds_half_the_experts(tmp_path):
     out = run_ranks(_hand_written, 2, str(tmp_path), 2, (), timeout=240)
-    for r in out:
+    for rank, r in enumerate(out):
+        assert f"moe.experts: experts {2 * rank}-{2 * rank + 1} of 4 held here" in r["plan"]
         assert r["experts"] == ["moe.experts"]
         assert r["num"] == 2  # the count its forward loops over: this rank's
         assert r["held"] == {
