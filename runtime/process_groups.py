@@ -58,8 +58,24 @@ class ParallelContext:
         return self.mesh.ep_coords(self.dp_rank)[1]
 
     @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context group: which part of the sequence it holds."""
+        return self.mesh.cp_coords(self.dp_rank)[1]
+
+    @property
+    def batch_rank(self) -> int:
+        """Which of the step's :attr:`~annot.Mesh.batches` this rank reads (the
+        dp rank, but one per context group)."""
+        return self.mesh.cp_coords(self.dp_rank)[0]
+
+    @property
     def tp_group(self):
         return self.groups.get("tp")
+
+    @property
+    def cp_group(self):
+        """The ranks that split one batch's sequence (``cp`` of the dp ranks)."""
+        return self.groups.get("cp")
 
     @property
     def ep_group(self):
@@ -89,12 +105,17 @@ class ParallelContext:
             return [m.rank_of(dp, p, tp) for p in range(m.pp)]
         if axis == "dp":
             return [m.rank_of(d, pp, tp) for d in range(m.dp)]
+        if axis == "cp":
+            batch, _ = m.cp_coords(dp)
+            return [m.rank_of(batch * m.cp + i, pp, tp) for i in range(m.cp)]
         group, e = m.ep_coords(dp)
         if axis == "ep":
             return [m.rank_of(group * m.ep + i, pp, tp) for i in range(m.ep)]
         if axis == "edp":
             return [m.rank_of(g * m.ep + e, pp, tp) for g in range(m.dp // m.ep)]
-        raise MeshError(f"unknown mesh axis {axis!r}; expected 'dp', 'pp', 'tp', 'ep' or 'edp'")
+        raise MeshError(
+            f"unknown mesh axis {axis!r}; expected 'dp', 'pp', 'tp', 'ep', 'edp' or 'cp'"
+        )
 
     @property
     def distributed(self) -> bool:
@@ -192,16 +213,17 @@ def init(mesh: Mesh, *, timeout_s: float = 600.0) -> ParallelContext:
     ctx = ParallelContext(
         mesh=mesh, rank=rank, world_size=world, device=device, device_mesh=dm, groups=groups
     )
-    if mesh.ep > 1:
-        ctx.groups.update(_expert_groups(ctx))
+    axes = (("ep", "edp") if mesh.ep > 1 else ()) + (("cp",) if mesh.cp > 1 else ())
+    ctx.groups.update(_borrowed_groups(ctx, axes))
     return ctx
 
 
-def _expert_groups(ctx: ParallelContext) -> dict:
-    """The ``ep`` and ``edp`` groups of this rank: every rank builds every group
-    of both kinds, in the same order (``new_group`` is collective)."""
+def _borrowed_groups(ctx: ParallelContext, axes: tuple[str, ...]) -> dict:
+    """This rank's groups of the axes that borrow dp ranks (``ep``, ``edp``,
+    ``cp``): every rank builds every group of each kind, in the same order
+    (``new_group`` is collective)."""
     m, mine = ctx.mesh, {}
-    for axis in ("ep", "edp"):
+    for axis in axes:
         seen = set()
         for r in range(m.size):
             ranks = ParallelContext(mesh=m, rank=r, world_size=m.size).axis_ranks(axis)

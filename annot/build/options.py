@@ -70,6 +70,11 @@ def resolve_options(
             "ranks that hold different experts; annot does not compose the two yet. Use "
             "fsdp=False with ep > 1 (each rank already holds 1/ep of the experts), or ep=1"
         )
+    if mesh.cp > 1 and (mesh.pp > 1 or given["fsdp"] or given["sequence_parallel"]):
+        raise MeshError(
+            f"{mesh!r}: context parallelism with pipeline stages, fsdp=True or "
+            "sequence_parallel= is not built yet; use cp with dp and tp"
+        )
     autocast = parse_precision(given["precision"])
     compile_kw = compile_options(given["compile"])
     _check_option_names(model, given, defaults, model_kwargs)

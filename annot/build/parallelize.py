@@ -286,7 +286,7 @@ def _materialize(local, opts: Options, args, ref, seed, ctx, layout) -> None:
 
 def _assemble(local, opts: Options, ctx, layout, report, paths) -> ParallelModel:
     """The :class:`ParallelModel`: activation recompute, ``sum_grad``
-    marks and sequence parallelism applied to this rank's modules."""
+    marks, sequence parallelism and context parallelism applied to this rank's modules."""
     apply_recompute(local, recomputed_classes(local))
     _mark_grad_sums(local, paths)
     runs = (
@@ -296,7 +296,7 @@ def _assemble(local, opts: Options, ctx, layout, report, paths) -> ParallelModel
     )
     for run in runs:
         apply_sequence_parallel(local, run, opts.sequence_dim, opts.mesh.tp)
-    return ParallelModel(
+    built = ParallelModel(
         local,
         ctx,
         pipeline=layout,
@@ -306,6 +306,11 @@ def _assemble(local, opts: Options, ctx, layout, report, paths) -> ParallelModel
         overlap_grad_reduce=opts.overlap_grad_reduce,
         bucket_cap_mb=opts.bucket_cap_mb,
     )
+    if opts.mesh.cp > 1:  # each rank its part of every sequence
+        from annot.hf.context_parallel import install as context_parallel
+
+        context_parallel(local, ctx)
+    return built
 
 
 def _guard(built: ParallelModel, layout) -> None:

@@ -9,6 +9,11 @@ coordinates) holds every expert once, ``1/ep`` of them on each rank; tokens
 travel to their experts' ranks by all-to-all. Outside the experts the ``dp``
 ranks are data parallel as ever. ``Mesh(dp=4, ep=2)``: two expert groups of
 two ranks each; the expert weights are replicated over the ``dp / ep`` groups.
+
+Context parallelism borrows them too: ``cp`` divides ``dp``, and each group of
+``cp`` consecutive dp ranks reads one batch and splits its sequence, ``1/cp``
+of the tokens each. ``Mesh(dp=4, cp=2)`` reads ``dp / cp = 2`` batches a step
+(:attr:`Mesh.batches`; a rank's is ``ctx.batch_rank``).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ class Mesh:
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "pp", "tp", "ep"):
+        for axis in ("dp", "pp", "tp", "ep", "cp"):
             v = getattr(self, axis)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MeshError(f"Mesh({axis}={v!r}): {axis} must be an int >= 1")
@@ -38,6 +44,18 @@ class Mesh:
                 f"ranks, so ep must divide dp; each rank then holds 1/ep of the experts and "
                 f"sees its own batch. Use Mesh(dp={self.ep * max(1, self.dp // self.ep)}, "
                 f"ep={self.ep}, ...) and launch dp * pp * tp ranks"
+            )
+        if self.dp % self.cp:
+            raise MeshError(
+                f"Mesh(dp={self.dp}, cp={self.cp}): context parallelism borrows the "
+                f"data-parallel ranks, so cp must divide dp; each group of cp ranks reads one "
+                f"batch and splits its sequence. Use Mesh(dp={self.cp * max(1, self.dp // self.cp)}, "
+                f"cp={self.cp}, ...) and launch dp * pp * tp ranks"
+            )
+        if self.ep > 1 and self.cp > 1:
+            raise MeshError(
+                f"Mesh(ep={self.ep}, cp={self.cp}): expert and context parallelism together are "
+                "not built yet; use one of them"
             )
 
     @property
@@ -67,9 +85,20 @@ class Mesh:
         consecutive dp ranks."""
         return dp // self.ep, dp % self.ep
 
+    def cp_coords(self, dp: int) -> tuple[int, int]:
+        """``(batch, rank in its context group)`` of dp rank ``dp``: groups of
+        ``cp`` consecutive dp ranks read one batch."""
+        return dp // self.cp, dp % self.cp
+
+    @property
+    def batches(self) -> int:
+        """How many batches a step reads: one per group of ``cp`` dp ranks."""
+        return self.dp // self.cp
+
     def key(self) -> str:
-        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        extra = "".join(f"-{a}{getattr(self, a)}" for a in ("ep", "cp") if getattr(self, a) > 1)
+        return f"dp{self.dp}-pp{self.pp}-tp{self.tp}" + extra
 
     def __repr__(self) -> str:
-        ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep})"
+        extra = "".join(f", {a}={getattr(self, a)}" for a in ("ep", "cp") if getattr(self, a) > 1)
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{extra})"

@@ -81,6 +81,7 @@ __all__ = [
     "gather_from_tp",
     "scatter_to_tp",
     "gather_sequence",
+    "gather_along",
     "reduce_scatter_seq",
     "InputGradReduction",
     "start_all_reduce",
@@ -449,6 +450,14 @@ def gather_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The whole sequence from the ranks' shards along ``dim``: all-gather
     forward, reduce-scatter of the gradient backward."""
     group, size, _ = tp_env()
+    if size == 1:
+        return x
+    return GatherSequence.apply(x, group, size, dim, False)
+
+
+def gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """:func:`gather_sequence` over any ``group`` of ``size`` ranks (context
+    parallelism's keys and values over its cp group)."""
     if size == 1:
         return x
     return GatherSequence.apply(x, group, size, dim, False)
