@@ -235,6 +235,14 @@ def _header(step, args, kwargs) -> list[str]:
         f"annot plan: {ctx.mesh!r}, world size {ctx.world_size}, this rank {ctx.rank} "
         f"(dp {ctx.dp_rank}, pp {ctx.pp_rank}, tp {ctx.tp_rank}), device {ctx.device}"
     ]
+    if ctx.mesh.cp > 1:
+        cp, r = ctx.mesh.cp, ctx.cp_rank
+        out.append(
+            f"context parallel: cp={cp}, batch {ctx.batch_rank} of {ctx.mesh.batches} "
+            f"(ranks {ctx.axis_ranks('cp')} read it); this rank holds chunks {r} and "
+            f"{2 * cp - 1 - r} of {2 * cp} of each sequence (zig-zag), keys and values "
+            "all-gathered per attention layer"
+        )
     if args or kwargs:
         from annot.training.microbatch import split_microbatches
 
