@@ -71,14 +71,21 @@ def _wrap_sdpa() -> None:
 
     def sdpa(module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
         split = _ACTIVE[-1] if _ACTIVE else None
-        if split is None:
+        if split is None or kwargs.get("position_bias") is not None or args:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        key, value = gather_keys(key, split), gather_keys(value, split)
-        causal = kwargs.pop("is_causal", None)
+        causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
-        mask = causal_mask(split).to(query.device) if causal else None
-        return original(module, query, key, value, mask, *args, is_causal=False, **kwargs)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            gather_keys(key, split),
+            gather_keys(value, split),
+            attn_mask=causal_mask(split).to(query.device) if causal else None,
+            dropout_p=kwargs.get("dropout", 0.0),
+            scale=kwargs.get("scaling"),
+            enable_gqa=query.shape[1] != key.shape[1],  # grouped keys, not repeated per head
+        )
+        return out.transpose(1, 2).contiguous(), None
 
     sdpa.__annot_cp__ = True  # type: ignore[attr-defined]
     AttentionInterface.register("sdpa", sdpa)

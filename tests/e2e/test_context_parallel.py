@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from annot.testing import run_ranks  # noqa: E402
+from annot.testing import run_ranks
 
 SMALL = dict(
     hidden_size=32,
@@ -153,5 +153,3 @@ def test_cp_mesh_refusals():
     with pytest.raises(annot.MeshError, match="context parallelism with pipeline stages"):
         annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=2, cp=2, pp=2))
     assert annot.Mesh(dp=4, cp=2).batches == 2
-
-
