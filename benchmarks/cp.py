@@ -78,10 +78,11 @@ def _cp(cache: str) -> dict:
     out = {}
     for length in (L, 2 * L):
         ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, length), generator=g)
-        out[length] = (
-            saved_bytes(lambda: model(ids, labels=ids).loss),
-            timed(lambda: model(ids, labels=ids).loss),
-        )
+
+        def loss(ids=ids):
+            return model(ids, labels=ids).loss
+
+        out[length] = (saved_bytes(loss), timed(loss))
         model.zero_grad()
     return out
 
@@ -105,7 +106,7 @@ def main() -> None:
         f"Llama, 4 layers, hidden 256, batch {BATCH}; activation bytes saved for backward per rank"
     )
     print(f"{'':28}{'tokens/rank':>12}{'MiB/rank':>10}{'vs one':>8}{'step ms':>9}{'vs one':>8}")
-    rows = [("one device, L=%d" % L, L, base_bytes, base_s)]
+    rows = [(f"one device, L={L}", L, base_bytes, base_s)]
     rows += [(f"cp=2, L={n}", n // 2, *cp[n]) for n in (L, 2 * L)]
     for name, tokens, nbytes, secs in rows:
         print(
