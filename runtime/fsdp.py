@@ -88,7 +88,10 @@ class ShardedData:
     A block that shares a parameter with the rest of the model (a weight
     tied between a block and the head) is left to the root's unit, which
     holds every use. Scalar parameters (FSDP2 shards along a dimension)
-    stay whole: ``unreduced`` lists them, for annot's own dp average.
+    stay whole: ``unreduced`` lists them, for annot's own dp average. Experts
+    split over ep (``annot_ep``) stay as they are: each rank already holds
+    ``1/ep`` of them, and their gradients are summed over the ranks that hold
+    the same experts, not averaged over dp.
 
     Checked against torch 2.13's FSDP2; besides the private calls of
     ``torch.distributed.pipelining`` (``post_backward``, the root's final
@@ -109,7 +112,10 @@ class ShardedData:
         self.unreduced = list(
             {id(p): p for _, p in named if p.ndim == 0 and p.requires_grad}.values()
         )
-        ignored = set(self.unreduced)
+        # experts split over ep stay this rank's (annot.runtime.grads.reduce sums them
+        # over the ranks holding the same experts); FSDP2 shards the rest over dp
+        experts = {p for _, p in named if p.__dict__.get("annot_ep", 1) > 1}
+        ignored = set(self.unreduced) | experts
         uses = Counter(id(p) for _, p in named)
 
         def private(block: nn.Module) -> bool:

@@ -64,12 +64,6 @@ def resolve_options(
     mesh = _check_options(
         given["mesh"], given["chunks"], given["overlap_grad_reduce"], given["bucket_cap_mb"]
     )
-    if given["fsdp"] and mesh.ep > 1:
-        raise MeshError(
-            f"fsdp=True with {mesh!r}: FSDP2 over dp would shard the experts' weights over "
-            "ranks that hold different experts; annot does not compose the two yet. Use "
-            "fsdp=False with ep > 1 (each rank already holds 1/ep of the experts), or ep=1"
-        )
     if mesh.cp > 1 and (mesh.pp > 1 or given["fsdp"] or given["sequence_parallel"]):
         raise MeshError(
             f"{mesh!r}: context parallelism with pipeline stages, fsdp=True or "

@@ -355,14 +355,16 @@ def clip_grad_norm_(
         return torch.stack(parts).max() if inf else torch.stack(parts).pow(p).sum()
 
     total = combine([q for q in counted if expert_degree(q) == 1])
-    if distributed and ctx.mesh.ep > 1:  # each rank of an expert group holds other experts
-        experts = combine([q for q in counted if expert_degree(q) > 1])
-        dist.all_reduce(experts, op=op, group=ctx.ep_group)
-        total = torch.maximum(total, experts) if inf else total + experts
     if distributed:
         for axis in ("tp", "pp", "dp") if dp_sharded else ("tp", "pp"):
             if getattr(ctx.mesh, axis) > 1:
                 dist.all_reduce(total, op=op, group=ctx.groups[axis])
+    if distributed and ctx.mesh.ep > 1:  # each rank of an expert group holds other experts
+        experts = combine([q for q in counted if expert_degree(q) > 1])
+        for axis in ("ep", "tp", "pp"):  # never dp: the experts are whole over it
+            if getattr(ctx.mesh, axis) > 1:
+                dist.all_reduce(experts, op=op, group=ctx.groups[axis])
+        total = torch.maximum(total, experts) if inf else total + experts
     norm = total if inf else total.pow(1.0 / p)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for q in params:

@@ -77,14 +77,15 @@ def _train(model, ref, steps: int = 2, microbatches: int = 2) -> None:
     compare_state(model, ref, f"{what} after {steps} AdamW steps")
 
 
-def _parity(cache: str, tp: int, pp: int) -> dict:
+def _parity(cache: str, tp: int, pp: int, dp: int = 2, fsdp: bool = False) -> dict:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
     import annot
 
     cls, cfg = _qwen3_moe()
-    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=2, ep=2, tp=tp, pp=pp), seed=0)
+    mesh = annot.Mesh(dp=dp, ep=2, tp=tp, pp=pp)
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, fsdp=fsdp)
     torch.manual_seed(0)
     ref = cls(cfg)
     _train(model, ref)
@@ -143,6 +144,17 @@ def test_qwen3_moe_ep2_save_pretrained_and_from_pretrained(tmp_path):
     run_ranks(_round_trip, 2, str(tmp_path), timeout=300)
 
 
+def test_qwen3_moe_at_ep2_with_fsdp2(tmp_path):
+    # FSDP2 shards the rest over dp; the experts stay split over ep
+    run_ranks(_parity, 2, str(tmp_path), 1, 1, 2, True, timeout=300)
+
+
+@pytest.mark.slow  # 4 ranks: two expert groups, each expert on two ranks
+def test_qwen3_moe_dp4_ep2_with_fsdp2(tmp_path):
+    out = run_ranks(_parity, 4, str(tmp_path), 1, 1, 4, True, timeout=400)
+    assert out[0]["shapes"] == out[2]["shapes"]  # ranks 0 and 2 hold the same experts
+
+
 @pytest.mark.slow  # 4 ranks
 def test_qwen3_moe_at_ep2_tp2(tmp_path):
     out = run_ranks(_parity, 4, str(tmp_path), 2, 1, timeout=400)
@@ -197,6 +209,4 @@ def test_ep_mesh_and_option_refusals():
 
     with pytest.raises(annot.MeshError, match=r"ep must divide dp.*Mesh\(dp=2, ep=2"):
         annot.Mesh(ep=2)
-    with pytest.raises(annot.MeshError, match="fsdp=True with Mesh"):
-        annot.parallelize(_qwen3_moe()[0], _qwen3_moe()[1], mesh=annot.Mesh(dp=2, ep=2), fsdp=True)
     assert repr(annot.Mesh(dp=4, ep=2)) == "Mesh(dp=4, pp=1, tp=1, ep=2)"
