@@ -41,7 +41,9 @@ __all__ = [
     "view_of",
 ]
 
-Layout = tuple[int, int, int]  # (dim, chunks, tp), as in annot.runtime.tp.state_dict
+# (dim, chunks, tp) as in annot.runtime.tp.state_dict, then ep: the experts' split of
+# dim 0 over the expert group (annot.runtime.ep.shards), the outer one
+Layout = tuple[int, int, int, int]
 
 
 # --------------------------------------------------------------------------- #
@@ -53,13 +55,15 @@ class Shard:
     """This rank's shard ``local`` of a tensor of full shape ``full``: the full
     tensor cut along ``dim`` into ``chunks`` equal blocks, of each of which
     this rank holds the ``rank``-th of ``tp`` slices (the layout of
-    ``annot.runtime.tp.comm.split_local``). Speaks DCP's chunk protocol."""
+    ``annot.runtime.tp.comm.split_local``), within the ``ep_rank``-th of
+    ``ep`` blocks of dim 0 (its experts). Speaks DCP's chunk protocol."""
 
-    def __init__(self, local: torch.Tensor, layout: Layout, rank: int):
-        dim, chunks, tp = layout
+    def __init__(self, local: torch.Tensor, layout: Layout, rank: int, ep_rank: int = 0):
+        dim, chunks, tp, ep = layout
         dim %= local.dim()
         full = list(local.shape)
         full[dim] *= tp
+        full[0] *= ep
         self.full = torch.Size(full)
         n = local.shape[dim] // chunks  # this rank's length in each block
         block = self.full[dim] // chunks
@@ -67,6 +71,7 @@ class Shard:
         for c in range(chunks):
             offsets = [0] * local.dim()
             offsets[dim] = c * block + rank * n
+            offsets[0] += ep_rank * local.shape[0]  # its experts (tp never splits dim 0 then)
             self.pieces[torch.Size(offsets)] = local.narrow(dim, c * n, n)
         self.properties = TensorProperties.create_from_tensor(local)
 
@@ -144,6 +149,7 @@ class Target:
     distributed: bool
     rank: int
     mesh: Optional[tuple[int, int, int]]
+    ep_rank: int = 0
 
     @staticmethod
     def of(model: nn.Module) -> Target:
@@ -155,7 +161,7 @@ class Target:
             m = ctx.mesh
             return Target(
                 model.module, model.pipeline, m.tp, ctx.tp_rank, ctx.distributed,
-                ctx.rank, (m.dp, m.pp, m.tp),
+                ctx.rank, (m.dp, m.pp, m.tp), ctx.ep_rank,
             )  # fmt: skip
         if isinstance(model, nn.Module):
             from annot.runtime.process_groups import current
@@ -175,7 +181,7 @@ class Target:
         tp shard at its place in the whole; a tensor FSDP2 shards over dp is
         gathered over dp first (the replicas write the same bytes once)."""
         t = full(t)
-        return t if layout is None else Shard(t, layout, self.tp_rank)
+        return t if layout is None else Shard(t, layout, self.tp_rank, self.ep_rank)
 
 
 @dataclass
@@ -203,21 +209,15 @@ def view_of(target: Target) -> View:
         t = local[tid]
         if t.is_meta:
             raise CheckpointError(f"{canon} is on the meta device; materialise the model first")
-        if expert_degree(t) > 1:
-            raise CheckpointError(
-                f"{canon} holds this rank's experts of an expert-parallel model (ep > 1); "
-                "annot.save does not write expert shards yet. Save it with "
-                "model.save_pretrained(path) (every tensor whole, the single-device layout) "
-                "and read it back with annot.from_pretrained"
-            )
         view.tensors[canon] = t.detach()
         layout = by_id.get(tid)
-        if layout is not None:
-            if layout[2] != target.tp:
-                raise CheckpointError(
-                    f"{canon} is sharded for tp={layout[2]} but the mesh has tp={target.tp}"
-                )
-            view.layouts[canon] = layout
+        if layout is not None and layout[2] != target.tp:
+            raise CheckpointError(
+                f"{canon} is sharded for tp={layout[2]} but the mesh has tp={target.tp}"
+            )
+        ep = expert_degree(t)
+        if layout is not None or ep > 1:
+            view.layouts[canon] = (*(layout or (0, 1, 1)), ep)
         for n in [*names, *(k for k, v in tie.items() if v == canon)]:
             if n != canon:
                 view.aliases[n] = canon
@@ -230,6 +230,7 @@ def full_shape(t: torch.Tensor, layout: Optional[Layout]) -> tuple[int, ...]:
     shape = list(t.shape)
     if layout is not None:
         shape[layout[0]] *= layout[2]
+        shape[0] *= layout[3]
     return tuple(shape)
 
 

@@ -97,6 +97,12 @@ def split_experts(module: nn.Module, count: int, ep: int, rank: int) -> None:
             for name, t in list(table.items()):
                 if t is None or not t.dim() or t.shape[0] != count:
                     continue
+                if getattr(t, "annot_shard_dim", None) == 0:
+                    raise HintError(
+                        f"{type(mod).__name__}.{name}: a tp hint splits dim 0, the experts' dim, "
+                        "which Experts() splits over ep; split each expert inside instead "
+                        '(P(None, "tp", ...) on its weights, Experts(partial=True))'
+                    )
                 n = t.shape[0] // ep
                 data = t.detach().narrow(0, rank * n, n)
                 data = data if data.is_meta else data.clone()

@@ -4,8 +4,9 @@ half the experts, tokens travel by all-to-all, and the loss (with the router's
 load-balancing term), every gradient, the clipped norm and every parameter
 after AdamW steps equal the single-device model on the whole batch. Composed
 with tp (each expert split inside, as the tp plan says) and with a pipeline;
-written with ``save_pretrained`` in the single-device layout and read back by
-``from_pretrained``, each rank reading its own experts."""
+with FSDP2 over dp; written with ``save_pretrained`` in the single-device
+layout and read back by ``from_pretrained``, each rank reading its own experts;
+saved and resumed by DCP."""
 
 import os
 
@@ -96,7 +97,8 @@ def _parity(cache: str, tp: int, pp: int, dp: int = 2, fsdp: bool = False) -> di
 def _round_trip(cache: str) -> None:
     """ep=2: Qwen3-MoE read from a single-device safetensors file (each rank
     its own experts); a hand-written MoE written whole by ``save_pretrained``
-    and read back."""
+    and read back, and saved with its optimizer by DCP (each rank its experts'
+    boxes of the whole), read whole and into another build."""
     os.environ["ANNOT_CACHE_DIR"] = cache
     import safetensors.torch
     import torch
@@ -128,8 +130,24 @@ def _round_trip(cache: str) -> None:
         assert_close(stored[k], v, f"save_pretrained at ep=2: {k}")
     again = annot.from_pretrained(Net, path, mesh=mesh, hints=hints)
     compare_state(again, net, "save_pretrained, from_pretrained at ep=2")
-    with pytest.raises(annot.CheckpointError, match="save_pretrained"):
-        annot.save(model, None, os.path.join(cache, "dcp"))
+    # DCP: each rank writes its experts at their place in the whole; read whole, and back
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ck = annot.save(model, opt, os.path.join(cache, "dcp"))
+    saved, _ = annot.load_full(ck)
+    for k, v in model.full_state_dict().items():
+        assert_close(saved[k], v, f"DCP at ep=2: {k}")
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    annot.load(again, opt2, ck)
+    for m, o in ((model, opt), (again, opt2)):  # the same state: the same next step
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        o.step()
+    a, b = model.full_state_dict(), again.full_state_dict()
+    for k in a:
+        assert_close(b[k], a[k], f"DCP at ep=2, a step after load: {k}")
 
 
 def test_qwen3_moe_at_ep2_each_rank_holds_half_the_experts(tmp_path):
@@ -140,7 +158,7 @@ def test_qwen3_moe_at_ep2_each_rank_holds_half_the_experts(tmp_path):
         assert r["shapes"]["module.model.layers.0.mlp.experts.down_proj"] == (2, 32, 16)
 
 
-def test_qwen3_moe_ep2_save_pretrained_and_from_pretrained(tmp_path):
+def test_ep2_checkpoints_pretrained_and_dcp(tmp_path):
     run_ranks(_round_trip, 2, str(tmp_path), timeout=300)
 
 

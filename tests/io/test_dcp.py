@@ -208,10 +208,13 @@ def test_shard_chunks_are_split_local():
     from annot.runtime.tp.comm import split_local
 
     full = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
-    for dim, chunks, tp in [(1, 3, 2), (1, 1, 4), (0, 1, 2), (-1, 1, 3), (1, 2, 3)]:
-        for rank in range(tp):
-            local = split_local(full, dim, chunks, tp, rank).clone()
-            shard = Shard(local, (dim, chunks, tp), rank)
+    cases = [(1, 3, 2, 1), (1, 1, 4, 1), (0, 1, 2, 1), (-1, 1, 3, 1), (1, 2, 3, 1)]
+    cases += [(1, 3, 2, 2), (-1, 1, 3, 2), (1, 1, 1, 2)]  # experts (dim 0) split over ep too
+    for dim, chunks, tp, ep in cases:
+        for rank, er in ((r, e) for r in range(tp) for e in range(ep)):
+            experts = full.narrow(0, er * (2 // ep), 2 // ep)  # this ep rank's experts
+            local = split_local(experts, dim, chunks, tp, rank).clone()
+            shard = Shard(local, (dim, chunks, tp, ep), rank, er)
             assert shard.size() == full.shape
             got = shard.__create_chunk_list__()
             assert len(got) == chunks
@@ -219,7 +222,7 @@ def test_shard_chunks_are_split_local():
                 region = full
                 for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
                     region = region.narrow(d, o, n)
-                assert torch.equal(shard.pieces[c.offsets], region), (dim, chunks, tp, rank)
+                assert torch.equal(shard.pieces[c.offsets], region), (dim, chunks, tp, ep, rank)
 
 
 def test_resume_tp2_equals_uninterrupted_run(saved, cache):
