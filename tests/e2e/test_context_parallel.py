@@ -34,7 +34,9 @@ def _model(name: str):
     return transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL)
 
 
-def _parity(cache: str, name: str, dp: int, tp: int, microbatches: int) -> list:
+def _parity(
+    cache: str, name: str, dp: int, tp: int, microbatches: int, compile: bool = False
+) -> str:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
     import torch.distributed as dist
@@ -43,7 +45,8 @@ def _parity(cache: str, name: str, dp: int, tp: int, microbatches: int) -> list:
     from tests.parity import assert_close, compare_grads, compare_state, step_both
 
     cls, cfg = _model(name)
-    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=dp, cp=2, tp=tp), seed=0)
+    mesh = annot.Mesh(dp=dp, cp=2, tp=tp)
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, compile=compile)
     torch.manual_seed(0)
     ref = cls(cfg)
 
@@ -84,6 +87,11 @@ def test_cp2_equals_one_device(tmp_path, name):
     plans = run_ranks(_parity, 2, str(tmp_path), name, 2, 1, 1, timeout=300)
     for r, line in enumerate(plans):
         assert f"this rank holds chunks {r} and {3 - r} of 4 of each sequence" in line
+
+
+@pytest.mark.slow  # compiling takes a while
+def test_cp2_compiled(tmp_path):
+    run_ranks(_parity, 2, str(tmp_path), "llama", 2, 1, 1, True, timeout=400)
 
 
 @pytest.mark.slow  # 4 ranks

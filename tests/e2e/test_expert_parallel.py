@@ -78,7 +78,9 @@ def _train(model, ref, steps: int = 2, microbatches: int = 2) -> None:
     compare_state(model, ref, f"{what} after {steps} AdamW steps")
 
 
-def _parity(cache: str, tp: int, pp: int, dp: int = 2, fsdp: bool = False) -> dict:
+def _parity(
+    cache: str, tp: int, pp: int, dp: int = 2, fsdp: bool = False, compile: bool = False
+) -> dict:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
 
@@ -86,7 +88,7 @@ def _parity(cache: str, tp: int, pp: int, dp: int = 2, fsdp: bool = False) -> di
 
     cls, cfg = _qwen3_moe()
     mesh = annot.Mesh(dp=dp, ep=2, tp=tp, pp=pp)
-    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, fsdp=fsdp)
+    model = annot.parallelize(cls, cfg, mesh=mesh, seed=0, fsdp=fsdp, compile=compile)
     torch.manual_seed(0)
     ref = cls(cfg)
     _train(model, ref)
@@ -165,6 +167,11 @@ def test_ep2_checkpoints_pretrained_and_dcp(tmp_path):
 def test_qwen3_moe_at_ep2_with_fsdp2(tmp_path):
     # FSDP2 shards the rest over dp; the experts stay split over ep
     run_ranks(_parity, 2, str(tmp_path), 1, 1, 2, True, timeout=300)
+
+
+@pytest.mark.slow  # compiling takes a while; the dispatch runs eagerly inside the graph
+def test_qwen3_moe_at_ep2_compiled(tmp_path):
+    run_ranks(_parity, 2, str(tmp_path), 1, 1, 2, False, True, timeout=400)
 
 
 @pytest.mark.slow  # 4 ranks: two expert groups, each expert on two ranks
