@@ -30,6 +30,7 @@ class Options:
     cls: type
     kwargs: dict  # the constructor's keyword arguments
     chunks: int
+    placement: str
     autocast: Any
     precision: Optional[str]
     compile_kw: Optional[dict]
@@ -82,6 +83,7 @@ def resolve_options(
         cls=cls,
         kwargs=kwargs,
         chunks=given["chunks"],
+        placement=_check_placement(given["placement"], given["chunks"], mesh),
         autocast=autocast,
         precision=given["precision"],
         compile_kw=compile_kw,
@@ -131,6 +133,21 @@ def _check_option_names(
                 f"annot.parallelize({model.__name__}, ..., {name}={value!r}, "
                 f"model_kwargs={{{name!r}: ...}})"
             )
+
+
+def _check_placement(placement: object, chunks: int, mesh: Mesh) -> str:
+    """``"loop"`` or ``"v"`` (two stages per rank, for schedule="zbv")."""
+    if placement not in ("loop", "v"):
+        raise HintError(
+            f"parallelize: placement={placement!r}; expected 'loop' (rank r holds stages r, "
+            "r + pp, ...) or 'v' (rank r holds stages r and 2 pp - 1 - r, for schedule='zbv')"
+        )
+    if placement == "v" and (chunks != 2 or mesh.pp < 2):
+        raise HintError(
+            f"parallelize: placement='v' places two stages per rank in a V over pp > 1 ranks; "
+            f"got chunks={chunks}, pp={mesh.pp}: use chunks=2 with pp >= 2"
+        )
+    return str(placement)
 
 
 def _check_options(mesh: Optional[Mesh], chunks: int, overlap, bucket_cap_mb) -> Mesh:

@@ -85,6 +85,7 @@ def parallelize(
     hints: Optional[dict] = None,
     seed: Optional[int] = None,
     chunks: int = 1,
+    placement: str = "loop",
     split: Optional[list[str]] = None,
     sample: Any = None,
     precision: Optional[str] = None,
@@ -111,7 +112,9 @@ def parallelize(
 
     With ``seed`` the result equals ``torch.manual_seed(seed); GPT(config)``
     cut into shards. With ``mesh.pp > 1`` the root class's forward is split
-    into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule)
+    into ``pp * chunks`` stages (``chunks > 1`` for the interleaved schedule;
+    ``chunks=2, placement="v"`` places them in a V, rank r holding stages r and
+    2 pp - 1 - r, for ``schedule="zbv"``)
     at ``split=[...]`` (module paths where stages begin; overrides the class's
     ``@stage(split=[...])``), at ``annot.boundary()`` markers, or balanced
     automatically by the planner (``@stage(auto=True, cost=..., memory=...)``;
@@ -172,7 +175,7 @@ def parallelize(
     log.debug("annot: step 1: joined %r as rank %d", mesh, ctx.rank)
     ref = _reference(opts, args, seed, ctx)
     log.debug("annot: step 2: built the reference %s on the meta device", cls.__name__)
-    report = BuildReport(mesh)
+    report = BuildReport(mesh, placement=opts.placement)
     report.specs, paths = build_hints(ref, hints, mesh, report)
     log.debug("annot: step 3: verified hints on %s", sorted(c.__name__ for c in report.specs))
 
@@ -458,6 +461,7 @@ def _pipeline_layout(local, split, points: StagePoints, ctx, chunks: int, report
         chunks=chunks,
         boundaries=boundaries,
         recompute=stage_recompute(type(local)),
+        v=report.placement == "v",
     )
 
 

@@ -20,6 +20,8 @@ __all__ = ["BuildReport"]
 @dataclass
 class BuildReport:
     mesh: Mesh
+    # where the stages sit: "loop" (rank r: r, r + pp, ...) or "v" (r and 2 pp - 1 - r)
+    placement: str = "loop"
     # step 3, hints: the shard spec each class's rewrite applies
     specs: dict[type, ShardSpec] = field(default_factory=dict)
     # stages: where they begin, and the runner that runs them (annot.plan.stage_points.choose_runner):

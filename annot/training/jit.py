@@ -113,6 +113,7 @@ class Step:
                 ctx=self.model.ctx,
                 schedule=self.schedule,
                 chunks=plan.chunks,
+                v=plan.v,
                 timeout_s=self.timeout_s,
                 trace=self.trace,
                 output_arity=plan.output_arity,

@@ -133,7 +133,10 @@ def reduce_gradients(
     carried = carried or {}
     summed = _summed(module, ctx, pipeline)
     partial = [p for p, tie in summed if tie is None]
-    verdicts = [(p, tie, tie_verdict(tie, p, ctx.mesh.pp)) for p, tie in summed if tie is not None]
+    v = getattr(pipeline, "v", False)
+    verdicts = [
+        (p, tie, tie_verdict(tie, p, ctx.mesh.pp, v)) for p, tie in summed if tie is not None
+    ]
     _agree_on_ties(ctx, [v for *_, v in verdicts])
     ties = [(p, tie) for p, tie, (trains, _) in verdicts if trains]  # frozen: nothing to sum
     own = list({id(p): p for p in partial + [p for p, _ in ties]}.values())  # each once
@@ -179,7 +182,7 @@ def _reduce_experts(params: list[nn.Parameter], ctx, carried: dict[int, torch.Te
 SAMPLE = 4096  # elements of a tied copy compared each step (evenly strided)
 
 
-def tie_verdict(tie, p: nn.Parameter, pp: int) -> tuple[bool, Optional[str]]:
+def tie_verdict(tie, p: nn.Parameter, pp: int, v: bool = False) -> tuple[bool, Optional[str]]:
     """Whether the tied weight ``tie`` (``p``: this rank's copy) trains, and
     why its copies are no longer one parameter (None while they are):
     collective over ``tie.group``. On a single device the tie is one
@@ -201,7 +204,7 @@ def tie_verdict(tie, p: nn.Parameter, pp: int) -> tuple[bool, Optional[str]]:
     dist.all_gather(parts, mine, group=tie.group)
     flags = [bool(t[0].item()) for t in parts]
     sums = [t[1].item() for t in parts]
-    holders = sorted({stage_rank(s, pp) for s in tie.stages})  # the group's ranks, in order
+    holders = sorted({stage_rank(s, pp, v) for s in tie.stages})  # the group's ranks, in order
     names = " / ".join(tie.names)
     if len(set(flags)) > 1:
         trains = [r for r, f in zip(holders, flags) if f]

@@ -67,12 +67,15 @@ from annot.runtime.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
+    V_SCHEDULES,
     Action,
     B,
     F,
     I,
     W,
     get_schedule,
+    rank_stages,
+    schedule_name,
 )
 from annot.runtime.pipeline.schedules import forward_only as _strip_backward
 from annot.runtime.pipeline.split_backward import backward_input, backward_weight, release
@@ -123,6 +126,7 @@ class PipelineExecutor(PipelineMessages):
         ctx: Any = None,
         schedule: str = "1f1b",
         chunks: int = 1,
+        v: bool = False,
         timeout_s: Optional[float] = None,
         trace: bool = False,
         output_arity: Optional[int] = None,
@@ -140,6 +144,7 @@ class PipelineExecutor(PipelineMessages):
         self.rank = ctx.rank if ctx is not None else 0
         self.num_stages = num_stages
         self.chunks = chunks
+        self.v = v  # stages placed in a V (schedules.stage_rank)
         self.schedule_name = schedule
         self.timeout_s = timeout_s
         self.output_arity = output_arity
@@ -148,12 +153,23 @@ class PipelineExecutor(PipelineMessages):
                 f"num_stages={num_stages} but pp({self.pp}) * chunks({chunks}) = "
                 f"{self.pp * chunks}; each pipeline rank holds `chunks` stages"
             )
-        want = [self.pp_rank + c * self.pp for c in range(chunks)]
+        want = sorted(rank_stages(self.pp_rank, self.pp, chunks, v))
         got = sorted(s.index for s in stages)
         if got != want:
             raise PipelineError(
                 f"pipeline rank {self.pp_rank} must hold stages {want} (rank r holds stages "
-                f"r, r + pp, ...), but was given stages {got}"
+                f"{'r and 2 pp - 1 - r' if v else 'r, r + pp, ...'}), but was given stages {got}"
+            )
+        if (schedule_name(schedule) in V_SCHEDULES) != v:
+            raise PipelineError(
+                f"schedule={schedule!r} with stages placed "
+                f"{'in a V' if v else 'r, r + pp, ...'}: "
+                + (
+                    "the V placement runs schedule='zbv'"
+                    if v
+                    else f"{schedule!r} runs two stages per rank placed in a V; build the model "
+                    "with annot.parallelize(..., chunks=2, placement='v')"
+                )
             )
         self.stages = {s.index: s for s in stages}
         get_schedule(schedule, self.pp, self.pp, chunks)  # checks the name and chunks early
@@ -176,7 +192,7 @@ class PipelineExecutor(PipelineMessages):
             sched = get_schedule(self.schedule_name, self.pp, microbatches, self.chunks)
             if forward_only:
                 sched = _strip_backward(sched)
-            validate(sched, self.pp, microbatches, self.chunks, forward_only=forward_only)
+            validate(sched, self.pp, microbatches, self.chunks, forward_only=forward_only, v=self.v)
             self._schedules[key] = sched
         return self._schedules[key]
 

@@ -10,7 +10,9 @@ used by two stages) and builds a process group over exactly the ranks that
 hold each, so their gradients can be summed.
 
 Stage ``s`` of ``pp * chunks`` stages lives on pipeline rank ``s % pp``
-(interleaved: rank r holds stages r, r + pp, r + 2 pp, ...).
+(interleaved: rank r holds stages r, r + pp, r + 2 pp, ...), or placed in a V
+(``v``, ZB-V's: rank r holds stages r and 2 pp - 1 - r):
+:func:`annot.runtime.pipeline.schedules.stage_rank`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from annot.runtime.pipeline.schedules import stage_rank
+from annot.runtime.pipeline.schedules import rank_stages, stage_rank
 from annot.runtime.runners.stage_prune import absent_paths, covered, logged_modules, prune
 from annot.runtime.runners.stage_runner import ReplayRunner, SourceRunner, StageRunner
 
@@ -60,6 +62,7 @@ class PipelineLayout:
     local_keys: tuple[str, ...] = ()
     stage_modules: dict[int, set[str]] = field(default_factory=dict)
     recompute: bool = False  # @stage(recompute=True): recompute each stage in backward
+    v: bool = False  # two stages per rank placed in a V (ZB-V)
     # replayed stages: the module paths whose outputs are logged, with their keys
     logged: dict[str, str] = field(default_factory=dict)
 
@@ -77,11 +80,11 @@ class PipelineLayout:
         return self.runner.output_arity
 
     def owner(self, stage: int) -> int:
-        return stage_rank(stage, self.pp)
+        return stage_rank(stage, self.pp, self.v)
 
     @property
     def local_stage_ids(self) -> list[int]:
-        return [self.pp_rank + c * self.pp for c in range(self.chunks)]
+        return rank_stages(self.pp_rank, self.pp, self.chunks, self.v)
 
     def local_stages(self, module: nn.Module) -> list:
         """The executor's view of this rank's stages, as the runner runs them;
@@ -107,6 +110,7 @@ def build_layout(
     boundaries: tuple[str, ...],
     calls: Optional[dict[int, set[str]]] = None,
     recompute: bool = False,
+    v: bool = False,
 ) -> PipelineLayout:
     """Prune ``model`` (in place) to this rank's stages and find the ties.
 
@@ -115,7 +119,7 @@ def build_layout(
     for a :class:`ReplayRunner` cutting at module-path ``boundaries`` at run
     time (``calls``: see :func:`call_order_stage_modules`). ``recompute``:
     recompute each stage's activations in backward (``@stage(recompute=True)``,
-    read by the build).
+    read by the build). ``v``: two stages per rank placed in a V.
 
     Every rank must call this (tied-weight process groups are created
     collectively, in the same order everywhere).
@@ -139,14 +143,14 @@ def build_layout(
                 if covered(nm.rpartition(".")[0], keep) or covered(nm, keep)
             }
         )
-        owners = sorted({stage_rank(h, mesh.pp) for h in holders})
+        owners = sorted({stage_rank(h, mesh.pp, v) for h in holders})
         if len(owners) > 1:
             ties.append(Tie(tuple(names), tuple(holders)))
     # Process groups for ties, created by every rank in the same order.
     if dist.is_initialized() and ties:
         dp_, _, tp_ = mesh.coords(ctx.rank)
         for tie in ties:
-            owners = sorted({stage_rank(h, mesh.pp) for h in tie.stages})
+            owners = sorted({stage_rank(h, mesh.pp, v) for h in tie.stages})
             for d in range(mesh.dp):
                 for t in range(mesh.tp):
                     ranks = [mesh.rank_of(d, o, t) for o in owners]
@@ -156,7 +160,7 @@ def build_layout(
 
     def held(pp_rank: int) -> tuple[set[str], frozenset]:
         """What rank ``pp_rank``'s part keeps, and the boundaries it crosses."""
-        ids = [pp_rank + c * mesh.pp for c in range(chunks)]
+        ids = rank_stages(pp_rank, mesh.pp, chunks, v)
         keep = set().union(*(stage_modules[s] for s in ids))
         through = frozenset(
             boundaries[b] for s in ids for b in (s - 1, s) if 0 <= b < len(boundaries)
@@ -183,5 +187,6 @@ def build_layout(
         local_keys=local_keys,
         stage_modules=stage_modules,
         recompute=recompute,
+        v=v,
         logged=logged,
     )

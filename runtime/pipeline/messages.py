@@ -54,12 +54,13 @@ class PipelineMessages:
     pp: int
     pp_rank: int
     num_stages: int
+    v: bool  # stages placed in a V
     tracer: Tracer
     routes: dict[Action, tuple[int, Any, dict[str, Any]]]  # _route's, per action
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding ``stage``."""
-        return stage_rank(stage, self.pp)
+        return stage_rank(stage, self.pp, self.v)
 
     def share_outputs(self, outputs: Optional[list[Any]]) -> list[Any]:
         """The step body's results on the last stage (``outputs`` there,

@@ -74,11 +74,13 @@ class ModelCall:
 
     @property
     def is_last(self) -> bool:
-        """True where ``call(...)`` returns real outputs (the last stage's rank;
-        where the body runs every stage, the last stage's own call)."""
-        if self._ex.runner.body_runs_every_stage:
-            return self.stage == self._ex.num_stages - 1
-        return self._ex.owner(self._ex.num_stages - 1) == self._ex.pp_rank
+        """True where ``call(...)`` returns real outputs: the call at the last
+        stage's forward (on its rank; in a V, rank 0 also holds the first
+        stage, whose call is not), or the one call where a rank holds every stage."""
+        ex = self._ex
+        if ex.runner.body_runs_every_stage:
+            return self.stage == ex.num_stages - 1
+        return self.stage == ex.num_stages - 1 or len(ex.stages) == ex.num_stages
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.called:
@@ -95,7 +97,7 @@ class ModelCall:
         if self.stage == 0:
             out = ex.forward_stage(st, 0, i, (args, kwargs))
             if not self.is_last:
-                raise StageDone()  # the rest of the body (the loss) runs on the last stage
+                raise StageDone()  # the rest of the body (the loss) runs at the last stage
             for s in range(1, ex.num_stages):  # pp == 1: every stage is here
                 out = ex.forward_stage(st, s, i, (args, kwargs))
             st.outputs.pop((last, i), None)

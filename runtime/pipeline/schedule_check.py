@@ -138,6 +138,7 @@ def validate(
     chunks: int = 1,
     *,
     forward_only: bool = False,
+    v: bool = False,
 ) -> None:
     """Check the invariants a schedule must hold to be run; raise
     :class:`PipelineError` on the first violation, saying where.
@@ -164,7 +165,7 @@ def validate(
         return f"rank {rank}: {a}"
 
     def owner(s: int) -> int:
-        return stage_rank(s, pp)
+        return stage_rank(s, pp, v)
 
     split = {(a.stage, a.microbatch) for acts in schedule for a in acts if a.kind in (I, W)}
     expected: set[Action] = set()
@@ -198,7 +199,7 @@ def validate(
             if owner(a.stage) != rank:
                 raise PipelineError(
                     f"{where(rank, a)}: stage {a.stage} belongs to rank {owner(a.stage)} "
-                    f"(rank r holds stages r, r+pp, ...)"
+                    f"(rank r holds stages {'r and 2 pp - 1 - r' if v else 'r, r+pp, ...'})"
                 )
             if a in seen:
                 raise PipelineError(f"{where(rank, a)} appears twice")

@@ -14,8 +14,11 @@ microbatch 3, ``0SEND_F3`` stage 0 sending that microbatch's activations on,
 ``2RECV_B0`` stage 2 receiving the gradients of its outputs for microbatch 0.
 
 Stages are *virtual* stages ``0 .. pp * chunks - 1``; rank ``r`` holds stages
-``r, r + pp, r + 2 pp, ...`` (Megatron's interleaving; with ``chunks == 1``
-rank ``r`` holds stage ``r``). How messages travel between ranks (the
+``r, r + pp, r + 2 pp, ...`` (Megatron's interleaving, "loop" placement; with
+``chunks == 1`` rank ``r`` holds stage ``r``), or, placed in a V (``v=True``,
+two stages per rank, ZB-V's placement), stages ``r`` and ``2 pp - 1 - r``: the
+first and the last stage on rank 0, the two middle ones on rank ``pp - 1``,
+which hands values between them locally. How messages travel between ranks (the
 communication model) is :mod:`annot.runtime.pipeline.schedule_check`'s.
 
 ======================  ================================================
@@ -29,6 +32,10 @@ communication model) is :mod:`annot.runtime.pipeline.schedule_check`'s.
                         ``I`` (input gradients, sent upstream at once)
                         and ``W`` (weight gradients, deferred to fill the
                         bubble); 1F1B's activation memory
+``zero_bubble_v``       ZB-V (Qi et al., 2024): two stages per rank placed
+                        in a V (rank ``r`` holds ``r`` and ``2 pp - 1 - r``),
+                        backward split as in ZB-H1; with ``M >= 2 pp`` the
+                        bubble nearly vanishes at 1F1B's activation memory
 ======================  ================================================
 
 A split backward is two actions: ``I`` computes the gradients of the
@@ -59,6 +66,9 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zero_bubble_h1",
+    "zero_bubble_v",
+    "V_SCHEDULES",
+    "rank_stages",
     "get_schedule",
     "schedule_name",
     "forward_only",
@@ -123,11 +133,22 @@ class Action(NamedTuple):
 # -- building schedules ------------------------------------------------------
 
 
-def stage_rank(stage: int, pp: int) -> int:
+def stage_rank(stage: int, pp: int, v: bool = False) -> int:
     """The pipeline rank that holds virtual ``stage``: ``stage % pp`` (Megatron's
-    interleaving). The one place the mapping lives: the executor, the checks
-    and the stage placement all ask here."""
+    interleaving), or in a V (``v``: two stages per rank) ``stage`` on the way
+    down and ``2 pp - 1 - stage`` on the way back. The one place the mapping
+    lives: the executor, the checks and the stage placement all ask here."""
+    if v:
+        return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
+
+
+def rank_stages(rank: int, pp: int, chunks: int, v: bool = False) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` holds, in order (the inverse
+    of :func:`stage_rank`)."""
+    if v:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + c * pp for c in range(chunks)]
 
 
 def check_sizes(pp: int, microbatches: int, chunks: int = 1) -> None:
@@ -136,13 +157,15 @@ def check_sizes(pp: int, microbatches: int, chunks: int = 1) -> None:
             raise PipelineError(f"{name}={v!r}: must be an int >= 1")
 
 
-def _with_comms(order: list[list[tuple[str, int, int]]], pp: int, num_stages: int) -> Schedule:
+def _with_comms(
+    order: list[list[tuple[str, int, int]]], pp: int, num_stages: int, v: bool = False
+) -> Schedule:
     """Insert the p2p actions around each rank's compute order: a RECV just
     before the compute that needs it, a SEND just after the compute that
     produced it (sends are async, so posting early never blocks)."""
 
     def owner(s: int) -> int:
-        return stage_rank(s, pp)
+        return stage_rank(s, pp, v)
 
     out: Schedule = []
     for rank, computes in enumerate(order):
@@ -298,16 +321,87 @@ def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
     return _with_comms(order, pp, pp)
 
 
+def zero_bubble_v(pp: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"):
+    ``2 pp`` stages placed in a V (rank ``r`` holds stages ``r`` and
+    ``2 pp - 1 - r``, so rank 0 holds the first and the last), each backward
+    split into ``I`` and ``W`` as in :func:`zero_bubble_h1`.
+
+    List-scheduled on unit costs (F = I = W) like ZB-H1: a free rank runs the
+    ``I`` of its oldest microbatch whose gradients have arrived (the later
+    stage first), else a forward whose input has arrived (the later stage
+    first: the V's second leg drains toward the loss), else its oldest
+    deferred ``W``. Memory: a rank starts a forward of its first stage only
+    while fewer than ``pp`` microbatches have passed it without reaching their
+    ``W`` there, so it holds about what 1F1B's first rank holds (``pp``
+    microbatches of a whole stage: here ``2 pp`` half-size stages' worth at most)."""
+    check_sizes(pp, microbatches)
+    n = 2 * pp
+    done: dict[tuple[str, int, int], int] = {}
+    order: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    # per stage: next forward, next input gradient, weight gradients done
+    nf, ni, nw = [0] * n, [0] * n, [0] * n
+    t = 0
+
+    def ready(key: tuple[str, int, int]) -> bool:
+        return done.get(key, t + 1) <= t
+
+    while any(w < microbatches for w in nw):
+        for r in range(pp):
+            if order[r] and done[order[r][-1]] > t:
+                continue  # busy until its last action ends
+            first, second = r, n - 1 - r
+            unit = None
+            candidates = []
+            for s in (second, first):  # input gradients, the oldest microbatch first
+                m = ni[s]
+                if m < nf[s] and (ready((I, s + 1, m)) if s < n - 1 else ready((F, s, m))):
+                    candidates.append((m, -s, (I, s, m)))
+            if candidates:
+                unit = min(candidates)[2]
+            if unit is None:
+                for s in (second, first):
+                    m = nf[s]
+                    if m >= microbatches or (s > 0 and not ready((F, s - 1, m))):
+                        continue
+                    if s == first and m - nw[first] >= pp:
+                        continue  # the memory bound: pp microbatches past the first stage
+                    unit = (F, s, m)
+                    break
+            if unit is None:
+                olds = [(nw[s], s) for s in (first, second) if nw[s] < ni[s]]
+                if olds:
+                    m, s = min(olds)
+                    unit = (W, s, m)
+            if unit is None:
+                continue  # idle: waiting for a message
+            kind, s, m = unit
+            {F: nf, I: ni, W: nw}[kind][s] += 1
+            order[r].append(unit)
+            done[unit] = t + 1
+        t += 1
+    return _with_comms(order, pp, n, v=True)
+
+
 # (pp, microbatches) -> Schedule; the interleaved one also takes chunks
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zbh1": zero_bubble_h1,
+    "zbv": zero_bubble_v,
 }
 
+#: the schedules that run two stages per rank placed in a V (``parallelize(placement="v")``)
+V_SCHEDULES = ("zbv",)
 
-_ALIASES = {"interleaved1f1b": "interleaved", "zerobubble": "zbh1", "zerobubbleh1": "zbh1"}
+
+_ALIASES = {
+    "interleaved1f1b": "interleaved",
+    "zerobubble": "zbh1",
+    "zerobubbleh1": "zbh1",
+    "zerobubblev": "zbv",
+}
 
 
 def schedule_name(name: str) -> str:
@@ -329,6 +423,13 @@ def get_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sche
     key = schedule_name(name)
     if key == "interleaved":
         return interleaved_1f1b(pp, microbatches, chunks)
+    if key in V_SCHEDULES:
+        if chunks != 2:
+            raise PipelineError(
+                f"schedule {name!r} runs two stages per rank placed in a V but chunks={chunks}; "
+                "build the model with annot.parallelize(..., chunks=2, placement='v')"
+            )
+        return SCHEDULES[key](pp, microbatches)
     if chunks != 1:
         raise PipelineError(
             f"schedule {name!r} runs one stage per rank but chunks={chunks}; "

@@ -69,7 +69,10 @@ def _gpt_cases(pp, cases, cache, mesh_kw=None, hypothesis_examples=0):
     done = []
 
     def run(cfg, schedule, microbatches, batch, seq, split=None, chunks=1):
-        model = annot.parallelize(GPT, cfg, mesh=mesh, seed=3, chunks=chunks, split=split)
+        placement = "v" if schedule == "zbv" else "loop"
+        model = annot.parallelize(
+            GPT, cfg, mesh=mesh, seed=3, chunks=chunks, split=split, placement=placement
+        )
         torch.manual_seed(3)
         ref = GPT(cfg)
 
@@ -157,6 +160,55 @@ def test_pp2_schedules(tmp_path):
     assert counts == [len(cases) + 4] * 2
 
 
+def test_pp2_zbv(tmp_path):
+    # ZB-V: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (handed over locally)
+    cases = [("zbv", 4, 2), ("zbv", 1, 2)]
+    counts = run_ranks(_gpt_cases, 2, 2, cases, str(tmp_path), timeout=500)
+    assert counts == [len(cases)] * 2
+
+
+def _zbv_refusals(cache):
+    import os
+
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+
+    import annot
+    from examples.gpt.model import GPT, GPTConfig
+
+    cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=4, n_head=2, n_embd=16)
+    found = []
+    x = torch.randint(0, 32, (2, 5))
+    for placement, schedule in (("loop", "zbv"), ("v", "1f1b")):
+        model = annot.parallelize(
+            GPT, cfg, mesh=annot.Mesh(pp=2), seed=3, chunks=2, placement=placement
+        )
+
+        @annot.jit(model, microbatches=2, schedule=schedule)
+        def step(x, y):
+            _, loss = model(x, y)
+            model.backward(loss)
+            return loss
+
+        try:
+            step(x, x)
+        except annot.PipelineError as err:
+            found.append(str(err))
+    return found
+
+
+def test_zbv_and_placement_must_agree(tmp_path):
+    for found in run_ranks(_zbv_refusals, 2, str(tmp_path), timeout=300):
+        assert "build the model with annot.parallelize(..., chunks=2, placement='v')" in found[0]
+        assert "the V placement runs schedule='zbv'" in found[1]
+    import torch
+
+    import annot
+
+    with pytest.raises(annot.HintError, match="placement='v' places two stages per rank"):
+        annot.parallelize(torch.nn.Linear, 4, 4, mesh=annot.Mesh(pp=2), placement="v")
+
+
 @pytest.mark.slow
 def test_pp3_schedules(tmp_path):
     cases = [("gpipe", 2, 1), ("1f1b", 5, 1), ("interleaved", 3, 2)]
@@ -166,9 +218,9 @@ def test_pp3_schedules(tmp_path):
 
 @pytest.mark.slow
 def test_pp4_schedules(tmp_path):
-    cases = [("1f1b", 3, 1), ("gpipe", 8, 1), ("zbh1", 6, 1)]
+    cases = [("1f1b", 3, 1), ("gpipe", 8, 1), ("zbh1", 6, 1), ("zbv", 8, 2)]
     counts = run_ranks(_gpt_cases, 4, 4, cases, str(tmp_path), timeout=500)
-    assert counts == [3] * 4
+    assert counts == [len(cases)] * 4
 
 
 @pytest.mark.slow
