@@ -185,7 +185,7 @@ def _zbv_refusals(cache):
         )
 
         @annot.jit(model, microbatches=2, schedule=schedule)
-        def step(x, y):
+        def step(x, y, model=model):
             _, loss = model(x, y)
             model.backward(loss)
             return loss
