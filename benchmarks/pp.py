@@ -14,7 +14,8 @@
     (goal >= 0.95 of theory), for both systems;
 (c) per-microbatch runtime overhead: a tiny model, step time / microbatches;
 (d) the bubble, measured against theory, of every schedule annot runs (GPipe, 1F1B,
-    interleaved with 2 virtual stages per rank, ZB-H1) on fixed-cost stages whose
+    interleaved with 2 virtual stages per rank, ZB-H1, ZB-V in a V of 2 stages per rank)
+    on fixed-cost stages whose
     backward is half input-gradient (I) and half weight-gradient (W) work; theory is
     the schedule's own simulated step (annot.runtime.pipeline.schedule_check.simulate) on
     the same costs; and ZB-H1's step against 1F1B's;
@@ -295,6 +296,7 @@ def _bubble_rank(schedule: str, chunks: int, microbatches: int, cost_ms, cache: 
         mesh=annot.Mesh(pp=pp),
         seed=0,
         chunks=chunks,
+        placement="v" if schedule == "zbv" else "loop",
         split=[f"blocks.{s}" for s in range(1, n)],
         depth=n,
         fwd_ms=f,
@@ -329,7 +331,7 @@ def bubbles(pp: int = 2, microbatches: int = 8, cost_ms=(20.0, 40.0, 20.0)) -> l
 
     f, b, w = cost_ms
     out = []
-    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1)):
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)):
         per = (f / chunks, b / chunks, w / chunks)  # the same model cut into more stages
         theory = simulate(get_schedule(name, pp, microbatches, chunks), *per[:2], cost_w=per[2])
         with tempfile.TemporaryDirectory() as cache:
@@ -416,6 +418,7 @@ def print_bubbles(rows: list[tuple], pp: int = 2, microbatches: int = 8) -> None
         ratio = (1 - got) / (1 - theory)
         print(f"{name:12} {got:9.3f} {theory:8.3f} {ratio:11.3f} {step * 1000:7.0f}ms")
     print(f"ZB-H1 step / 1F1B step: {steps['zbh1'] / steps['1f1b']:.3f}")
+    print(f"ZB-V step / 1F1B step: {steps['zbv'] / steps['1f1b']:.3f}")
 
 
 if __name__ == "__main__":
