@@ -218,14 +218,15 @@ def stage_memories(
 def sharded_ids(model: nn.Module, paths: Optional[dict] = None) -> set[int]:
     """ids of the parameters a ``@shard`` spec, or a hint in ``paths`` (module
     or parameter path -> spec, e.g. from a transformers tp plan), splits
-    (approximately: a Row layer's bias and Replicate entries stay whole)."""
+    (approximately: a Row layer's bias and Replicate entries stay whole;
+    ``Experts()`` splits over ep, not tp: its own ``P(...)`` entries say what tp splits)."""
     from annot.core.hints import get_shard_spec
-    from annot.core.specs import Replicate, Row
+    from annot.core.specs import Experts, Replicate, Row
 
     out: set[int] = set()
 
     def add(target: Any, s: Any) -> None:
-        if isinstance(s, Replicate):
+        if isinstance(s, (Replicate, Experts)):
             return
         if isinstance(target, nn.Parameter):
             out.add(id(target))
