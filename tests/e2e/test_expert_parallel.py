@@ -235,3 +235,71 @@ def test_ep_mesh_and_option_refusals():
     with pytest.raises(annot.MeshError, match=r"ep must divide dp.*Mesh\(dp=2, ep=2"):
         annot.Mesh(ep=2)
     assert repr(annot.Mesh(dp=4, ep=2)) == "Mesh(dp=4, pp=1, tp=1, ep=2)"
+
+
+FAMILY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+FAMILIES = {
+    "Mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "Qwen2Moe": {  # a shared expert beside the routed ones
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    },
+    "DeepseekV3": {  # multi-head latent attention, a shared expert, grouped routing
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 8,
+        "q_lora_rank": 8,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "GptOss": {  # experts with biases, attention sinks, sliding windows
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 8,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "Olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "GraniteMoe": {"num_local_experts": 4, "num_experts_per_tok": 2},  # block_sparse_moe
+}
+
+
+def _family(cache: str, name: str) -> list:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import transformers
+
+    import annot
+
+    cls = getattr(transformers, f"{name}ForCausalLM")
+    cfg = getattr(transformers, f"{name}Config")(**FAMILY, **FAMILIES[name])
+    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=2, ep=2), seed=0)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    _train(model, ref, steps=1, microbatches=1)
+    return model.report.experts
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n == "DeepseekV3" else pytest.mark.slow) for n in FAMILIES],
+)
+def test_transformers_moe_families_at_ep2_with_zero_hints(tmp_path, name):
+    experts = run_ranks(_family, 2, str(tmp_path), name, timeout=300)[0]
+    assert len(experts) == 2 and all(e.endswith(".experts") for e in experts)
