@@ -161,3 +161,41 @@ def test_cp_mesh_refusals():
     with pytest.raises(annot.MeshError, match="context parallelism with pipeline stages"):
         annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=2, cp=2, pp=2))
     assert annot.Mesh(dp=4, cp=2).batches == 2
+
+
+FAMILIES = {  # transformers families as shipped, SDPA attention without windows
+    "Qwen2": {},
+    "Mistral": {"sliding_window": None},
+    "Gemma": {"head_dim": 8},  # the scaled embedding
+    "Phi3": {"pad_token_id": 0},  # fused qkv and gate|up
+    "Olmo2": {},  # q/k norms over the whole width
+    "Granite": {},  # multipliers on the embedding, residuals and logits
+}
+
+
+def _family(cache: str, name: str) -> None:
+    os.environ["ANNOT_CACHE_DIR"] = cache
+    import torch
+    import transformers
+
+    import annot
+    from tests.parity import assert_close, compare_grads
+
+    cls = getattr(transformers, f"{name}ForCausalLM")
+    cfg = getattr(transformers, f"{name}Config")(**SMALL, **FAMILIES[name])
+    model = annot.parallelize(cls, cfg, mesh=annot.Mesh(dp=2, cp=2), seed=0)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    out = model(ids, labels=ids)
+    model.backward(out.loss)
+    r = ref(ids, labels=ids).loss
+    r.backward()
+    assert_close(out.loss, r, f"{name} cp=2: loss")
+    compare_grads(model, ref, f"{name} cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_transformers_families_at_cp2(tmp_path, name):
+    run_ranks(_family, 2, str(tmp_path), name, timeout=300)
