@@ -137,8 +137,14 @@ def _enter(ctx, module, args, kwargs):
 
 
 def _leave(ctx, module, args, kwargs, output):
-    """The root's forward hook: the batch's loss, the cp group's mean."""
+    """The root's forward hook: the batch's loss, the cp group's mean (a
+    ``ModelOutput``'s ``loss``, or the first value of the tuple
+    ``return_dict=False`` gives when there are labels)."""
     if _ACTIVE.pop() is None:
+        return output
+    if isinstance(output, tuple):
+        if "shift_labels" in kwargs and output and isinstance(output[0], torch.Tensor):
+            return (mean_over(output[0], ctx.cp_group, ctx.mesh.cp), *output[1:])
         return output
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):

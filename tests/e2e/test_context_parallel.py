@@ -116,6 +116,12 @@ def _refused(cache: str) -> dict:
     found = {}
     cls, cfg = _model("llama")
     model = annot.parallelize(cls, cfg, mesh=mesh, seed=0)
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    whole = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():  # return_dict=False: the loss is the tuple's first value
+        got = model(input_ids=whole, labels=whole, return_dict=False)[0]
+        found["tuple loss"] = float((got - ref(whole, labels=whole).loss).abs())
     ids = torch.randint(0, 64, (2, 14))
     for key, call in {
         "length": lambda: model(ids, labels=ids),
@@ -143,6 +149,7 @@ def _refused(cache: str) -> dict:
 
 def test_cp_refusals_on_every_rank(tmp_path):
     for found in run_ranks(_refused, 2, str(tmp_path), timeout=300):
+        assert found["tuple loss"] < 1e-5
         assert "a sequence of 14 tokens cannot be split over cp=2 ranks" in found["length"]
         assert "pad it to a multiple of 4" in found["length"]
         assert "an attention_mask with padding" in found["padding"]
