@@ -348,10 +348,14 @@ def _experts(model) -> list[str]:
             continue  # on another pipeline stage
         total = m.annot_experts
         per = total // ep
-        out.append(f"  {path}: experts {rank * per}-{(rank + 1) * per - 1} of {total} held here")
+        sent = m.__dict__.get("annot_sent_bytes")
+        last = "" if sent is None else f"; its last call sent {sent / 1024:.1f} KiB forward"
+        out.append(
+            f"  {path}: experts {rank * per}-{(rank + 1) * per - 1} of {total} held here{last}"
+        )
     out.append(
         "  per call: each (token, choice) pair to its expert's rank and its result back by "
-        "all-to-all (forward), the same rows again in backward; pairs whose expert is here stay"
+        "all-to-all (forward), as many bytes again in backward; pairs whose expert is here stay"
     )
     return out
 

@@ -79,6 +79,7 @@ def _routed(module, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Te
     send = torch.bincount(dest, minlength=ep)
     recv = exchange_counts(send, group)
     send_l, recv_l = send.tolist(), recv.tolist()
+    _count(module, x, send_l, recv_l, rank)
     token = order // k
     rows = all_to_all(x[token], recv_l, send_l, group)
     w = all_to_all(weights.reshape(-1)[order].unsqueeze(1), recv_l, send_l, group)
@@ -108,6 +109,13 @@ class _Joined(torch.autograd.Function):
         return (grad, *zeros)
 
 
+def _count(module, x: torch.Tensor, send: list[int], recv: list[int], rank: int) -> None:
+    """Bytes this call's forward sends to other ranks (rows out, results back),
+    for ``explain``; the backward sends as many again."""
+    row = x.shape[-1] * x.element_size()
+    module.__dict__["annot_sent_bytes"] = row * (sum(send) - send[rank] + sum(recv) - recv[rank])
+
+
 def _dense(module, x: torch.Tensor):
     group, ep, rank = expert_env()
     shape = x.shape
@@ -116,6 +124,7 @@ def _dense(module, x: torch.Tensor):
     send = torch.full((ep,), n, dtype=torch.int64, device=x.device)
     recv = exchange_counts(send, group)
     send_l, recv_l = send.tolist(), recv.tolist()
+    _count(module, flat, send_l, recv_l, rank)
     rows = all_to_all(flat.repeat(ep, 1), recv_l, send_l, group)
     y = type(module).forward(module, rows)
     parts = all_to_all(y, send_l, recv_l, group)

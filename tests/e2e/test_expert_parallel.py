@@ -302,4 +302,5 @@ def _family(cache: str, name: str) -> list:
 )
 def test_transformers_moe_families_at_ep2_with_zero_hints(tmp_path, name):
     experts = run_ranks(_family, 2, str(tmp_path), name, timeout=300)[0]
-    assert len(experts) == 2 and all(e.endswith(".experts") for e in experts)
+    assert len(experts) == 2
+    assert all(e.endswith(".experts") for e in experts)
