@@ -28,7 +28,7 @@ from torch import nn
 
 from annot.core.errors import HintError
 from annot.hf.tp_plan import is_hf_model
-from annot.runtime.cp.attention import SequenceSplit, causal_mask, gather_keys
+from annot.runtime.cp.attention import SequenceSplit, attend
 from annot.runtime.cp.sequence import check_length, mean_over, positions
 
 __all__ = ["install"]
@@ -76,14 +76,14 @@ def _wrap_sdpa() -> None:
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
-        out = torch.nn.functional.scaled_dot_product_attention(
+        out = attend(
             query,
-            gather_keys(key, split),
-            gather_keys(value, split),
-            attn_mask=causal_mask(split).to(query.device) if causal else None,
-            dropout_p=kwargs.get("dropout", 0.0),
+            key,
+            value,
+            split,
+            causal=causal,
+            dropout=kwargs.get("dropout", 0.0),
             scale=kwargs.get("scaling"),
-            enable_gqa=query.shape[1] != key.shape[1],  # grouped keys, not repeated per head
         )
         return out.transpose(1, 2).contiguous(), None
 
