@@ -127,6 +127,13 @@ def _enter(ctx, module, args, kwargs):
     if embeds is not None:
         kwargs["inputs_embeds"] = embeds[:, mine]
     labels = kwargs.get("labels")
+    if labels is not None and not _shared_loss(type(module)):
+        raise HintError(
+            f"cp > 1: {type(module).__name__}.forward computes its loss itself, shifting the "
+            "labels within the sequence it sees (this rank's part), which would be wrong here; "
+            "call it without labels and compute the loss from the logits against the labels "
+            "shifted over the whole sequence, or use cp=1"
+        )
     if labels is not None:  # shifted over the whole sequence, then this rank's
         shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
         kwargs["labels"] = kwargs["shift_labels"] = shifted[:, mine]
@@ -134,6 +141,17 @@ def _enter(ctx, module, args, kwargs):
     kwargs["use_cache"] = False
     _ACTIVE.append(SequenceSplit(mine, every, ctx.cp_group, cp))
     return tuple(args), kwargs
+
+
+def _shared_loss(cls: type) -> bool:
+    """Whether ``cls.forward`` computes its loss with transformers' shared loss
+    function (``self.loss_function``, which takes ``shift_labels``)."""
+    import inspect
+
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _leave(ctx, module, args, kwargs, output):
