@@ -104,6 +104,23 @@ def test_dp2_cp2_two_batches_two_microbatches(tmp_path):
     run_ranks(_parity, 4, str(tmp_path), "llama", 4, 1, 2, timeout=400)
 
 
+def _own_loss_llama():
+    """A Llama whose forward computes its own loss, shifting the labels itself."""
+    import transformers
+
+    class OwnLoss(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            if labels is not None:
+                logits = out.logits[:, :-1].flatten(0, 1)
+                out.loss = __import__("torch").nn.functional.cross_entropy(
+                    logits, labels[:, 1:].flatten()
+                )
+            return out
+
+    return OwnLoss
+
+
 def _refused(cache: str) -> dict:
     os.environ["ANNOT_CACHE_DIR"] = cache
     import torch
@@ -126,6 +143,9 @@ def _refused(cache: str) -> dict:
     for key, call in {
         "length": lambda: model(ids, labels=ids),
         "padding": lambda: model(ids[:, :12], attention_mask=torch.ones(2, 12).tril()),
+        "own loss": lambda: annot.parallelize(_own_loss_llama()(cfg), mesh=mesh)(
+            whole, labels=whole
+        ),
     }.items():
         try:
             call()
@@ -153,6 +173,7 @@ def test_cp_refusals_on_every_rank(tmp_path):
         assert "a sequence of 14 tokens cannot be split over cp=2 ranks" in found["length"]
         assert "pad it to a multiple of 4" in found["length"]
         assert "an attention_mask with padding" in found["padding"]
+        assert "OwnLoss.forward computes its loss itself" in found["own loss"]
         assert "Linear is not one" in found["not transformers"]
         assert "sliding-window attention (sliding_window=4)" in found["window"]
 
