@@ -143,7 +143,7 @@ def _enter(ctx, module, args, kwargs):
     return tuple(args), kwargs
 
 
-def _shared_loss(cls: type) -> bool:
+def _shared_loss(cls: type[nn.Module]) -> bool:
     """Whether ``cls.forward`` computes its loss with transformers' shared loss
     function (``self.loss_function``, which takes ``shift_labels``)."""
     import inspect
