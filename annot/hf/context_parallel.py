@@ -21,6 +21,7 @@ divide, a model that is not a transformers model.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -143,9 +144,11 @@ def _enter(ctx, module, args, kwargs):
     return tuple(args), kwargs
 
 
+@functools.cache
 def _shared_loss(cls: type[nn.Module]) -> bool:
     """Whether ``cls.forward`` computes its loss with transformers' shared loss
-    function (``self.loss_function``, which takes ``shift_labels``)."""
+    function (``self.loss_function``, which takes ``shift_labels``); read once
+    per class."""
     import inspect
 
     try:

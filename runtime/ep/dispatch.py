@@ -23,6 +23,7 @@ Runs eagerly under ``torch.compile`` (the splits are data).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -34,10 +35,14 @@ from annot.runtime.ep.shards import expert_env
 __all__ = ["expert_forward"]
 
 
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
 def _arguments(module, args, kwargs) -> list:
-    """The forward's arguments in its signature's order."""
-    sig = inspect.signature(type(module).forward)
-    bound = sig.bind(module, *args, **kwargs)
+    """The forward's arguments in its signature's order (read once per class)."""
+    bound = _signature(type(module).forward).bind(module, *args, **kwargs)
     return list(bound.arguments.values())[1:]
 
 

@@ -14,16 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from annot.testing import run_ranks
+from tests.hf.test_models_gpt2 import LLAMA_KW
 
-SMALL = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-    max_position_embeddings=64,
-)
+SMALL = {**LLAMA_KW, "max_position_embeddings": 64}  # the small decoder, longer sequences
 
 
 def _model(name: str):
